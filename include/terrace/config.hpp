@@ -1,0 +1,56 @@
+// SPDX-License-Identifier: Apache-2.0
+/// @file config.hpp
+/// @brief The allocator's options: one struct, filled from code or from TERRACE_ALLOC_CONF.
+///
+/// TERRACE_ALLOC_CONF mirrors PYTORCH_CUDA_ALLOC_CONF: `key:value,key:value`. Sizes accept the
+/// suffixes B, K/KB/KiB, M/MB/MiB, G/GB/GiB (all binary). Booleans accept true/false/1/0.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace terrace {
+
+struct allocator_config {
+  // --- device backend (used by the C ABI and the tools; a C++ user passes a backend directly)
+  std::string device = "auto";            ///< key `device`: auto | sim | null | cuda | cuda-vmm
+  std::size_t device_capacity = 0;        ///< key `device_capacity`: sim/null capacity (0 = default)
+  double copy_bandwidth = 0.0;            ///< key `copy_bandwidth`: sim copy bytes/s (0 = unlimited)
+
+  // --- pools and segments (PyTorch's defaults)
+  std::size_t small_size = 1u << 20;           ///< key `small_size`: requests <= this use the small pool
+  std::size_t small_segment_size = 2u << 20;   ///< key `small_segment_size`
+  std::size_t large_segment_size = 20u << 20;  ///< key `large_segment_size`: for requests < min_large_alloc
+  std::size_t min_large_alloc = 10u << 20;     ///< key `min_large_alloc`: at or above, segments are exact
+  std::size_t large_round = 2u << 20;          ///< key `large_round`: exact segments round up to this
+  std::size_t max_split_size = SIZE_MAX;       ///< key `max_split_size_mb` (MiB): larger blocks never split
+  unsigned roundup_power2_divisions = 0;       ///< key `roundup_power2_divisions`: 0 = off, else 1..64
+  double garbage_collection_threshold = 0.0;   ///< key `garbage_collection_threshold`: 0 = off, (0,1)
+  bool expandable_segments = false;            ///< key `expandable_segments`: needs a VMM backend
+  double memory_fraction = 1.0;                ///< key `memory_fraction`: (0,1] of the device capacity
+
+  // --- observability
+  bool record_trace = false;                   ///< key `record_trace`
+  std::size_t trace_max_events = 1u << 22;     ///< key `trace_max_events`: ring size; oldest dropped
+};
+
+/// @brief The keys parse_alloc_conf accepts, in declaration order.
+const std::vector<std::string_view>& alloc_conf_keys();
+
+/// @brief Applies `key:value,...` pairs over `base`.
+/// @throws terrace::logic_error naming the offending pair and listing the valid keys for an unknown
+/// key, a missing colon, a malformed number or size, or a value out of range.
+allocator_config parse_alloc_conf(std::string_view text, allocator_config base = {});
+
+/// @brief parse_alloc_conf(getenv("TERRACE_ALLOC_CONF")), or defaults when it is unset.
+/// @throws terrace::logic_error as parse_alloc_conf.
+allocator_config alloc_conf_from_env();
+
+/// @brief Parses a size with an optional binary suffix ("512", "2MiB", "1.5G").
+/// @throws terrace::logic_error when malformed.
+std::size_t parse_size(std::string_view text);
+
+}  // namespace terrace

@@ -1,0 +1,52 @@
+// SPDX-License-Identifier: Apache-2.0
+/// @file error.hpp
+/// @brief The exception hierarchy of terrace's C++ API.
+///
+/// Every public C++ call documents which of these it throws. The C ABI (terrace.h) catches all of
+/// them and turns them into return codes plus a last-error string.
+#pragma once
+
+#include <cstddef>
+#include <new>
+#include <stdexcept>
+#include <string>
+
+namespace terrace {
+
+/// @brief A caller broke a precondition: a bad argument, a double free, a foreign pointer, a bad
+/// configuration. The object stays usable; nothing was changed.
+class logic_error : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+/// @brief A device backend call failed for a reason other than running out of memory (a CUDA error,
+/// a missing driver entry point, an unsupported operation).
+class device_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// @brief The request could not be satisfied even after releasing cached memory.
+///
+/// what() carries the full report: what was asked, what is reserved but unused, the largest free
+/// block, the fragmentation ratio and the largest live allocations.
+class out_of_memory : public std::bad_alloc {
+ public:
+  explicit out_of_memory(std::string message) : message_(std::move(message)) {}
+  const char* what() const noexcept override { return message_.c_str(); }
+
+ private:
+  std::string message_;
+};
+
+}  // namespace terrace
+
+/// Throws terrace::logic_error with the failed condition and location unless `cond` holds.
+#define TERRACE_EXPECTS(cond, msg)                                                         \
+  do {                                                                                     \
+    if (!(cond)) {                                                                         \
+      throw ::terrace::logic_error(std::string("terrace: ") + (msg) + " (expected " #cond \
+                                   ")");                                                   \
+    }                                                                                      \
+  } while (0)

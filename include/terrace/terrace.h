@@ -1,0 +1,85 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/**
+ * @file terrace.h
+ * @brief terrace's C ABI, for embedding: PyTorch's CUDAPluggableAllocator, ctypes, C trainers.
+ *
+ * The first four functions have exactly the signatures torch.cuda.memory.CUDAPluggableAllocator
+ * and its hooks expect (cudaStream_t is a pointer, passed here as void*):
+ *
+ *   alloc   = torch.cuda.memory.CUDAPluggableAllocator(path, "terrace_malloc", "terrace_free")
+ *   alloc.set_init_fn / set_reset_fn / set_memory_fraction_fn / set_record_stream_fn
+ *     -> terrace_init, terrace_empty_cache, terrace_set_memory_fraction, terrace_record_stream
+ *
+ * One allocator per device index is created on first use, configured from TERRACE_ALLOC_CONF (or
+ * terrace_configure, called before first use). The backend is `device` from that config: "auto"
+ * (the default) picks CUDA when a GPU is present and the simulated device otherwise.
+ *
+ * No C++ exception ever crosses this boundary. Functions that can fail return 0 on success and a
+ * negative TERRACE_E* code on failure; terrace_malloc returns NULL. terrace_last_error() then
+ * describes the failure (per thread). terrace_free cannot report failure to PyTorch: a bad free is
+ * refused (nothing is changed), counted, and described by terrace_last_error().
+ */
+#ifndef TERRACE_TERRACE_H_
+#define TERRACE_TERRACE_H_
+
+#include <stddef.h>
+
+#if defined(TERRACE_BUILDING_LIBRARY)
+#define TERRACE_API __attribute__((visibility("default")))
+#else
+#define TERRACE_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum terrace_status {
+  TERRACE_OK = 0,
+  TERRACE_EINVAL = -1,       /* bad argument, bad config, double or foreign free */
+  TERRACE_ENOMEM = -2,       /* out of device memory after releasing the cache */
+  TERRACE_EDEVICE = -3,      /* the device backend failed (CUDA error, no GPU, ...) */
+  TERRACE_EIO = -4,          /* a file could not be written */
+  TERRACE_ERANGE = -5,       /* an output buffer is too small; *needed says how large */
+  TERRACE_EINTERNAL = -6     /* anything else; a bug */
+};
+
+/* ---- The CUDAPluggableAllocator ABI ------------------------------------------------------- */
+
+/** @brief Allocates `size` bytes usable in stream order on `stream`. NULL on failure (size 0 too). */
+TERRACE_API void* terrace_malloc(size_t size, int device, void* stream);
+/** @brief Frees what terrace_malloc returned. `size` 0 skips the size check. */
+TERRACE_API void terrace_free(void* ptr, size_t size, int device, void* stream);
+/** @brief init hook: PyTorch passes the device count. Creates nothing yet; safe to call twice. */
+TERRACE_API void terrace_init(int device_count);
+/** @brief reset hook (torch.cuda.empty_cache): releases cached memory on every device. */
+TERRACE_API void terrace_empty_cache(void);
+/** @brief memory-fraction hook: caps reserved memory on `device`. */
+TERRACE_API void terrace_set_memory_fraction(double fraction, int device);
+/** @brief record-stream hook: `ptr` is also used on `stream`. */
+TERRACE_API void terrace_record_stream(void* ptr, void* stream);
+
+/* ---- Configuration and observability (0 or a negative terrace_status) --------------------- */
+
+/** @brief Sets the config ("key:value,...", as TERRACE_ALLOC_CONF) for allocators not yet created. */
+TERRACE_API int terrace_configure(const char* conf);
+/** @brief Writes device `device`'s stats as a JSON object keyed like torch.cuda.memory_stats() into
+ *  `buf` (NUL-terminated). If `capacity` is too small returns TERRACE_ERANGE; `*needed` (if not NULL)
+ *  always receives the size including the NUL. */
+TERRACE_API int terrace_stats_json(int device, char* buf, size_t capacity, size_t* needed);
+/** @brief Resets the peak counters of `device`. */
+TERRACE_API int terrace_reset_peak_stats(int device);
+/** @brief Turns trace recording on (1) or off (0) on every device. */
+TERRACE_API int terrace_record_trace(int on);
+/** @brief Writes device `device`'s snapshot (segments, blocks, trace) as JSON to `path`. */
+TERRACE_API int terrace_dump_snapshot(int device, const char* path);
+/** @brief Writes device `device`'s recorded trace as JSON lines to `path`. */
+TERRACE_API int terrace_dump_trace(int device, const char* path);
+/** @brief The last failure on this thread, or "" if none. Valid until the next call on this thread. */
+TERRACE_API const char* terrace_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TERRACE_TERRACE_H_ */
