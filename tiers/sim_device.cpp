@@ -1,0 +1,632 @@
+// SPDX-License-Identifier: Apache-2.0
+// The simulated device ("sim"): host memory behind a capacity limit, streams that are ordered
+// queues run by one worker thread each, events as positions in those queues, and an optional copy
+// bandwidth. It is the device of every CPU test, so it is strict: misuse of the virtual-memory
+// calls is refused, unknown handles are refused, and copies really move bytes.
+//
+// Semantics worth knowing:
+//   - The default stream (stream_ref{}) is a queue like any other, created on first use. It does
+//     not synchronize implicitly with other streams (as a cudaStreamNonBlocking stream would not).
+//   - Every item a stream runs has a ticket (1, 2, 3, ... in queue order) and the stream publishes
+//     how many it has finished. An event is the (stream, ticket) of its latest record(): complete
+//     once that stream has finished that many items. wait() copies the pair into the waiting
+//     stream's queue, so, as in CUDA, it refers to the record before it and a later record (say on
+//     a faster stream) cannot release it early. record() itself queues nothing.
+//   - With a copy bandwidth, a copy occupies its stream for bytes / bandwidth seconds (or for as
+//     long as the memcpy takes, if that is longer), counted from when it was queued or when the
+//     stream's previous item ended. Deadlines come from a steady clock and chain from one copy to
+//     the next, so a timer's oversleep on one small copy is made up by the next and a run of
+//     small copies keeps the modelled rate. Each stream is its own link.
+#include <pthread.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <unistd.h>
+
+#include "terrace/error.hpp"
+#include "terrace/sim_device.hpp"
+#include "tiers/backends.hpp"
+#include "tiers/vmm_book.hpp"
+
+namespace terrace {
+namespace detail {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+constexpr std::size_t kDefaultCapacity = std::size_t{8} << 30;
+constexpr std::size_t kDefaultGranularity = 2 * kMiB;
+constexpr std::size_t kAlignment = 512;
+// Segments from here up come from mmap, so that untouched memory costs nothing; smaller ones come
+// from the C++ heap, where AddressSanitizer sees overruns.
+constexpr std::size_t kMmapThreshold = 1 * kMiB;
+
+using clock_type = std::chrono::steady_clock;
+
+std::string errno_text(int err) { return std::error_code(err, std::generic_category()).message(); }
+
+// ---------------------------------------------------------------- streams
+
+class sim_stream;
+
+// One queued operation. A plain struct rather than a closure per item, so that copies and waits
+// cost no heap allocation; only host functions carry a std::function.
+struct work_item {
+  enum class kind : std::uint8_t { copy, host_function, wait };
+  kind what = kind::copy;
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes = 0;
+  std::shared_ptr<sim_stream> waits_for;  // kind::wait: run on once it has finished `ticket` items
+  std::uint64_t ticket = 0;
+  std::function<void()> fn;
+  std::chrono::steady_clock::time_point queued_at{};  // copies, with a bandwidth model only
+};
+
+class sim_stream {
+ public:
+  sim_stream(double bandwidth, std::string label)
+      : label_(std::move(label)), bandwidth_(bandwidth), worker_([this] { run(); }) {}
+
+  ~sim_stream() { stop_and_join(); }
+
+  sim_stream(const sim_stream&) = delete;
+  sim_stream& operator=(const sim_stream&) = delete;
+
+  const std::string& label() const noexcept { return label_; }
+
+  /// @throws logic_error if the stream was destroyed (a use racing with destroy_stream).
+  void push(work_item&& item) {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      if (stopping_) {
+        throw logic_error("terrace: device 'sim': work queued on " + label_ +
+                          " while it is being destroyed");
+      }
+      if (bandwidth_ > 0.0 && item.what == work_item::kind::copy) item.queued_at = clock_type::now();
+      queue_.push_back(std::move(item));
+      ++pushed_;
+    }
+    work_cv_.notify_one();
+  }
+
+  /// The ticket of the last item queued so far: an event recorded now completes when reached(it).
+  std::uint64_t ticket() {
+    std::lock_guard<std::mutex> lock(m_);
+    return pushed_;
+  }
+
+  /// True once the first `ticket` items have run. The acquire pairs with the worker's release, so
+  /// the caller then sees everything those items wrote.
+  bool reached(std::uint64_t ticket) const noexcept {
+    return finished_.load(std::memory_order_acquire) >= ticket;
+  }
+
+  /// Blocks until reached(ticket); returns whether it had to block.
+  bool wait_until(std::uint64_t ticket) {
+    if (reached(ticket)) return false;
+    std::unique_lock<std::mutex> lock(m_);
+    done_cv_.wait(lock, [&] { return reached(ticket); });
+    return true;
+  }
+
+  /// Blocks until everything pushed before the call has run; returns (and clears) the first error
+  /// a host function raised, if any.
+  std::string drain() {
+    std::unique_lock<std::mutex> lock(m_);
+    const std::uint64_t target = pushed_;
+    done_cv_.wait(lock, [&] { return reached(target); });
+    return std::exchange(error_, std::string{});
+  }
+
+  /// Runs what is queued, then stops the worker. Idempotent.
+  void stop_and_join() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stopping_ = true;
+    }
+    work_cv_.notify_one();
+    if (worker_.joinable()) worker_.join();
+  }
+
+ private:
+  void run() {
+    pthread_setname_np(pthread_self(), "terrace-sim");
+    std::unique_lock<std::mutex> lock(m_);
+    for (;;) {
+      if (queue_.empty()) {
+        if (stopping_) return;
+        work_cv_.wait(lock, [&] { return !queue_.empty() || stopping_; });
+        continue;
+      }
+      {
+        work_item item = std::move(queue_.front());
+        queue_.pop_front();
+        lock.unlock();
+        execute(item);
+        // Time spent in anything but a copy (a "kernel", a wait) is no credit for the next copy.
+        if (bandwidth_ > 0.0 && item.what != work_item::kind::copy) link_free_at_ = clock_type::now();
+        // `item` dies here, before the work counts as finished: whoever synchronizes may then
+        // destroy what a host function captured.
+      }
+      lock.lock();
+      finished_.store(finished_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+      done_cv_.notify_all();
+    }
+  }
+
+  void execute(work_item& item) {
+    switch (item.what) {
+      case work_item::kind::copy:
+        copy(item);
+        break;
+      case work_item::kind::host_function:
+        try {
+          item.fn();
+        } catch (const std::exception& e) {
+          set_error(std::string("a host function on ") + label_ + " threw: " + e.what());
+        } catch (...) {
+          set_error("a host function on " + label_ + " threw a non-standard exception");
+        }
+        break;
+      case work_item::kind::wait:
+        item.waits_for->wait_until(item.ticket);
+        break;
+    }
+  }
+
+  void copy(const work_item& item) {
+    if (bandwidth_ <= 0.0) {
+      std::memcpy(item.dst, item.src, item.bytes);
+      return;
+    }
+    // The modelled link starts this copy when it was queued or when the previous item ended,
+    // whichever is later -- not when this thread got round to it.
+    const clock_type::time_point start = std::max(link_free_at_, item.queued_at);
+    const clock_type::time_point copy_began = clock_type::now();
+    std::memcpy(item.dst, item.src, item.bytes);
+    const clock_type::duration took = clock_type::now() - copy_began;
+    const auto modelled = std::chrono::duration_cast<clock_type::duration>(
+        std::chrono::duration<double>(static_cast<double>(item.bytes) / bandwidth_));
+    // The copy holds the link for the modelled time, or for as long as the memcpy really took.
+    // The end is reckoned from `start`, not from now, so a late wakeup of this thread (a timer's
+    // oversleep on the previous copy) is made up here.
+    link_free_at_ = start + std::max(modelled, took);
+    std::this_thread::sleep_until(link_free_at_);
+  }
+
+  void set_error(std::string message) {
+    std::lock_guard<std::mutex> lock(m_);
+    if (error_.empty()) error_ = std::move(message);
+  }
+
+  const std::string label_;
+  const double bandwidth_;
+
+  std::mutex m_;
+  std::condition_variable work_cv_;  // the worker waits for items
+  std::condition_variable done_cv_;  // drain() and wait_until() wait for the worker
+  std::deque<work_item> queue_;
+  std::uint64_t pushed_ = 0;
+  std::atomic<std::uint64_t> finished_{0};  // written by the worker under m_; read without it
+  bool stopping_ = false;
+  std::string error_;
+
+  // The worker's own: when the modelled link finished the previous item.
+  clock_type::time_point link_free_at_{};
+
+  std::thread worker_;  // last: it starts running in the constructor
+};
+
+// ---------------------------------------------------------------- events
+
+// The latest record(): which stream, and how many of its items had been queued then.
+struct sim_event {
+  std::mutex m;
+  std::shared_ptr<sim_stream> stream;  // null until the first record(): complete
+  std::uint64_t ticket = 0;
+
+  std::pair<std::shared_ptr<sim_stream>, std::uint64_t> latest() {
+    std::lock_guard<std::mutex> lock(m);
+    return {stream, ticket};
+  }
+};
+
+// ---------------------------------------------------------------- the device
+
+class sim_device final : public device_backend {
+ public:
+  explicit sim_device(const device_options& options)
+      : bandwidth_(options.copy_bandwidth),
+        vmm_("sim", options.map_granularity ? options.map_granularity : kDefaultGranularity) {
+    properties_.name = "sim";
+    properties_.capacity = options.capacity ? options.capacity : kDefaultCapacity;
+    properties_.alignment = kAlignment;
+    properties_.touches_memory = true;
+    properties_.supports_vmm = true;
+    properties_.map_granularity = vmm_.granularity();
+    properties_.device_index = options.device_index;
+  }
+
+  ~sim_device() override {
+    // Queued work may still touch the memory: stop every worker before anything is freed.
+    std::vector<std::shared_ptr<sim_stream>> streams;
+    {
+      std::lock_guard<std::mutex> lock(handles_mutex_);
+      if (default_stream_) streams.push_back(std::move(default_stream_));
+      for (auto& [key, s] : streams_) streams.push_back(std::move(s));
+      streams_.clear();
+      events_.clear();
+    }
+    for (auto& s : streams) s->stop_and_join();
+    // What the owner leaked goes back to the host.
+    for (const auto& [p, bytes] : segments_) free_segment(reinterpret_cast<void*>(p), bytes);
+    for (const auto& [base, bytes] : vmm_.ranges()) ::munmap(reinterpret_cast<void*>(base), bytes);
+  }
+
+  void enqueue_host_function(stream_ref s, std::function<void()> fn) {
+    TERRACE_EXPECTS(static_cast<bool>(fn), "enqueue_host_function with an empty function");
+    work_item item;
+    item.what = work_item::kind::host_function;
+    item.fn = std::move(fn);
+    stream_of(s)->push(std::move(item));
+  }
+
+ private:
+  // -------------------------------------------------------------- segments
+
+  void* do_reserve(std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    charge(bytes, "reserve");
+    void* p = nullptr;
+    int err = ENOMEM;
+    if (bytes >= kMmapThreshold) {
+      p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+      if (p == MAP_FAILED) {
+        err = errno;
+        p = nullptr;
+      }
+    } else {
+      p = ::operator new(bytes, std::align_val_t{kAlignment}, std::nothrow);
+    }
+    if (p == nullptr) {
+      uncharge(bytes);
+      throw out_of_memory("terrace: out of memory on device 'sim': the host refused " +
+                          describe_bytes(bytes) + " (" + errno_text(err) + ")");
+    }
+    segments_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+    return p;
+  }
+
+  void do_release(void* p, std::size_t bytes) noexcept override {
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    const auto it = segments_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == segments_.end()) {
+      contract_violation("sim", "release(" + hex_address(reinterpret_cast<std::uintptr_t>(p)) +
+                                    "): not a segment from reserve()");
+    }
+    if (it->second != bytes) {
+      contract_violation("sim", "release(" + hex_address(it->first) + ", " + std::to_string(bytes) +
+                                    "): the segment was reserved with " +
+                                    std::to_string(it->second) + " bytes");
+    }
+    segments_.erase(it);
+    free_segment(p, bytes);
+    uncharge(bytes);
+  }
+
+  static void free_segment(void* p, std::size_t bytes) noexcept {
+    if (bytes >= kMmapThreshold) {
+      ::munmap(p, bytes);
+    } else {
+      ::operator delete(p, std::align_val_t{kAlignment});
+    }
+  }
+
+  // -------------------------------------------------------------- virtual memory
+
+  void* do_reserve_address_range(std::size_t bytes) override {
+    vmm_.check_range_size(bytes);
+    const std::size_t g = vmm_.granularity();
+    if (bytes > SIZE_MAX - g) {
+      throw device_error("terrace: device 'sim': reserve_address_range of " + describe_bytes(bytes) +
+                         " is larger than the address space");
+    }
+    // Over-reserve by one granule and trim, so that the range starts on a granule boundary (as
+    // cuMemAddressReserve's does).
+    void* raw = ::mmap(nullptr, bytes + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
+    if (raw == MAP_FAILED) {
+      throw device_error("terrace: device 'sim': address space exhausted: reserving " +
+                         describe_bytes(bytes) + " failed (" + errno_text(errno) + ")");
+    }
+    const auto raw_base = reinterpret_cast<std::uintptr_t>(raw);
+    const std::uintptr_t base = (raw_base + g - 1) / g * g;
+    if (base > raw_base) ::munmap(raw, base - raw_base);
+    const std::uintptr_t tail = raw_base + bytes + g - (base + bytes);
+    if (tail > 0) ::munmap(reinterpret_cast<void*>(base + bytes), tail);
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    vmm_.add_range(base, bytes);
+    return reinterpret_cast<void*>(base);
+  }
+
+  void do_release_address_range(void* p, std::size_t bytes) noexcept override {
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    const auto base = reinterpret_cast<std::uintptr_t>(p);
+    if (std::string why = vmm_.why_not_releasable(base, bytes); !why.empty()) {
+      contract_violation("sim", why);
+    }
+    vmm_.erase_range(base);
+    ::munmap(p, bytes);
+  }
+
+  void do_map(void* p, std::size_t bytes) override {
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    vmm_.check_map(a, bytes);
+    charge(bytes, "map");
+    // The pages are fresh: never touched, or dropped by the MADV_DONTNEED of an earlier unmap.
+    if (::mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) {
+      const int err = errno;
+      uncharge(bytes);
+      throw device_error("terrace: device 'sim': map(" + hex_address(a) + ", " +
+                         describe_bytes(bytes) + ") failed: mprotect: " + errno_text(err));
+    }
+    vmm_.mark_mapped(a, bytes);
+  }
+
+  void do_unmap(void* p, std::size_t bytes) noexcept override {
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    if (std::string why = vmm_.why_not_unmappable(a, bytes); !why.empty()) {
+      contract_violation("sim", why);
+    }
+    // Drop the contents first: the physical pages go back to the host and the next map of these
+    // addresses reads zeros, as fresh physical memory would.
+    ::madvise(p, bytes, MADV_DONTNEED);
+    ::mprotect(p, bytes, PROT_NONE);
+    vmm_.mark_unmapped(a, bytes);
+    uncharge(bytes);
+  }
+
+  // REQUIRES: memory_mutex_ held.
+  void charge(std::size_t bytes, const char* what) {
+    const std::size_t used = used_.load(std::memory_order_relaxed);
+    const std::size_t capacity = properties_.capacity;
+    if (bytes > capacity - used) {
+      throw out_of_memory("terrace: out of memory on device 'sim': " + std::string(what) + " of " +
+                          describe_bytes(bytes) + ", but only " + describe_bytes(capacity - used) +
+                          " of the capacity of " + describe_bytes(capacity) + " is free");
+    }
+    used_.store(used + bytes, std::memory_order_relaxed);
+  }
+
+  // REQUIRES: memory_mutex_ held.
+  void uncharge(std::size_t bytes) noexcept {
+    used_.store(used_.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
+  }
+
+  std::size_t do_used_bytes() const noexcept override {
+    return used_.load(std::memory_order_relaxed);
+  }
+
+  // -------------------------------------------------------------- handles
+
+  std::shared_ptr<sim_stream> stream_of(stream_ref s) {
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    if (s.native == nullptr) {
+      if (!default_stream_) default_stream_ = new_stream("the default stream");
+      return default_stream_;
+    }
+    const auto it = streams_.find(s.native);
+    if (it == streams_.end()) {
+      throw logic_error("terrace: device 'sim': unknown stream " +
+                        hex_address(reinterpret_cast<std::uintptr_t>(s.native)) +
+                        " (not created by this device, or destroyed)");
+    }
+    return it->second;
+  }
+
+  std::shared_ptr<sim_event> event_of(event_ref e) {
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    const auto it = events_.find(e.native);
+    if (it == events_.end()) {
+      throw logic_error("terrace: device 'sim': unknown event " +
+                        hex_address(reinterpret_cast<std::uintptr_t>(e.native)) +
+                        " (not created by this device, or destroyed)");
+    }
+    return it->second;
+  }
+
+  std::shared_ptr<sim_stream> new_stream(std::string label) {
+    try {
+      return std::make_shared<sim_stream>(bandwidth_, std::move(label));
+    } catch (const std::system_error& e) {
+      throw device_error(std::string("terrace: device 'sim': cannot start a stream worker: ") +
+                         e.what());
+    }
+  }
+
+  // -------------------------------------------------------------- streams
+
+  stream_ref do_create_stream() override {
+    auto s = new_stream("stream " + std::to_string(++streams_created_));
+    void* key = s.get();
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    streams_.emplace(key, std::move(s));
+    return stream_ref{key};
+  }
+
+  void do_destroy_stream(stream_ref s) noexcept override {
+    std::shared_ptr<sim_stream> stream;
+    {
+      std::lock_guard<std::mutex> lock(handles_mutex_);
+      const auto it = s.native ? streams_.find(s.native) : streams_.end();
+      if (it == streams_.end()) {
+        contract_violation("sim", s.native ? "destroy_stream of an unknown stream " +
+                                                 hex_address(reinterpret_cast<std::uintptr_t>(s.native))
+                                           : std::string("destroy_stream of the default stream"));
+      }
+      stream = std::move(it->second);
+      streams_.erase(it);
+    }
+    stream->stop_and_join();  // drains: queued work still runs
+  }
+
+  void do_synchronize_stream(stream_ref s) override {
+    const auto stream = stream_of(s);
+    if (std::string error = stream->drain(); !error.empty()) {
+      throw device_error("terrace: device 'sim': " + error);
+    }
+  }
+
+  void do_synchronize_device() override {
+    std::vector<std::shared_ptr<sim_stream>> streams;
+    {
+      std::lock_guard<std::mutex> lock(handles_mutex_);
+      if (default_stream_) streams.push_back(default_stream_);
+      for (const auto& [key, s] : streams_) streams.push_back(s);
+    }
+    std::string first_error;
+    for (const auto& s : streams) {
+      std::string error = s->drain();
+      if (first_error.empty()) first_error = std::move(error);
+    }
+    if (!first_error.empty()) throw device_error("terrace: device 'sim': " + first_error);
+  }
+
+  // -------------------------------------------------------------- events
+
+  event_ref do_create_event() override {
+    auto e = std::make_shared<sim_event>();
+    void* key = e.get();
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    events_.emplace(key, std::move(e));
+    return event_ref{key};
+  }
+
+  void do_destroy_event(event_ref e) noexcept override {
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    // Queued waits hold the stream and ticket, not the event: destroying early is allowed, as in
+    // CUDA.
+    if (events_.erase(e.native) == 0) {
+      contract_violation("sim", "destroy_event of an unknown event " +
+                                    hex_address(reinterpret_cast<std::uintptr_t>(e.native)));
+    }
+  }
+
+  void do_record(event_ref e, stream_ref s) override {
+    const auto event = event_of(e);
+    auto stream = stream_of(s);
+    const std::uint64_t ticket = stream->ticket();
+    std::lock_guard<std::mutex> lock(event->m);
+    event->stream = std::move(stream);
+    event->ticket = ticket;
+  }
+
+  bool do_query(event_ref e) override {
+    const auto event = event_of(e);
+    std::lock_guard<std::mutex> lock(event->m);
+    return !event->stream || event->stream->reached(event->ticket);
+  }
+
+  void do_wait(stream_ref s, event_ref e) override {
+    auto [target, ticket] = event_of(e)->latest();
+    const auto stream = stream_of(s);
+    if (!target || target->reached(ticket)) return;  // nothing left to wait for
+    work_item item;
+    item.what = work_item::kind::wait;
+    item.waits_for = std::move(target);  // keeps a destroyed stream's counters readable
+    item.ticket = ticket;
+    stream->push(std::move(item));
+  }
+
+  void do_synchronize_event(event_ref e) override {
+    const auto [target, ticket] = event_of(e)->latest();
+    if (target) target->wait_until(ticket);
+  }
+
+  // -------------------------------------------------------------- copies
+
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind,
+                     stream_ref s) override {
+    TERRACE_EXPECTS(dst != nullptr && src != nullptr, "copy_async with a null pointer on device 'sim'");
+    work_item item;
+    item.what = work_item::kind::copy;
+    item.dst = dst;
+    item.src = src;
+    item.bytes = bytes;
+    stream_of(s)->push(std::move(item));
+  }
+
+  const double bandwidth_;
+
+  mutable std::mutex memory_mutex_;  // guards segments_, vmm_ and writes to used_
+  std::unordered_map<std::uintptr_t, std::size_t> segments_;
+  vmm_book vmm_;
+  std::atomic<std::size_t> used_{0};
+
+  std::mutex handles_mutex_;  // guards the three below
+  std::shared_ptr<sim_stream> default_stream_;
+  std::unordered_map<void*, std::shared_ptr<sim_stream>> streams_;
+  std::unordered_map<void*, std::shared_ptr<sim_event>> events_;
+  std::atomic<std::uint64_t> streams_created_{0};  // names streams in error messages
+};
+
+std::size_t page_size() noexcept {
+  const long n = ::sysconf(_SC_PAGESIZE);
+  return n > 0 ? static_cast<std::size_t>(n) : 4096;
+}
+
+}  // namespace
+
+std::unique_ptr<device_backend> make_sim_device(const device_options& options) {
+  const std::size_t g = options.map_granularity;
+  const std::size_t page = page_size();
+  TERRACE_EXPECTS(g == 0 || (g >= page && (g & (g - 1)) == 0),
+                  "device 'sim': map_granularity " + std::to_string(g) +
+                      " must be a power of two and at least the host page size (" +
+                      std::to_string(page) + ")");
+  TERRACE_EXPECTS(std::isfinite(options.copy_bandwidth) && options.copy_bandwidth >= 0.0,
+                  "device 'sim': copy_bandwidth must be a finite number of bytes per second >= 0 "
+                  "(0 = unlimited)");
+  return std::make_unique<sim_device>(options);
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------- the public sim-only calls
+
+bool is_sim_device(const device_backend& device) noexcept {
+  return dynamic_cast<const detail::sim_device*>(&device) != nullptr;
+}
+
+void enqueue_host_function(device_backend& device, stream_ref s, std::function<void()> fn) {
+  auto* sim = dynamic_cast<detail::sim_device*>(&device);
+  if (sim == nullptr) {
+    throw logic_error("terrace: enqueue_host_function needs a sim device, not '" +
+                      device.properties().name + "'");
+  }
+  sim->enqueue_host_function(s, std::move(fn));
+}
+
+}  // namespace terrace

@@ -1,0 +1,169 @@
+// SPDX-License-Identifier: Apache-2.0
+// Internal to tiers/: the books of the host-side backends' virtual memory (sim and null). Which
+// address ranges are reserved and which parts of them are mapped, so that misuse is refused with a
+// message instead of corrupting memory (sim) or silently miscounting (null): an unaligned map, a
+// map outside every range, a double map, an unmap of unmapped pages, releasing a range that still
+// has pages mapped.
+//
+// Mapped space is kept as coalesced [begin, end) intervals rather than a bitmap per range, because
+// the null device reserves ranges as large as its 1 TiB capacity: the books grow with the number
+// of mapped runs, not with the size of the address space.
+//
+// REQUIRES: the owner serializes every call (the backends hold one mutex around it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <iterator>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "terrace/error.hpp"
+#include "tiers/backends.hpp"
+
+namespace terrace::detail {
+
+inline std::string hex_address(std::uintptr_t a) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%jx", static_cast<std::uintmax_t>(a));
+  return buf;
+}
+
+class vmm_book {
+ public:
+  vmm_book(std::string backend, std::size_t granularity)
+      : backend_(std::move(backend)), granularity_(granularity) {}
+
+  std::size_t granularity() const noexcept { return granularity_; }
+  const std::map<std::uintptr_t, std::size_t>& ranges() const noexcept { return ranges_; }
+
+  /// @throws logic_error unless `bytes` is a positive multiple of the granularity.
+  void check_range_size(std::size_t bytes) const {
+    if (bytes == 0 || bytes % granularity_ != 0) {
+      throw logic_error("terrace: reserve_address_range on device '" + backend_ + "': " +
+                        describe_bytes(bytes) + " is not a multiple of the map granularity " +
+                        describe_bytes(granularity_));
+    }
+  }
+
+  void add_range(std::uintptr_t base, std::size_t bytes) { ranges_.emplace(base, bytes); }
+
+  /// Empty when [base, base+bytes) is exactly a reserved range with nothing mapped; else why not.
+  std::string why_not_releasable(std::uintptr_t base, std::size_t bytes) const {
+    const auto it = ranges_.find(base);
+    if (it == ranges_.end()) {
+      return "release_address_range(" + hex_address(base) + "): not a reserved address range";
+    }
+    if (it->second != bytes) {
+      return "release_address_range(" + hex_address(base) + ", " + std::to_string(bytes) +
+             "): the range was reserved with " + std::to_string(it->second) + " bytes";
+    }
+    const auto m = first_mapped_overlap(base, base + bytes);
+    if (m != mapped_.end()) {
+      return "release_address_range(" + hex_address(base) + "): pages [" + hex_address(m->first) +
+             ", " + hex_address(m->second) + ") are still mapped";
+    }
+    return {};
+  }
+
+  void erase_range(std::uintptr_t base) { ranges_.erase(base); }
+
+  /// @throws logic_error unless [p, p+bytes) is aligned, inside one reserved range and unmapped.
+  void check_map(std::uintptr_t p, std::size_t bytes) const {
+    if (std::string why = why_not_in_a_range("map", p, bytes); !why.empty()) {
+      throw logic_error("terrace: device '" + backend_ + "': " + why);
+    }
+    const auto m = first_mapped_overlap(p, p + bytes);
+    if (m != mapped_.end()) {
+      throw logic_error("terrace: device '" + backend_ + "': map(" + hex_address(p) + ", " +
+                        std::to_string(bytes) + ") overlaps pages [" + hex_address(m->first) + ", " +
+                        hex_address(m->second) + ") that are already mapped");
+    }
+  }
+
+  /// REQUIRES: check_map(p, bytes) passed.
+  void mark_mapped(std::uintptr_t p, std::size_t bytes) {
+    std::uintptr_t begin = p;
+    std::uintptr_t end = p + bytes;
+    auto next = mapped_.lower_bound(end);
+    if (next != mapped_.end() && next->first == end) {
+      end = next->second;
+      next = mapped_.erase(next);
+    }
+    if (next != mapped_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->second == begin) {
+        begin = prev->first;
+        mapped_.erase(prev);
+      }
+    }
+    mapped_.emplace(begin, end);
+    mapped_bytes_ += bytes;
+  }
+
+  /// Empty when [p, p+bytes) is aligned, inside one reserved range and wholly mapped; else why not.
+  std::string why_not_unmappable(std::uintptr_t p, std::size_t bytes) const {
+    if (std::string why = why_not_in_a_range("unmap", p, bytes); !why.empty()) return why;
+    auto it = mapped_.upper_bound(p);
+    if (it == mapped_.begin() || std::prev(it)->second < p + bytes) {
+      return "unmap(" + hex_address(p) + ", " + std::to_string(bytes) +
+             "): some of these pages are not mapped";
+    }
+    return {};
+  }
+
+  /// REQUIRES: why_not_unmappable(p, bytes) is empty.
+  void mark_unmapped(std::uintptr_t p, std::size_t bytes) {
+    auto it = std::prev(mapped_.upper_bound(p));
+    const std::uintptr_t begin = it->first;
+    const std::uintptr_t end = it->second;
+    mapped_.erase(it);
+    if (begin < p) mapped_.emplace(begin, p);
+    if (p + bytes < end) mapped_.emplace(p + bytes, end);
+    mapped_bytes_ -= bytes;
+  }
+
+  std::size_t mapped_bytes() const noexcept { return mapped_bytes_; }
+
+  /// Every mapped [begin, end) run; for a backend's destructor, which cleans up after leaks.
+  const std::map<std::uintptr_t, std::uintptr_t>& mapped_runs() const noexcept { return mapped_; }
+
+ private:
+  std::string why_not_in_a_range(const char* op, std::uintptr_t p, std::size_t bytes) const {
+    const std::string call = std::string(op) + "(" + hex_address(p) + ", " + std::to_string(bytes) + ")";
+    if (bytes == 0 || p % granularity_ != 0 || bytes % granularity_ != 0) {
+      return call + ": address and size must be multiples of the map granularity " +
+             describe_bytes(granularity_);
+    }
+    auto it = ranges_.upper_bound(p);
+    if (it == ranges_.begin()) return call + ": not inside a reserved address range";
+    --it;
+    const std::uintptr_t base = it->first;
+    const std::size_t size = it->second;
+    if (p - base >= size) return call + ": not inside a reserved address range";
+    if (bytes > size - (p - base)) {
+      return call + ": runs past the end of the reserved range [" + hex_address(base) + ", " +
+             hex_address(base + size) + ")";
+    }
+    return {};
+  }
+
+  // The first mapped run that intersects [begin, end), or end().
+  std::map<std::uintptr_t, std::uintptr_t>::const_iterator first_mapped_overlap(
+      std::uintptr_t begin, std::uintptr_t end) const {
+    auto it = mapped_.upper_bound(begin);
+    if (it != mapped_.begin() && std::prev(it)->second > begin) return std::prev(it);
+    if (it != mapped_.end() && it->first < end) return it;
+    return mapped_.end();
+  }
+
+  std::string backend_;
+  std::size_t granularity_;
+  std::map<std::uintptr_t, std::size_t> ranges_;     // base -> bytes
+  std::map<std::uintptr_t, std::uintptr_t> mapped_;  // begin -> end, coalesced
+  std::size_t mapped_bytes_ = 0;
+};
+
+}  // namespace terrace::detail
