@@ -1,0 +1,1035 @@
+// SPDX-License-Identifier: Apache-2.0
+// The stream-ordered caching allocator. Policy only: every byte comes from a device_backend.
+//
+// Sections: sizes and pools / allocation / free and stream events / expandable segments /
+// releasing cached memory / out-of-memory report / stats, snapshot, invariants.
+#include "terrace/caching_allocator.hpp"
+
+#include <algorithm>
+#include <cassert>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+#include "allocator/block.hpp"
+#include "terrace/error.hpp"
+
+namespace terrace {
+namespace detail {
+
+namespace {
+
+constexpr std::size_t kMinBlockSize = 512;  // every size rounds up to this (PyTorch's kMinBlockSize)
+
+std::size_t round_up(std::size_t n, std::size_t multiple) noexcept {
+  return (n + multiple - 1) / multiple * multiple;
+}
+std::size_t round_down(std::size_t n, std::size_t multiple) noexcept {
+  return n / multiple * multiple;
+}
+
+std::string format_bytes(std::size_t n) {
+  char buf[64];
+  const double v = static_cast<double>(n);
+  if (n >= (std::size_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", v / (1 << 30));
+  } else if (n >= (std::size_t{1} << 20)) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", v / (1 << 20));
+  } else if (n >= (std::size_t{1} << 10)) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", v / (1 << 10));
+  } else {
+    std::snprintf(buf, sizeof buf, "%zu bytes", n);
+  }
+  return buf;
+}
+
+std::string format_addr(std::uintptr_t a) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIxPTR, a);
+  return buf;
+}
+
+}  // namespace
+
+class allocator_impl {
+ public:
+  allocator_impl(device_backend& device, allocator_config config)
+      : device_(device), config_(std::move(config)), start_(std::chrono::steady_clock::now()) {
+    const auto& props = device_.properties();
+    TERRACE_EXPECTS(config_.memory_fraction > 0.0 && config_.memory_fraction <= 1.0,
+                    "memory_fraction must be in (0, 1]");
+    TERRACE_EXPECTS(!config_.expandable_segments || props.supports_vmm,
+                    "expandable_segments needs a backend with virtual memory (sim, null, cuda-vmm); '" +
+                        props.name + "' has none");
+    TERRACE_EXPECTS(config_.small_segment_size >= config_.small_size,
+                    "small_segment_size must be at least small_size");
+    TERRACE_EXPECTS(config_.large_round > 0 && config_.large_segment_size > 0,
+                    "segment sizes must be positive");
+    granularity_ = std::max<std::size_t>(props.map_granularity, kMinBlockSize);
+    tracing_ = config_.record_trace;
+    memory_fraction_ = config_.memory_fraction;
+  }
+
+  ~allocator_impl() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      wait_for_pending_frees();
+      device_.synchronize_device();
+    } catch (...) {
+      // A failing device at teardown: the memory goes back below regardless.
+    }
+    for (auto it = segments_.begin(); it != segments_.end();) {
+      segment* seg = it->second;
+      ++it;
+      give_back_segment(seg, /*even_if_used=*/true);
+    }
+    for (event_ref e : event_pool_) device_.destroy_event(e);
+    for (block* b : spare_blocks_) delete b;
+  }
+
+  // ---------------------------------------------------------------- sizes and pools
+
+  std::size_t round_size(std::size_t bytes) const noexcept {
+    if (bytes < kMinBlockSize) return kMinBlockSize;
+    const unsigned divisions = config_.roundup_power2_divisions;
+    if (divisions > 1 && bytes > kMinBlockSize) {
+      // Round up to one of `divisions` equal steps between the surrounding powers of two, which
+      // bounds waste to 1/divisions while letting similar sizes share blocks.
+      std::size_t floor_pow2 = std::size_t{1} << (63 - __builtin_clzll(bytes));
+      if (floor_pow2 != bytes) {
+        const std::size_t step = std::max(floor_pow2 / divisions, kMinBlockSize);
+        return round_up(bytes, step);
+      }
+    }
+    return round_up(bytes, kMinBlockSize);
+  }
+
+  bool is_small(std::size_t rounded) const noexcept { return rounded <= config_.small_size; }
+
+  free_set& pool_of(bool small) noexcept { return small ? small_free_ : large_free_; }
+  static int pool_index(bool small) noexcept { return small ? 1 : 2; }
+
+  std::size_t segment_size_for(std::size_t rounded) const noexcept {
+    if (is_small(rounded)) return config_.small_segment_size;
+    if (rounded < config_.min_large_alloc) return config_.large_segment_size;
+    return round_up(rounded, config_.large_round);
+  }
+
+  // PyTorch's split rule: keep a remainder only if it is worth a block of its pool.
+  bool should_split(const block* b, std::size_t rounded) const noexcept {
+    const std::size_t remaining = b->size - rounded;
+    if (b->seg->small_pool) return remaining >= kMinBlockSize;
+    return rounded < config_.max_split_size && remaining > config_.small_size;
+  }
+
+  std::size_t allowed_bytes() const noexcept {
+    return static_cast<std::size_t>(static_cast<double>(device_.properties().capacity) *
+                                    memory_fraction_);
+  }
+
+  // ---------------------------------------------------------------- allocation
+
+  void* allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
+    if (bytes == 0) return nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!pending_.empty()) process_completed_frees();
+    const std::size_t rounded = round_size(bytes);
+    const bool small = is_small(rounded);
+    const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
+
+    block* b = find_free_block(small, s, rounded);
+    if (b == nullptr) b = obtain_new_memory(small, s, rounded, bytes);
+    b = take_block(b, rounded);  // maps (expandable) and splits as needed
+    b->allocated = true;
+    b->requested = bytes;
+    if (tracing_) b->tag.assign(tag.data(), tag.size());
+    live_.emplace(b->addr, b);
+
+    const int p = pool_index(small);
+    for (int i : {0, p}) {
+      stats_.allocation[i].increase(1);
+      stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
+      stats_.requested_bytes[i].increase(static_cast<std::int64_t>(bytes));
+      stats_.active[i].increase(1);
+      stats_.active_bytes[i].increase(static_cast<std::int64_t>(b->size));
+    }
+    if (tracing_) trace(trace_action::alloc, s, b->addr, b->size, bytes, b->tag);
+    return reinterpret_cast<void*>(b->addr);
+  }
+
+  // Best fit on the request's stream. Oversize blocks (>= max_split_size) serve only oversize
+  // requests, and only when not much larger, so that huge blocks are not whittled away by small ones.
+  block* find_free_block(bool small, std::uintptr_t stream, std::size_t rounded) {
+    free_set& pool = pool_of(small);
+    block key;
+    key.stream = stream;
+    key.size = rounded;
+    key.addr = 0;
+    auto it = pool.lower_bound(&key);
+    if (it == pool.end() || (*it)->stream != stream) return nullptr;
+    block* b = *it;
+    const std::size_t max_split = config_.max_split_size;
+    if (max_split != SIZE_MAX) {
+      if (rounded < max_split && b->size >= max_split) return nullptr;
+      if (rounded >= max_split && b->size >= rounded + config_.large_segment_size) return nullptr;
+    }
+    return b;
+  }
+
+  // A miss: new memory from the device; on failure release the cache and retry once; then OOM.
+  block* obtain_new_memory(bool small, std::uintptr_t stream, std::size_t rounded,
+                           std::size_t requested) {
+    maybe_collect_garbage(rounded);
+    if (block* b = try_new_memory(small, stream, rounded)) return b;
+    ++stats_.num_alloc_retries;
+    release_cached_memory();
+    if (block* b = try_new_memory(small, stream, rounded)) return b;
+    ++stats_.num_ooms;
+    if (tracing_) trace(trace_action::oom, stream, 0, rounded, requested, {});
+    throw out_of_memory(oom_report(requested, rounded, stream));
+  }
+
+  // nullptr when the device (or the memory fraction) refuses; device_error propagates.
+  block* try_new_memory(bool small, std::uintptr_t stream, std::size_t rounded) {
+    if (config_.expandable_segments) return grow_expandable(small, stream, rounded);
+    const std::size_t size = segment_size_for(rounded);
+    if (reserved_total() + size > allowed_bytes()) return nullptr;
+    void* p = nullptr;
+    try {
+      p = device_.reserve(size);
+    } catch (const out_of_memory&) {
+      return nullptr;
+    }
+    segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), size, stream, small, false);
+    count_reserved(seg, static_cast<std::int64_t>(size));
+    ++stats_.num_device_alloc;
+    if (tracing_) trace(trace_action::segment_alloc, stream, seg->addr, size, 0, {});
+    insert_free(seg->head);
+    return seg->head;
+  }
+
+  // Puts a free mapped block into its pool, counting it as inactive split if it is a piece.
+  void insert_free(block* b) {
+    if (b->is_split()) count_inactive_split(b, +1);
+    pool_of(b->seg->small_pool).insert(b);
+  }
+
+  segment* new_segment(std::uintptr_t addr, std::size_t size, std::uintptr_t stream, bool small,
+                       bool expandable) {
+    auto seg = std::make_unique<segment>();
+    seg->addr = addr;
+    seg->size = size;
+    seg->stream = stream;
+    seg->small_pool = small;
+    seg->expandable = expandable;
+    block* head = new_block();
+    head->addr = addr;
+    head->size = size;
+    head->stream = stream;
+    head->seg = seg.get();
+    seg->head = head;
+    segment* raw = seg.release();
+    segments_.emplace(addr, raw);
+    const int p = pool_index(small);
+    stats_.segment[0].increase(1);
+    stats_.segment[p].increase(1);
+    return raw;
+  }
+
+  // REQUIRES: b is free, mapped and in its pool's set. Takes exactly `rounded` bytes of it,
+  // splitting off the rest as a free block.
+  block* take_block(block* b, std::size_t rounded) {
+    free_set& pool = pool_of(b->seg->small_pool);
+    pool.erase(b);
+    if (b->is_split()) count_inactive_split(b, -1);
+    if (b->size > rounded && should_split(b, rounded)) {
+      block* rest = new_block();
+      rest->addr = b->addr + rounded;
+      rest->size = b->size - rounded;
+      rest->stream = b->stream;
+      rest->seg = b->seg;
+      rest->mapped = true;
+      rest->prev = b;
+      rest->next = b->next;
+      if (b->next) b->next->prev = rest;
+      b->next = rest;
+      b->size = rounded;
+      count_inactive_split(rest, +1);
+      pool.insert(rest);
+    }
+    return b;
+  }
+
+  // ---------------------------------------------------------------- free and stream events
+
+  void deallocate(void* p) {
+    if (p == nullptr) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    auto it = live_.find(addr);
+    if (it == live_.end()) throw logic_error(describe_bad_pointer(addr, "free"));
+    block* b = it->second;
+    live_.erase(it);
+    b->allocated = false;
+    const bool small = b->seg->small_pool;
+    const int pi = pool_index(small);
+    for (int i : {0, pi}) {
+      stats_.allocation[i].decrease(1);
+      stats_.allocated_bytes[i].decrease(static_cast<std::int64_t>(b->size));
+      stats_.requested_bytes[i].decrease(static_cast<std::int64_t>(b->requested));
+    }
+    if (tracing_) trace(trace_action::free_requested, b->stream, b->addr, b->size, b->requested, b->tag);
+    b->requested = 0;
+    if (!b->used_streams.empty()) {
+      // Work queued on those streams may still use the block: it becomes reusable only once an
+      // event recorded on each of them now has completed.
+      pending_free pf{b, {}};
+      for (std::uintptr_t s : b->used_streams) {
+        event_ref e = acquire_event();
+        device_.record(e, stream_ref{reinterpret_cast<void*>(s)});
+        pf.events.push_back(e);
+      }
+      b->pending_events = static_cast<int>(pf.events.size());
+      b->used_streams.clear();
+      pending_.push_back(std::move(pf));
+      return;
+    }
+    complete_free(b);
+  }
+
+  void record_stream(void* p, stream_ref stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    auto it = live_.find(addr);
+    if (it == live_.end()) throw logic_error(describe_bad_pointer(addr, "record_stream"));
+    block* b = it->second;
+    const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
+    if (s == b->stream) return;
+    if (std::find(b->used_streams.begin(), b->used_streams.end(), s) == b->used_streams.end()) {
+      b->used_streams.push_back(s);
+    }
+  }
+
+  // The block is reusable: merge it with free neighbours and put it back in its pool.
+  void complete_free(block* b) {
+    const bool small = b->seg->small_pool;
+    const int pi = pool_index(small);
+    for (int i : {0, pi}) {
+      stats_.active[i].decrease(1);
+      stats_.active_bytes[i].decrease(static_cast<std::int64_t>(b->size));
+    }
+    if (tracing_) trace(trace_action::free_completed, b->stream, b->addr, b->size, 0, b->tag);
+    b->tag.clear();
+    b->pending_events = 0;
+    insert_free(merge_free_neighbours(b));
+  }
+
+  // REQUIRES: b is free and not in the free set. Absorbs free neighbours of the same mapped state.
+  // Unmapped blocks are never in a free set (find_free_block must not return address space without
+  // memory), so erasing them is a no-op.
+  block* merge_free_neighbours(block* b) {
+    free_set& pool = pool_of(b->seg->small_pool);
+    if (block* n = b->next; n != nullptr && n->is_free() && n->mapped == b->mapped) {
+      pool.erase(n);
+      if (n->mapped && n->is_split()) count_inactive_split(n, -1);
+      b->size += n->size;
+      b->next = n->next;
+      if (n->next) n->next->prev = b;
+      delete_block(n);
+    }
+    if (block* pv = b->prev; pv != nullptr && pv->is_free() && pv->mapped == b->mapped) {
+      pool.erase(pv);
+      if (pv->mapped && pv->is_split()) count_inactive_split(pv, -1);
+      pv->size += b->size;
+      pv->next = b->next;
+      if (b->next) b->next->prev = pv;
+      delete_block(b);
+      b = pv;
+    }
+    return b;
+  }
+
+  // Moves blocks whose events have all completed back to their pools. Never blocks.
+  void process_completed_frees() {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      bool done = true;
+      for (event_ref e : it->events) {
+        if (!device_.query(e)) {
+          done = false;
+          break;
+        }
+      }
+      if (!done) {
+        ++it;
+        continue;
+      }
+      for (event_ref e : it->events) event_pool_.push_back(e);
+      complete_free(it->b);
+      it = pending_.erase(it);
+    }
+  }
+
+  // Blocks until every pending free has completed.
+  void wait_for_pending_frees() {
+    for (pending_free& pf : pending_) {
+      for (event_ref e : pf.events) {
+        device_.synchronize(e);
+        event_pool_.push_back(e);
+      }
+      complete_free(pf.b);
+    }
+    pending_.clear();
+  }
+
+  event_ref acquire_event() {
+    if (!event_pool_.empty()) {
+      event_ref e = event_pool_.back();
+      event_pool_.pop_back();
+      return e;
+    }
+    return device_.create_event();
+  }
+
+  // ---------------------------------------------------------------- expandable segments
+
+  // The one expandable segment of (stream, pool), created on first use: a virtual range as large as
+  // the device, whose pages are mapped as the pool grows. Returns an unmapped free block that can
+  // hold `rounded`, possibly extending a mapped free block just before it; nullptr if the range or
+  // the device is exhausted.
+  block* grow_expandable(bool small, std::uintptr_t stream, std::size_t rounded) {
+    const expandable_key key{stream, small};
+    auto found = expandable_.find(key);
+    segment* seg = nullptr;
+    if (found == expandable_.end()) {
+      const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
+      void* p = device_.reserve_address_range(range);
+      seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
+      seg->head->mapped = false;  // address space only: kept out of the free set
+      expandable_.emplace(key, seg);
+    } else {
+      seg = found->second;
+    }
+    // The unmapped tail (or any unmapped hole) large enough, preferring the lowest address.
+    for (block* b = seg->head; b != nullptr; b = b->next) {
+      if (b->mapped || !b->is_free()) continue;
+      const std::size_t have = (b->prev && b->prev->is_free() && b->prev->mapped) ? b->prev->size : 0;
+      if (b->size + have < rounded) continue;
+      const std::size_t need = round_up(rounded - std::min(have, rounded), granularity_);
+      if (need == 0) continue;  // the mapped free neighbour alone fits: find_free_block missed it
+      if (reserved_total() + need > allowed_bytes()) return nullptr;
+      try {
+        b = map_for(b, rounded);
+      } catch (const out_of_memory&) {
+        return nullptr;
+      }
+      insert_free(b);
+      return b;
+    }
+    return nullptr;
+  }
+
+  // REQUIRES: b unmapped and free. Maps just enough pages at b's start so that (its mapped free
+  // predecessor + the new pages) holds `rounded`, and returns the resulting mapped free block, which
+  // is in no set and not counted as inactive split. If the device refuses, nothing has changed.
+  block* map_for(block* b, std::size_t rounded) {
+    block* pv = (b->prev && b->prev->is_free() && b->prev->mapped) ? b->prev : nullptr;
+    const std::size_t have = pv ? pv->size : 0;
+    const std::size_t need = round_up(rounded - std::min(have, rounded), granularity_);
+    device_.map(reinterpret_cast<void*>(b->addr), need);
+    segment* seg = b->seg;
+    seg->mapped_bytes += need;
+    count_reserved(seg, static_cast<std::int64_t>(need));
+    ++stats_.num_device_alloc;
+    if (tracing_) trace(trace_action::segment_map, seg->stream, b->addr, need, 0, {});
+    if (need < b->size) {
+      block* rest = new_block();
+      rest->addr = b->addr + need;
+      rest->size = b->size - need;
+      rest->stream = b->stream;
+      rest->seg = seg;
+      rest->mapped = false;
+      rest->prev = b;
+      rest->next = b->next;
+      if (b->next) b->next->prev = rest;
+      b->next = rest;
+      b->size = need;
+    }
+    b->mapped = true;
+    // The new pages join the mapped free predecessor, and, when they fill a hole exactly, the
+    // mapped free block after the hole as well.
+    return merge_free_neighbours(b);
+  }
+
+  // Unmaps every whole page inside free mapped blocks of expandable segments. The split shapes of
+  // many blocks change at once, so the inactive_split families are recounted afterwards rather than
+  // tracked move by move (this is empty_cache / the OOM path, not a hot path).
+  void unmap_free_pages() {
+    for (auto& [key, seg] : expandable_) {
+      free_set& pool = pool_of(seg->small_pool);
+      for (block* b = seg->head; b != nullptr; b = b->next) {
+        if (!b->mapped || !b->is_free()) continue;
+        const std::uintptr_t lo = round_up(b->addr, granularity_);
+        const std::uintptr_t hi = round_down(b->addr + b->size, granularity_);
+        if (hi <= lo) continue;
+        pool.erase(b);
+        block* mid = b;  // carve [lo, hi) out of b as a block of its own
+        if (lo > b->addr) {
+          mid = split_off(b, lo - b->addr);
+          pool.insert(b);
+        }
+        if (hi < mid->addr + mid->size) pool.insert(split_off(mid, hi - mid->addr));
+        device_.unmap(reinterpret_cast<void*>(mid->addr), mid->size);
+        seg->mapped_bytes -= mid->size;
+        count_reserved(seg, -static_cast<std::int64_t>(mid->size));
+        ++stats_.num_device_free;
+        if (tracing_) trace(trace_action::segment_unmap, seg->stream, mid->addr, mid->size, 0, {});
+        mid->mapped = false;
+        b = merge_free_neighbours(mid);
+      }
+    }
+    fix_inactive_split_counts();
+  }
+
+  // Splits b at `offset`; returns the new upper part (same state as b, not in any set).
+  block* split_off(block* b, std::size_t offset) {
+    block* up = new_block();
+    up->addr = b->addr + offset;
+    up->size = b->size - offset;
+    up->stream = b->stream;
+    up->seg = b->seg;
+    up->mapped = b->mapped;
+    up->prev = b;
+    up->next = b->next;
+    if (b->next) b->next->prev = up;
+    b->next = up;
+    b->size = offset;
+    return up;
+  }
+
+  // ---------------------------------------------------------------- releasing cached memory
+
+  // The OOM path and empty_cache(): wait for pending frees, return every fully free plain segment,
+  // and unmap free pages of expandable segments.
+  void release_cached_memory() {
+    wait_for_pending_frees();
+    // A free block may still be read by work queued on its own stream (stream-ordered reuse needs
+    // no event for that); before memory goes back to the device, all such work must be done. This
+    // is what cudaFree's implicit synchronisation gives PyTorch.
+    device_.synchronize_device();
+    ++stats_.num_sync_all_streams;
+    unmap_free_pages();
+    for (auto it = segments_.begin(); it != segments_.end();) {
+      segment* seg = it->second;
+      ++it;
+      if (seg->head->is_free() && seg->head->next == nullptr) give_back_segment(seg, false);
+    }
+  }
+
+  // Below the garbage-collection threshold nothing happens; above it, whole free segments go back
+  // to the device before new memory is asked for, so that a long job does not hoard its peak.
+  void maybe_collect_garbage(std::size_t rounded) {
+    const double threshold = config_.garbage_collection_threshold;
+    if (threshold <= 0.0 || config_.expandable_segments) return;
+    const auto limit = static_cast<std::size_t>(threshold * static_cast<double>(allowed_bytes()));
+    if (reserved_total() + rounded <= limit) return;
+    device_.synchronize_device();  // as in release_cached_memory
+    ++stats_.num_sync_all_streams;
+    for (auto it = segments_.begin(); it != segments_.end() && reserved_total() + rounded > limit;) {
+      segment* seg = it->second;
+      ++it;
+      if (!seg->expandable && seg->head->is_free() && seg->head->next == nullptr) {
+        give_back_segment(seg, false);
+      }
+    }
+  }
+
+  void give_back_segment(segment* seg, bool even_if_used) {
+    free_set& pool = pool_of(seg->small_pool);
+    if (seg->expandable) {
+      // Unmap maximal mapped runs: they start and end on page boundaries, single blocks need not.
+      for (block* b = seg->head; b != nullptr;) {
+        if (!b->mapped) {
+          b = b->next;
+          continue;
+        }
+        if (!even_if_used) return;  // only whole-range teardown releases a mapped range
+        const std::uintptr_t from = b->addr;
+        std::size_t run = 0;
+        for (; b != nullptr && b->mapped; b = b->next) run += b->size;
+        device_.unmap(reinterpret_cast<void*>(from), run);
+      }
+      device_.release_address_range(reinterpret_cast<void*>(seg->addr), seg->size);
+      expandable_.erase(expandable_key{seg->stream, seg->small_pool});
+    } else {
+      device_.release(reinterpret_cast<void*>(seg->addr), seg->size);
+      if (tracing_) trace(trace_action::segment_free, seg->stream, seg->addr, seg->size, 0, {});
+    }
+    ++stats_.num_device_free;
+    count_reserved(seg, -static_cast<std::int64_t>(seg->reserved()));
+    const int p = pool_index(seg->small_pool);
+    stats_.segment[0].decrease(1);
+    stats_.segment[p].decrease(1);
+    for (block* b = seg->head; b != nullptr;) {
+      block* n = b->next;
+      pool.erase(b);
+      if (b->allocated) live_.erase(b->addr);
+      delete_block(b);
+      b = n;
+    }
+    segments_.erase(seg->addr);
+    delete seg;
+  }
+
+  void empty_cache() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    release_cached_memory();
+  }
+
+  // ---------------------------------------------------------------- out-of-memory report
+
+  std::string oom_report(std::size_t requested, std::size_t rounded, std::uintptr_t stream) {
+    const allocator_stats s = stats_locked();
+    std::ostringstream out;
+    const auto& props = device_.properties();
+    out << "terrace: out of memory on device '" << props.name << "' " << props.device_index
+        << ": tried to allocate " << format_bytes(requested) << " (rounded to "
+        << format_bytes(rounded) << ") on stream " << format_addr(stream) << ".\n"
+        << "  device capacity " << format_bytes(props.capacity) << ", allowed by memory_fraction "
+        << format_bytes(allowed_bytes()) << ", held by the device backend "
+        << format_bytes(device_.used_bytes()) << ";\n"
+        << "  reserved " << format_bytes(static_cast<std::size_t>(s.reserved_bytes[0].current))
+        << ", allocated " << format_bytes(static_cast<std::size_t>(s.allocated_bytes[0].current))
+        << ", reserved but unused " << format_bytes(static_cast<std::size_t>(s.cached_free_bytes))
+        << ", largest free block " << format_bytes(static_cast<std::size_t>(s.largest_free_block))
+        << ";\n  fragmentation " << s.fragmentation << " (1 - active/reserved), external "
+        << s.external_fragmentation << " (1 - largest free/unused)." << "\n";
+    std::vector<const block*> top;
+    top.reserve(live_.size());
+    for (const auto& [addr, b] : live_) top.push_back(b);
+    const std::size_t n = std::min<std::size_t>(top.size(), 10);
+    std::partial_sort(top.begin(), top.begin() + static_cast<std::ptrdiff_t>(n), top.end(),
+                      [](const block* a, const block* b) { return a->size > b->size; });
+    out << "  largest live allocations (" << live_.size() << " live):";
+    for (std::size_t i = 0; i < n; ++i) {
+      out << "\n    " << format_bytes(top[i]->size) << " at " << format_addr(top[i]->addr)
+          << " stream " << format_addr(top[i]->stream);
+      if (!top[i]->tag.empty()) out << " tag '" << top[i]->tag << "'";
+    }
+    if (n == 0) out << " none";
+    return out.str();
+  }
+
+  std::string describe_bad_pointer(std::uintptr_t addr, const char* op) const {
+    auto it = segments_.upper_bound(addr);
+    if (it != segments_.begin()) {
+      --it;
+      const segment* seg = it->second;
+      if (addr < seg->addr + seg->size) {
+        for (const block* b = seg->head; b != nullptr; b = b->next) {
+          if (b->addr == addr && !b->allocated) {
+            return std::string("terrace: ") + op + " of " + format_addr(addr) +
+                   ", which is not allocated (double free? its block of " +
+                   format_bytes(b->size) + " is " + (b->pending_events ? "pending free" : "free") +
+                   ")";
+          }
+        }
+        return std::string("terrace: ") + op + " of " + format_addr(addr) +
+               ", which points inside a segment of this allocator but not at the start of an "
+               "allocation";
+      }
+    }
+    return std::string("terrace: ") + op + " of " + format_addr(addr) +
+           ", a pointer this allocator never handed out (foreign pointer)";
+  }
+
+  // ---------------------------------------------------------------- stats and accounting
+
+  std::size_t reserved_total() const noexcept {
+    return static_cast<std::size_t>(stats_.reserved_bytes[0].current);
+  }
+
+  void count_reserved(const segment* seg, std::int64_t delta) {
+    const int p = pool_index(seg->small_pool);
+    for (int i : {0, p}) {
+      if (delta >= 0) {
+        stats_.reserved_bytes[i].increase(delta);
+      } else {
+        stats_.reserved_bytes[i].decrease(-delta);
+      }
+    }
+  }
+
+  void count_inactive_split(const block* b, int sign) {
+    const int p = pool_index(b->seg->small_pool);
+    for (int i : {0, p}) {
+      if (sign > 0) {
+        stats_.inactive_split[i].increase(1);
+        stats_.inactive_split_bytes[i].increase(static_cast<std::int64_t>(b->size));
+      } else {
+        stats_.inactive_split[i].decrease(1);
+        stats_.inactive_split_bytes[i].decrease(static_cast<std::int64_t>(b->size));
+      }
+    }
+  }
+
+  // After the unmap pass the split shapes of many blocks changed at once; recount the two
+  // inactive_split families instead of tracking each move. (empty_cache is not a hot path.)
+  void fix_inactive_split_counts() {
+    std::int64_t count[3] = {0, 0, 0};
+    std::int64_t bytes[3] = {0, 0, 0};
+    for (const auto& [addr, seg] : segments_) {
+      const int p = pool_index(seg->small_pool);
+      for (const block* b = seg->head; b != nullptr; b = b->next) {
+        if (b->mapped && b->is_free() && b->is_split()) {
+          for (int i : {0, p}) {
+            ++count[i];
+            bytes[i] += static_cast<std::int64_t>(b->size);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < 3; ++i) {
+      adjust(stats_.inactive_split[i], count[i]);
+      adjust(stats_.inactive_split_bytes[i], bytes[i]);
+    }
+  }
+
+  static void adjust(stat& s, std::int64_t target) {
+    if (target > s.current) s.increase(target - s.current);
+    if (target < s.current) s.decrease(s.current - target);
+  }
+
+  allocator_stats stats_locked() const {
+    allocator_stats s = stats_;
+    std::int64_t largest = 0;
+    for (const free_set* pool : {&small_free_, &large_free_}) {
+      for (const block* b : *pool) {
+        if (b->mapped) largest = std::max<std::int64_t>(largest, static_cast<std::int64_t>(b->size));
+      }
+    }
+    s.largest_free_block = largest;
+    s.cached_free_bytes = s.reserved_bytes[0].current - s.active_bytes[0].current;
+    s.external_fragmentation =
+        s.cached_free_bytes > 0 ? 1.0 - static_cast<double>(largest) /
+                                            static_cast<double>(s.cached_free_bytes)
+                                : 0.0;
+    const auto& rb = s.reserved_bytes[0];
+    const auto& ab = s.active_bytes[0];
+    s.fragmentation = rb.current > 0 ? 1.0 - static_cast<double>(ab.current) /
+                                                 static_cast<double>(rb.current)
+                                     : 0.0;
+    s.peak_fragmentation =
+        rb.peak > 0 ? 1.0 - static_cast<double>(ab.peak) / static_cast<double>(rb.peak) : 0.0;
+    return s;
+  }
+
+  allocator_stats stats() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return stats_locked();
+  }
+
+  void reset_peak_stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+#define TERRACE_RESET_PEAK(field, name) \
+  for (stat & s : stats_.field) s.reset_peak();
+    TERRACE_POOL_STATS(TERRACE_RESET_PEAK)
+#undef TERRACE_RESET_PEAK
+  }
+
+  void reset_accumulated_stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+#define TERRACE_RESET_ACC(field, name) \
+  for (stat & s : stats_.field) s.reset_accumulated();
+    TERRACE_POOL_STATS(TERRACE_RESET_ACC)
+#undef TERRACE_RESET_ACC
+#define TERRACE_RESET_COUNTER(field, name) stats_.field = 0;
+    TERRACE_EVENT_COUNTERS(TERRACE_RESET_COUNTER)
+#undef TERRACE_RESET_COUNTER
+  }
+
+  void set_memory_fraction(double fraction) {
+    TERRACE_EXPECTS(fraction > 0.0 && fraction <= 1.0, "memory fraction must be in (0, 1]");
+    std::lock_guard<std::mutex> lock(mutex_);
+    memory_fraction_ = fraction;
+  }
+
+  // ---------------------------------------------------------------- trace and snapshot
+
+  void trace(trace_action a, std::uintptr_t stream, std::uintptr_t addr, std::size_t size,
+             std::size_t requested, std::string_view tag) {
+    trace_event e;
+    e.action = a;
+    e.time_ns = static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_)
+            .count());
+    e.stream = stream;
+    e.addr = addr;
+    e.size = size;
+    e.requested = requested;
+    e.tag.assign(tag.data(), tag.size());
+    const std::size_t cap = std::max<std::size_t>(config_.trace_max_events, 1);
+    if (trace_.size() < cap) {
+      trace_.push_back(std::move(e));
+    } else {
+      trace_[trace_head_] = std::move(e);  // a ring: the oldest event gives way
+      trace_head_ = (trace_head_ + 1) % cap;
+    }
+  }
+
+  void set_tracing(bool on) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tracing_ = on;
+  }
+
+  memory_snapshot snapshot() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    memory_snapshot snap;
+    snap.device = device_.properties().device_index;
+    for (const auto& [addr, seg] : segments_) {
+      snapshot_segment out;
+      out.addr = seg->addr;
+      out.total_size = seg->expandable ? seg->mapped_bytes : seg->size;
+      out.stream = seg->stream;
+      out.is_small_pool = seg->small_pool;
+      out.is_expandable = seg->expandable;
+      for (const block* b = seg->head; b != nullptr; b = b->next) {
+        snapshot_block sb;
+        sb.addr = b->addr;
+        sb.size = b->size;
+        sb.requested = b->requested;
+        sb.tag = b->tag;
+        if (!b->mapped) {
+          sb.state = "unmapped";
+        } else if (b->allocated) {
+          sb.state = "active_allocated";
+          out.allocated_size += b->size;
+          out.active_size += b->size;
+          out.requested_size += b->requested;
+        } else if (b->pending_events > 0) {
+          sb.state = "active_pending_free";
+          out.active_size += b->size;
+        } else {
+          sb.state = "inactive";
+        }
+        out.blocks.push_back(std::move(sb));
+      }
+      snap.segments.push_back(std::move(out));
+    }
+    snap.trace.reserve(trace_.size());
+    for (std::size_t i = 0; i < trace_.size(); ++i) {
+      snap.trace.push_back(trace_[(trace_head_ + i) % trace_.size()]);
+    }
+    if (tracing_) {
+      trace_event e;
+      e.action = trace_action::snapshot;
+      snap.trace.push_back(e);
+    }
+    return snap;
+  }
+
+  // ---------------------------------------------------------------- invariants
+
+  void check_invariants() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto fail = [](const std::string& what) { throw logic_error("terrace invariant: " + what); };
+    std::int64_t alloc_n[3] = {}, alloc_b[3] = {}, req_b[3] = {}, active_n[3] = {},
+                 active_b[3] = {}, split_n[3] = {}, split_b[3] = {}, reserved[3] = {}, segs[3] = {};
+    std::uintptr_t prev_end = 0;
+    std::size_t free_in_sets = 0, live_blocks = 0, pending_blocks = 0;
+    for (const auto& [addr, seg] : segments_) {
+      if (seg->addr < prev_end) fail("segments overlap at " + format_addr(seg->addr));
+      prev_end = seg->addr + seg->size;
+      const int p = pool_index(seg->small_pool);
+      std::uintptr_t at = seg->addr;
+      std::size_t mapped = 0;
+      const block* last = nullptr;
+      for (const block* b = seg->head; b != nullptr; b = b->next) {
+        if (b->seg != seg) fail("block " + format_addr(b->addr) + " names the wrong segment");
+        if (b->prev != last) fail("broken prev link at " + format_addr(b->addr));
+        if (b->addr != at) fail("blocks do not tile segment " + format_addr(seg->addr));
+        if (b->size == 0) fail("empty block at " + format_addr(b->addr));
+        if (b->stream != seg->stream) fail("block stream differs from its segment's");
+        at += b->size;
+        if (b->mapped) mapped += b->size;
+        const free_set& pool = seg->small_pool ? small_free_ : large_free_;
+        const bool in_set = pool.count(const_cast<block*>(b)) != 0;
+        if (b->allocated) {
+          ++live_blocks;
+          auto it = live_.find(b->addr);
+          if (it == live_.end() || it->second != b) fail("allocated block missing from live map");
+          if (in_set) fail("allocated block " + format_addr(b->addr) + " is in a free set");
+          if (b->pending_events) fail("allocated block with pending events");
+          if (!b->mapped) fail("allocated block is unmapped");
+          for (int i : {0, p}) {
+            ++alloc_n[i];
+            alloc_b[i] += static_cast<std::int64_t>(b->size);
+            req_b[i] += static_cast<std::int64_t>(b->requested);
+            ++active_n[i];
+            active_b[i] += static_cast<std::int64_t>(b->size);
+          }
+        } else if (b->pending_events > 0) {
+          ++pending_blocks;
+          if (in_set) fail("block with pending events is in a free set (handed out too early)");
+          for (int i : {0, p}) {
+            ++active_n[i];
+            active_b[i] += static_cast<std::int64_t>(b->size);
+          }
+        } else if (!b->mapped) {
+          if (in_set) fail("unmapped block " + format_addr(b->addr) + " is in a free set");
+          if (b->next && b->next->is_free() && !b->next->mapped) {
+            fail("adjacent unmapped blocks not merged at " + format_addr(b->addr));
+          }
+        } else {
+          if (!in_set) fail("free block " + format_addr(b->addr) + " is not in its free set");
+          ++free_in_sets;
+          if (b->next && b->next->is_free() && b->next->mapped == b->mapped) {
+            fail("adjacent free blocks not merged at " + format_addr(b->addr));
+          }
+          if (b->mapped && b->is_split()) {
+            for (int i : {0, p}) {
+              ++split_n[i];
+              split_b[i] += static_cast<std::int64_t>(b->size);
+            }
+          }
+        }
+        last = b;
+      }
+      if (at != seg->addr + seg->size) fail("blocks do not cover segment " + format_addr(seg->addr));
+      if (seg->expandable && mapped != seg->mapped_bytes) fail("expandable mapped bytes disagree");
+      if (!seg->expandable && mapped != seg->size) fail("plain segment with unmapped block");
+      for (int i : {0, p}) {
+        reserved[i] += static_cast<std::int64_t>(seg->reserved());
+        ++segs[i];
+      }
+    }
+    if (free_in_sets != small_free_.size() + large_free_.size()) {
+      fail("a free set holds a block that is not free");
+    }
+    if (live_blocks != live_.size()) fail("live map holds blocks that are not allocated");
+    if (pending_blocks != pending_.size()) fail("pending list disagrees with block states");
+    for (int i = 0; i < 3; ++i) {
+      const std::string pool = stat_pool_names[i];
+      auto check = [&](const stat& s, std::int64_t want, const char* name) {
+        if (s.current != want) {
+          fail(std::string(name) + "." + pool + ".current is " + std::to_string(s.current) +
+               ", recount gives " + std::to_string(want));
+        }
+        if (s.current != s.allocated - s.freed) fail(std::string(name) + " current != allocated - freed");
+        if (s.peak < s.current) fail(std::string(name) + " peak below current");
+      };
+      check(stats_.allocation[i], alloc_n[i], "allocation");
+      check(stats_.allocated_bytes[i], alloc_b[i], "allocated_bytes");
+      check(stats_.requested_bytes[i], req_b[i], "requested_bytes");
+      check(stats_.active[i], active_n[i], "active");
+      check(stats_.active_bytes[i], active_b[i], "active_bytes");
+      check(stats_.inactive_split[i], split_n[i], "inactive_split");
+      check(stats_.inactive_split_bytes[i], split_b[i], "inactive_split_bytes");
+      check(stats_.reserved_bytes[i], reserved[i], "reserved_bytes");
+      check(stats_.segment[i], segs[i], "segment");
+    }
+    // allocated + pending + cached free (mapped) bytes account for every reserved byte.
+    std::int64_t free_mapped = 0;
+    for (const free_set* pool : {&small_free_, &large_free_}) {
+      for (const block* b : *pool) {
+        if (b->mapped) free_mapped += static_cast<std::int64_t>(b->size);
+      }
+    }
+    if (active_b[0] + free_mapped != reserved[0]) {
+      fail("active + cached free bytes (" + std::to_string(active_b[0] + free_mapped) +
+           ") != reserved bytes (" + std::to_string(reserved[0]) + ")");
+    }
+  }
+
+  const allocator_config& config() const noexcept { return config_; }
+  device_backend& device() noexcept { return device_; }
+
+ private:
+  struct pending_free {
+    block* b;
+    std::vector<event_ref> events;
+  };
+  struct expandable_key {
+    std::uintptr_t stream;
+    bool small;
+    bool operator<(const expandable_key& o) const noexcept {
+      return stream != o.stream ? stream < o.stream : small < o.small;
+    }
+  };
+
+  block* new_block() {
+    if (!spare_blocks_.empty()) {
+      block* b = spare_blocks_.back();
+      spare_blocks_.pop_back();
+      return b;
+    }
+    return new block();
+  }
+
+  void delete_block(block* b) {
+    // Blocks are recycled: splits and merges on the hot path then cost no heap allocation.
+    b->prev = b->next = nullptr;
+    b->seg = nullptr;
+    b->allocated = false;
+    b->mapped = true;
+    b->pending_events = 0;
+    b->requested = 0;
+    b->used_streams.clear();
+    b->tag.clear();
+    if (spare_blocks_.size() < 4096) {
+      spare_blocks_.push_back(b);
+    } else {
+      delete b;
+    }
+  }
+
+ private:
+  device_backend& device_;
+  allocator_config config_;
+  std::chrono::steady_clock::time_point start_;
+  mutable std::mutex mutex_;
+  double memory_fraction_ = 1.0;
+  std::size_t granularity_ = kMinBlockSize;
+  bool tracing_ = false;
+
+  free_set small_free_;
+  free_set large_free_;
+  std::unordered_map<std::uintptr_t, block*> live_;
+  std::map<std::uintptr_t, segment*> segments_;
+  std::map<expandable_key, segment*> expandable_;
+  std::vector<pending_free> pending_;
+  std::vector<event_ref> event_pool_;
+  std::vector<block*> spare_blocks_;
+  allocator_stats stats_;
+  std::vector<trace_event> trace_;
+  std::size_t trace_head_ = 0;
+};
+
+}  // namespace detail
+
+// ---------------------------------------------------------------- the public face
+
+caching_allocator::caching_allocator(device_backend& device, allocator_config config)
+    : impl_(std::make_unique<detail::allocator_impl>(device, std::move(config))) {}
+caching_allocator::~caching_allocator() = default;
+
+void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
+  return impl_->allocate(bytes, stream, tag);
+}
+void caching_allocator::deallocate(void* p, stream_ref) { impl_->deallocate(p); }
+void caching_allocator::record_stream(void* p, stream_ref stream) { impl_->record_stream(p, stream); }
+void caching_allocator::empty_cache() { impl_->empty_cache(); }
+void caching_allocator::set_memory_fraction(double fraction) { impl_->set_memory_fraction(fraction); }
+allocator_stats caching_allocator::stats() const { return impl_->stats(); }
+void caching_allocator::reset_peak_stats() { impl_->reset_peak_stats(); }
+void caching_allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
+void caching_allocator::record_trace(bool on) { impl_->set_tracing(on); }
+memory_snapshot caching_allocator::snapshot() const { return impl_->snapshot(); }
+void caching_allocator::check_invariants() const { impl_->check_invariants(); }
+const allocator_config& caching_allocator::config() const noexcept { return impl_->config(); }
+device_backend& caching_allocator::device() noexcept { return impl_->device(); }
+
+}  // namespace terrace

@@ -1,0 +1,400 @@
+// SPDX-License-Identifier: Apache-2.0
+// TERRACE_ALLOC_CONF parsing: `key:value,...` applied over a base allocator_config.
+//
+// Errors are collected as strings by the helpers below and thrown once, at the item level, so that
+// every message names the offending `key:value` item and lists the valid keys whatever went wrong.
+
+#include "terrace/config.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <system_error>
+
+#include "terrace/error.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+// Sizes of device memory are handed out in 512-byte granules, as in PyTorch.
+constexpr std::size_t kGranule = 512;
+
+// ------------------------------------------------------------------------------- small helpers
+
+std::string_view trim(std::string_view s) noexcept {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return s;
+}
+
+bool iequals(std::string_view a, std::string_view b) noexcept {
+  return a.size() == b.size() &&
+         std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+bool all_digits(std::string_view s) noexcept {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The outcome of parsing one value: the value, or why it was refused.
+template <class T>
+struct parsed {
+  std::optional<T> value;
+  std::string why;
+  static parsed ok(T v) { return {std::move(v), {}}; }
+  static parsed fail(std::string w) { return {std::nullopt, std::move(w)}; }
+};
+
+std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
+
+// ------------------------------------------------------------------------------- numbers
+
+parsed<std::uint64_t> parse_unsigned(std::string_view text) {
+  // from_chars alone would accept a prefix ("12abc" -> 12); insisting on digits only also keeps
+  // out signs, which from_chars for an unsigned type would otherwise refuse less clearly.
+  if (!all_digits(text)) return parsed<std::uint64_t>::fail("expected an unsigned integer, got " + quoted(text));
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec == std::errc::result_out_of_range) {
+    return parsed<std::uint64_t>::fail(quoted(text) + " is too large");
+  }
+  if (ec != std::errc{} || end != text.data() + text.size()) {
+    return parsed<std::uint64_t>::fail("expected an unsigned integer, got " + quoted(text));
+  }
+  return parsed<std::uint64_t>::ok(v);
+}
+
+parsed<double> parse_real(std::string_view text) {
+  double v = 0.0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc{} || end != text.data() + text.size() || !std::isfinite(v)) {
+    return parsed<double>::fail("expected a finite number, got " + quoted(text));
+  }
+  return parsed<double>::ok(v);
+}
+
+// Binary multipliers; "K", "KB" and "KiB" all mean 1024 (mimalloc and PyTorch users write both).
+std::optional<std::uint64_t> suffix_multiplier(std::string_view suffix) noexcept {
+  if (suffix.empty() || iequals(suffix, "B")) return 1;
+  static constexpr struct {
+    char letter;
+    unsigned shift;
+  } units[] = {{'K', 10}, {'M', 20}, {'G', 30}, {'T', 40}};
+  const char first = static_cast<char>(std::toupper(static_cast<unsigned char>(suffix.front())));
+  const std::string_view rest = suffix.substr(1);
+  for (const auto& u : units) {
+    if (first == u.letter && (rest.empty() || iequals(rest, "B") || iequals(rest, "iB"))) {
+      return std::uint64_t{1} << u.shift;
+    }
+  }
+  return std::nullopt;
+}
+
+constexpr std::string_view kSuffixHelp = "B, K, KB, KiB, M, MB, MiB, G, GB, GiB, T, TB, TiB";
+
+parsed<std::size_t> parse_size_impl(std::string_view text) {
+  using result = parsed<std::size_t>;
+  text = trim(text);
+  if (text.empty()) return result::fail("expected a size, got an empty value");
+
+  // Split "<digits>[.<digits>] [suffix]". Only the shape is checked here; from_chars converts.
+  std::size_t n = 0;
+  while (n < text.size() && ((text[n] >= '0' && text[n] <= '9') || text[n] == '.')) ++n;
+  const std::string_view number = text.substr(0, n);
+  const std::string_view suffix = trim(text.substr(n));
+  const auto dot = number.find('.');
+  const bool decimal = dot != std::string_view::npos;
+  if (number.empty() || (decimal && (!all_digits(number.substr(0, dot)) ||
+                                     !all_digits(number.substr(dot + 1))))) {
+    return result::fail("malformed size " + quoted(text) +
+                        " (expected a number such as 512, 2MiB or 1.5G)");
+  }
+  const auto mult = suffix_multiplier(suffix);
+  if (!mult) {
+    return result::fail("unknown size suffix " + quoted(suffix) + " in " + quoted(text) +
+                        " (expected one of " + std::string(kSuffixHelp) + ")");
+  }
+  const std::string overflow = "size " + quoted(text) + " does not fit in 64 bits";
+
+  if (!decimal) {
+    std::uint64_t v = 0;
+    const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v);
+    if (ec == std::errc::result_out_of_range) return result::fail(overflow);
+    if (ec != std::errc{} || end != number.data() + number.size()) {
+      return result::fail("malformed size " + quoted(text));
+    }
+    if (v > std::numeric_limits<std::size_t>::max() / *mult) return result::fail(overflow);
+    return result::ok(static_cast<std::size_t>(v * *mult));
+  }
+  double v = 0.0;
+  const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v,
+                                         std::chars_format::fixed);
+  if (ec != std::errc{} || end != number.data() + number.size()) {
+    return result::fail("malformed size " + quoted(text));
+  }
+  // Fractions of a byte are dropped: "1.5K" is exact, "0.3K" is 307 bytes.
+  const long double bytes = static_cast<long double>(v) * static_cast<long double>(*mult);
+  // 2^64 is exactly representable, SIZE_MAX is not: compare against the former.
+  constexpr long double limit = 18446744073709551616.0L;
+  if (!(bytes < limit)) return result::fail(overflow);
+  return result::ok(static_cast<std::size_t>(bytes));
+}
+
+parsed<bool> parse_bool(std::string_view text) {
+  if (text == "1" || iequals(text, "true")) return parsed<bool>::ok(true);
+  if (text == "0" || iequals(text, "false")) return parsed<bool>::ok(false);
+  return parsed<bool>::fail("expected true, false, 1 or 0, got " + quoted(text));
+}
+
+// ------------------------------------------------------------------------------- the keys
+
+// One row per key: how to apply a value to the config, or why it is refused. Rows are in the
+// header's declaration order, which alloc_conf_keys() reports.
+using apply_fn = std::string (*)(allocator_config&, std::string_view);
+
+std::string size_granular(std::size_t& field, std::string_view v, std::string_view what) {
+  auto s = parse_size_impl(v);
+  if (!s.value) return s.why;
+  if (*s.value == 0 || *s.value % kGranule != 0) {
+    return std::string(what) + " must be a positive multiple of 512 bytes, got " +
+           std::to_string(*s.value);
+  }
+  field = *s.value;
+  return {};
+}
+
+struct key_rule {
+  std::string_view key;
+  apply_fn apply;
+};
+
+constexpr key_rule kRules[] = {
+    {"device",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       for (std::string_view d : {"auto", "sim", "null", "cuda", "cuda-vmm"}) {
+         if (v == d) {
+           c.device = std::string(v);
+           return {};
+         }
+       }
+       return "unknown device " + quoted(v) + " (expected auto, sim, null, cuda or cuda-vmm)";
+     }},
+    {"device_capacity",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto s = parse_size_impl(v);
+       if (!s.value) return s.why;
+       c.device_capacity = *s.value;
+       return {};
+     }},
+    {"copy_bandwidth",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       // Bytes per second: a plain number ("1e9") or a size ("12GiB").
+       double bw = 0.0;
+       if (auto r = parse_real(v); r.value) {
+         bw = *r.value;
+       } else if (auto s = parse_size_impl(v); s.value) {
+         bw = static_cast<double>(*s.value);
+       } else {
+         return "expected bytes per second such as 1e10 or 12GiB, got " + quoted(v);
+       }
+       if (bw < 0.0) return "copy_bandwidth must be >= 0 (0 = unlimited), got " + quoted(v);
+       c.copy_bandwidth = bw;
+       return {};
+     }},
+    {"small_size",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto s = parse_size_impl(v);
+       if (!s.value) return s.why;
+       if (*s.value == 0) return "small_size must be > 0";
+       c.small_size = *s.value;
+       return {};
+     }},
+    {"small_segment_size",
+     [](allocator_config& c, std::string_view v) {
+       return size_granular(c.small_segment_size, v, "small_segment_size");
+     }},
+    {"large_segment_size",
+     [](allocator_config& c, std::string_view v) {
+       return size_granular(c.large_segment_size, v, "large_segment_size");
+     }},
+    {"min_large_alloc",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto s = parse_size_impl(v);
+       if (!s.value) return s.why;
+       c.min_large_alloc = *s.value;
+       return {};
+     }},
+    {"large_round",
+     [](allocator_config& c, std::string_view v) {
+       return size_granular(c.large_round, v, "large_round");
+     }},
+    {"max_split_size_mb",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       // PyTorch's unit: whole MiB. Its lower bound (the large segment size) is checked once all
+       // items are applied, since large_segment_size may come later in the same text.
+       auto n = parse_unsigned(v);
+       if (!n.value) return n.why;
+       // Like PyTorch, a value too large to express in bytes means "never split a large block".
+       c.max_split_size = *n.value > std::numeric_limits<std::size_t>::max() / MiB
+                              ? std::numeric_limits<std::size_t>::max()
+                              : static_cast<std::size_t>(*n.value) * MiB;
+       return {};
+     }},
+    {"roundup_power2_divisions",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto n = parse_unsigned(v);
+       if (!n.value) return n.why;
+       const std::uint64_t d = *n.value;
+       if (d > 64 || (d & (d - 1)) != 0) {
+         return "roundup_power2_divisions must be 0 (off) or a power of two from 1 to 64, got " +
+                quoted(v);
+       }
+       c.roundup_power2_divisions = static_cast<unsigned>(d);
+       return {};
+     }},
+    {"garbage_collection_threshold",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto r = parse_real(v);
+       if (!r.value) return r.why;
+       if (!(*r.value >= 0.0 && *r.value < 1.0)) {
+         return "garbage_collection_threshold must be in [0, 1) (0 = off), got " + quoted(v);
+       }
+       c.garbage_collection_threshold = *r.value;
+       return {};
+     }},
+    {"expandable_segments",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto b = parse_bool(v);
+       if (!b.value) return b.why;
+       c.expandable_segments = *b.value;
+       return {};
+     }},
+    {"memory_fraction",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto r = parse_real(v);
+       if (!r.value) return r.why;
+       if (!(*r.value > 0.0 && *r.value <= 1.0)) {
+         return "memory_fraction must be in (0, 1], got " + quoted(v);
+       }
+       c.memory_fraction = *r.value;
+       return {};
+     }},
+    {"record_trace",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto b = parse_bool(v);
+       if (!b.value) return b.why;
+       c.record_trace = *b.value;
+       return {};
+     }},
+    {"trace_max_events",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto n = parse_unsigned(v);
+       if (!n.value) return n.why;
+       if (*n.value == 0) return "trace_max_events must be >= 1";
+       if (*n.value > std::numeric_limits<std::size_t>::max()) return quoted(v) + " is too large";
+       c.trace_max_events = static_cast<std::size_t>(*n.value);
+       return {};
+     }},
+};
+
+std::string valid_keys_list() {
+  std::string out;
+  for (const auto& r : kRules) {
+    if (!out.empty()) out += ", ";
+    out += r.key;
+  }
+  return out;
+}
+
+[[noreturn]] void fail(std::string_view source, std::string_view item, const std::string& why) {
+  throw logic_error("terrace: " + std::string(source) + ": bad item " + quoted(item) + ": " + why +
+                    " (valid keys: " + valid_keys_list() + ")");
+}
+
+allocator_config parse(std::string_view source, std::string_view text, allocator_config base) {
+  allocator_config c = std::move(base);
+  // The last item that set each cross-checked key, so that a failed cross-check can be quoted.
+  std::string_view max_split_item, large_segment_item, small_size_item, small_segment_item;
+
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', pos), text.size());
+    const std::string_view item = trim(text.substr(pos, comma - pos));
+    pos = comma + 1;
+    if (item.empty()) continue;  // "", "a:1," and "a:1,,b:2" are all fine
+
+    const std::size_t colon = item.find(':');
+    if (colon == std::string_view::npos) fail(source, item, "expected key:value");
+    const std::string_view key = trim(item.substr(0, colon));
+    const std::string_view value = trim(item.substr(colon + 1));
+    const auto rule = std::find_if(std::begin(kRules), std::end(kRules),
+                                   [&](const key_rule& r) { return r.key == key; });
+    if (rule == std::end(kRules)) fail(source, item, "unknown key " + quoted(key));
+    if (value.empty()) fail(source, item, "missing value for " + quoted(key));
+    if (std::string why = rule->apply(c, value); !why.empty()) fail(source, item, why);
+
+    if (key == "max_split_size_mb") max_split_item = item;
+    if (key == "large_segment_size") large_segment_item = item;
+    if (key == "small_size") small_size_item = item;
+    if (key == "small_segment_size") small_segment_item = item;
+  }
+
+  // Cross-key rules, checked on the final values whatever order the items came in.
+  if (!small_size_item.empty() || !small_segment_item.empty()) {
+    if (c.small_segment_size < c.small_size) {
+      fail(source, small_segment_item.empty() ? small_size_item : small_segment_item,
+           "small_segment_size (" + std::to_string(c.small_segment_size) +
+               ") must be >= small_size (" + std::to_string(c.small_size) + ")");
+    }
+  }
+  // PyTorch refuses max_split_size_mb below its 20 MiB large segment: a smaller limit would
+  // forbid splitting the very segments that exist to be split. Ours is configurable.
+  if (!max_split_item.empty() || !large_segment_item.empty()) {
+    if (c.max_split_size != std::numeric_limits<std::size_t>::max() &&
+        c.max_split_size < c.large_segment_size) {
+      fail(source, max_split_item.empty() ? large_segment_item : max_split_item,
+           "max_split_size_mb (" + std::to_string(c.max_split_size / MiB) +
+               " MiB) must be at least large_segment_size (" +
+               std::to_string(c.large_segment_size) + " bytes)");
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+const std::vector<std::string_view>& alloc_conf_keys() {
+  static const std::vector<std::string_view> keys = [] {
+    std::vector<std::string_view> k;
+    for (const auto& r : kRules) k.push_back(r.key);
+    return k;
+  }();
+  return keys;
+}
+
+allocator_config parse_alloc_conf(std::string_view text, allocator_config base) {
+  return parse("allocator config", text, std::move(base));
+}
+
+allocator_config alloc_conf_from_env() {
+  const char* text = std::getenv("TERRACE_ALLOC_CONF");
+  if (text == nullptr) return {};
+  return parse("TERRACE_ALLOC_CONF", text, {});
+}
+
+std::size_t parse_size(std::string_view text) {
+  auto s = parse_size_impl(text);
+  if (!s.value) throw logic_error("terrace: " + s.why);
+  return *s.value;
+}
+
+}  // namespace terrace

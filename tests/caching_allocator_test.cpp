@@ -1,0 +1,580 @@
+// SPDX-License-Identifier: Apache-2.0
+// The caching allocator's policy, over the host-side backends. Every test ends with
+// check_invariants(), which recounts the stats and walks every segment.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "terrace/caching_allocator.hpp"
+#include "terrace/error.hpp"
+#include "terrace/sim_device.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+
+std::unique_ptr<device_backend> sim(std::size_t capacity = 256 * MiB) {
+  device_options o;
+  o.capacity = capacity;
+  return make_device("sim", o);
+}
+
+TEST(CachingAllocator, RoundsToMinimumBlockAndCountsRequestedBytes) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(1);
+  ASSERT_NE(p, nullptr);
+  auto s = a.stats();
+  EXPECT_EQ(s.allocated_bytes[0].current, 512);
+  EXPECT_EQ(s.requested_bytes[0].current, 1);
+  EXPECT_EQ(s.allocation[1].current, 1);  // small pool
+  EXPECT_EQ(s.allocation[2].current, 0);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));
+  EXPECT_EQ(a.allocate(0), nullptr);
+  a.deallocate(p);
+  a.deallocate(nullptr);
+  s = a.stats();
+  EXPECT_EQ(s.allocated_bytes[0].current, 0);
+  EXPECT_EQ(s.allocated_bytes[0].peak, 512);
+  EXPECT_EQ(s.allocation[0].freed, 1);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, ReusesCachedBlockWithoutNewDeviceMemory) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(3 * MiB);
+  a.deallocate(p);
+  void* q = a.allocate(3 * MiB);
+  EXPECT_EQ(p, q);
+  EXPECT_EQ(a.stats().num_device_alloc, 1);
+  EXPECT_EQ(a.stats().allocation[2].current, 1);  // large pool
+  a.deallocate(q);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, LargeRequestsUseTwentyMiBSegmentsOrExactRoundedSizes) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(3 * MiB);  // < 10 MiB: a 20 MiB segment
+  EXPECT_EQ(a.stats().reserved_bytes[2].current, static_cast<std::int64_t>(20 * MiB));
+  // >= 10 MiB and larger than the 17 MiB left in the first segment: its own segment, rounded up to
+  // a multiple of 2 MiB.
+  void* q = a.allocate(17 * MiB + 1);
+  EXPECT_EQ(a.stats().reserved_bytes[2].current, static_cast<std::int64_t>(20 * MiB + 18 * MiB));
+  EXPECT_EQ(a.stats().segment[2].current, 2);
+  a.deallocate(p);
+  a.deallocate(q);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, SplitsAndMergesNeighbours) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* x = a.allocate(4 * KiB);
+  void* y = a.allocate(4 * KiB);
+  void* z = a.allocate(4 * KiB);
+  // All three come from one 2 MiB small segment, in address order.
+  EXPECT_EQ(static_cast<char*>(y) - static_cast<char*>(x), static_cast<std::ptrdiff_t>(4 * KiB));
+  EXPECT_EQ(static_cast<char*>(z) - static_cast<char*>(y), static_cast<std::ptrdiff_t>(4 * KiB));
+  EXPECT_EQ(a.stats().segment[0].current, 1);
+  EXPECT_EQ(a.stats().inactive_split[0].current, 1);  // the tail of the segment
+  a.deallocate(y);
+  EXPECT_EQ(a.stats().inactive_split[0].current, 2);
+  EXPECT_EQ(a.stats().inactive_split_bytes[0].current,
+            static_cast<std::int64_t>(2 * MiB - 8 * KiB));
+  a.check_invariants();
+  a.deallocate(x);  // merges with y's block
+  a.deallocate(z);  // merges everything back into one block
+  auto s = a.stats();
+  EXPECT_EQ(s.inactive_split[0].current, 0);
+  EXPECT_EQ(s.inactive_split_bytes[0].current, 0);
+  EXPECT_EQ(s.largest_free_block, static_cast<std::int64_t>(2 * MiB));
+  EXPECT_DOUBLE_EQ(s.external_fragmentation, 0.0);
+  a.check_invariants();
+  // One whole block again: a 2 MiB-ish request fits without new memory... in the large pool it
+  // would not, so ask for the largest small request instead.
+  void* big = a.allocate(1 * MiB);
+  EXPECT_EQ(big, x);
+  a.deallocate(big);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, BestFitPicksTheSmallestSufficientBlock) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* a1 = a.allocate(8 * KiB);
+  void* sep1 = a.allocate(512);
+  void* a2 = a.allocate(4 * KiB);
+  void* sep2 = a.allocate(512);
+  a.deallocate(a1);
+  a.deallocate(a2);
+  EXPECT_EQ(a.allocate(4 * KiB), a2);
+  EXPECT_EQ(a.allocate(8 * KiB), a1);
+  for (void* p : {a1, a2, sep1, sep2}) a.deallocate(p);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, ExternalFragmentationIsReported) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  std::vector<void*> ps;
+  for (int i = 0; i < 8; ++i) ps.push_back(a.allocate(64 * KiB));
+  for (int i = 0; i < 8; i += 2) a.deallocate(ps[i]);  // holes of 64 KiB between live blocks
+  auto s = a.stats();
+  EXPECT_GT(s.external_fragmentation, 0.0);
+  EXPECT_LT(s.external_fragmentation, 1.0);
+  EXPECT_EQ(s.cached_free_bytes, s.reserved_bytes[0].current - s.active_bytes[0].current);
+  EXPECT_GT(s.fragmentation, 0.0);
+  for (int i = 1; i < 8; i += 2) a.deallocate(ps[i]);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, BlocksBelongToTheirStream) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  stream_ref s1 = dev->create_stream();
+  stream_ref s2 = dev->create_stream();
+  void* p = a.allocate(1 * MiB, s1);
+  a.deallocate(p, s1);
+  void* q = a.allocate(1 * MiB, s2);
+  EXPECT_NE(p, q);  // not reused across streams without synchronisation
+  void* r = a.allocate(1 * MiB, s1);
+  EXPECT_EQ(p, r);  // reusable at once on its own stream
+  a.deallocate(q, s2);
+  a.deallocate(r, s1);
+  a.check_invariants();
+  dev->destroy_stream(s1);
+  dev->destroy_stream(s2);
+}
+
+// record_stream: the block is used by a second stream whose work is still queued at free time. It
+// must not be handed out again until that work is done -- checked on the data, not on the books.
+TEST(CachingAllocator, RecordStreamDelaysReuseUntilTheOtherStreamsWorkCompletes) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  stream_ref s1 = dev->create_stream();
+  stream_ref s2 = dev->create_stream();
+  auto* p = static_cast<unsigned char*>(a.allocate(64 * KiB, s1));
+  std::memset(p, 0xAB, 64 * KiB);
+  std::atomic<bool> release{false};
+  std::atomic<bool> intact{false};
+  enqueue_host_function(*dev, s2, [&] {
+    while (!release.load()) std::this_thread::yield();
+    bool ok = true;
+    for (std::size_t i = 0; i < 64 * KiB; ++i) ok = ok && p[i] == 0xAB;
+    intact = ok;
+  });
+  a.record_stream(p, s2);
+  a.deallocate(p, s1);
+  EXPECT_EQ(a.stats().active[0].current, 1);  // pending: still active
+  a.check_invariants();
+  void* q = a.allocate(64 * KiB, s1);
+  EXPECT_NE(q, p);  // the event on s2 has not completed
+  std::memset(q, 0x00, 64 * KiB);
+  release = true;
+  dev->synchronize(s2);
+  EXPECT_TRUE(intact.load());
+  void* r = a.allocate(64 * KiB, s1);
+  a.check_invariants();
+  // The pending block came back; best fit hands out the lowest-addressed 64 KiB block.
+  EXPECT_TRUE(r == p || a.stats().active[0].current == 2);
+  EXPECT_EQ(a.stats().active[0].current, 2);
+  a.deallocate(q, s1);
+  a.deallocate(r, s1);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  a.check_invariants();
+  dev->destroy_stream(s1);
+  dev->destroy_stream(s2);
+}
+
+TEST(CachingAllocator, RecordStreamOnOwnStreamIsANoOp) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(4 * KiB);
+  a.record_stream(p, stream_ref{});
+  a.deallocate(p);
+  EXPECT_EQ(a.stats().active[0].current, 0);
+  EXPECT_THROW(a.record_stream(p, stream_ref{}), logic_error);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, DoubleFreeForeignAndInteriorPointersAreRefused) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(4 * KiB);
+  void* keep = a.allocate(4 * KiB);
+  a.deallocate(p);
+  try {
+    a.deallocate(p);
+    FAIL() << "double free accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("double free"), std::string::npos) << e.what();
+  }
+  int local = 0;
+  try {
+    a.deallocate(&local);
+    FAIL() << "foreign pointer accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("foreign pointer"), std::string::npos) << e.what();
+  }
+  try {
+    a.deallocate(static_cast<char*>(keep) + 16);
+    FAIL() << "interior pointer accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("inside a segment"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(a.stats().allocation[0].current, 1);  // nothing changed
+  a.check_invariants();
+  a.deallocate(keep);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, RetriesAfterReleasingTheCache) {
+  auto dev = sim(64 * MiB);
+  caching_allocator a(*dev);
+  void* p = a.allocate(40 * MiB);
+  a.deallocate(p);  // cached: 40 MiB reserved, free
+  void* q = a.allocate(50 * MiB);  // does not fit beside it: release, then retry
+  ASSERT_NE(q, nullptr);
+  auto s = a.stats();
+  EXPECT_EQ(s.num_alloc_retries, 1);
+  EXPECT_EQ(s.num_device_free, 1);
+  EXPECT_EQ(s.num_ooms, 0);
+  a.deallocate(q);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, OutOfMemoryReportsWhatWasAskedAndWhatIsFree) {
+  auto dev = sim(64 * MiB);
+  allocator_config cfg;
+  cfg.record_trace = true;
+  caching_allocator a(*dev, cfg);
+  void* p = a.allocate(30 * MiB, {}, "weights");
+  void* small = a.allocate(4 * KiB, {}, "tiny");
+  try {
+    a.allocate(40 * MiB, {}, "activations");
+    FAIL() << "expected out_of_memory";
+  } catch (const out_of_memory& e) {
+    const std::string m = e.what();
+    for (const char* want : {"tried to allocate 40.00 MiB", "reserved but unused",
+                             "largest free block", "fragmentation", "largest live allocations",
+                             "tag 'weights'", "device capacity 64.00 MiB"}) {
+      EXPECT_NE(m.find(want), std::string::npos) << "missing '" << want << "' in:\n" << m;
+    }
+  }
+  auto s = a.stats();
+  EXPECT_EQ(s.num_ooms, 1);
+  EXPECT_EQ(s.num_alloc_retries, 1);
+  EXPECT_EQ(s.allocation[0].current, 2);  // the failed request changed nothing
+  bool saw_oom = false;
+  for (const auto& e : a.snapshot().trace) saw_oom = saw_oom || e.action == trace_action::oom;
+  EXPECT_TRUE(saw_oom);
+  a.deallocate(p);
+  a.deallocate(small);
+  a.check_invariants();
+  // Usable afterwards.
+  void* again = a.allocate(40 * MiB);
+  EXPECT_NE(again, nullptr);
+  a.deallocate(again);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, InjectedDeviceOutOfMemoryIsRetriedThenReported) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  dev->inject_out_of_memory(1);  // the first reserve fails, the retry succeeds
+  void* p = a.allocate(1 * MiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(a.stats().num_alloc_retries, 1);
+  dev->inject_out_of_memory(2);  // both tries fail
+  EXPECT_THROW(a.allocate(30 * MiB), out_of_memory);
+  EXPECT_EQ(a.stats().num_ooms, 1);
+  a.deallocate(p);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, InjectedReserveFailurePropagatesAndLeavesStateConsistent) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(1 * MiB);
+  dev->inject_device_error(1);
+  EXPECT_THROW(a.allocate(30 * MiB), device_error);
+  a.check_invariants();
+  EXPECT_EQ(a.stats().allocation[0].current, 1);
+  void* q = a.allocate(30 * MiB);  // the device works again
+  a.deallocate(p);
+  a.deallocate(q);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, MemoryFractionCapsReservedMemory) {
+  auto dev = sim(64 * MiB);
+  caching_allocator a(*dev);
+  a.set_memory_fraction(0.5);
+  EXPECT_THROW(a.allocate(40 * MiB), out_of_memory);
+  void* p = a.allocate(30 * MiB);
+  a.deallocate(p);
+  EXPECT_THROW(a.set_memory_fraction(0.0), logic_error);
+  EXPECT_THROW(a.set_memory_fraction(1.5), logic_error);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, EmptyCacheReturnsFreeSegmentsOnly) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* keep = a.allocate(4 * KiB);
+  void* drop = a.allocate(30 * MiB);
+  a.deallocate(drop);
+  a.empty_cache();
+  auto s = a.stats();
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));
+  EXPECT_EQ(dev->used_bytes(), 2 * MiB);
+  a.deallocate(keep);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  EXPECT_EQ(dev->used_bytes(), 0u);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, MaxSplitSizeKeepsOversizeBlocksWhole) {
+  auto dev = sim();
+  allocator_config cfg;
+  cfg.max_split_size = 32 * MiB;
+  caching_allocator a(*dev, cfg);
+  void* big = a.allocate(40 * MiB);
+  a.deallocate(big);
+  void* small = a.allocate(2 * MiB);  // must not carve the 40 MiB oversize block
+  EXPECT_NE(small, big);
+  void* again = a.allocate(40 * MiB);
+  EXPECT_EQ(again, big);
+  a.deallocate(small);
+  a.deallocate(again);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, RoundupPowerOfTwoDivisions) {
+  auto dev = sim();
+  allocator_config cfg;
+  cfg.roundup_power2_divisions = 4;
+  caching_allocator a(*dev, cfg);
+  void* p = a.allocate(1200 * KiB);  // between 1 MiB and 2 MiB in quarter steps: 1.25 MiB
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, static_cast<std::int64_t>(1280 * KiB));
+  a.deallocate(p);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, ResetPeakAndAccumulatedStats) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(8 * MiB);
+  void* q = a.allocate(8 * MiB);
+  a.deallocate(q);
+  EXPECT_EQ(a.stats().allocated_bytes[0].peak, static_cast<std::int64_t>(16 * MiB));
+  a.reset_peak_stats();
+  EXPECT_EQ(a.stats().allocated_bytes[0].peak, static_cast<std::int64_t>(8 * MiB));
+  a.reset_accumulated_stats();
+  auto s = a.stats();
+  EXPECT_EQ(s.allocation[0].allocated, 1);
+  EXPECT_EQ(s.allocation[0].freed, 0);
+  EXPECT_EQ(s.num_device_alloc, 0);
+  a.deallocate(p);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, GarbageCollectionReleasesFreeSegmentsAboveThreshold) {
+  auto dev = sim(100 * MiB);
+  allocator_config cfg;
+  cfg.garbage_collection_threshold = 0.5;
+  caching_allocator a(*dev, cfg);
+  void* p = a.allocate(40 * MiB);
+  a.deallocate(p);
+  // 45 MiB does not fit the cached 40 MiB block, and 40 + 46 > 50: the free segment goes back
+  // before new memory is asked for, without an OOM retry.
+  void* q = a.allocate(45 * MiB);
+  EXPECT_EQ(a.stats().num_alloc_retries, 0);
+  EXPECT_EQ(a.stats().num_device_free, 1);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(46 * MiB));
+  a.deallocate(q);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, TraceRecordsEveryActionWithTags) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  a.record_trace(true);
+  void* p = a.allocate(1000, {}, "layer0.weight");
+  a.deallocate(p);
+  a.empty_cache();
+  auto snap = a.snapshot();
+  std::vector<trace_action> got;
+  for (const auto& e : snap.trace) got.push_back(e.action);
+  std::vector<trace_action> want = {trace_action::segment_alloc, trace_action::alloc,
+                                    trace_action::free_requested, trace_action::free_completed,
+                                    trace_action::segment_free, trace_action::snapshot};
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(snap.trace[1].tag, "layer0.weight");
+  EXPECT_EQ(snap.trace[1].requested, 1000u);
+  EXPECT_EQ(snap.trace[1].size, 1024u);
+  EXPECT_EQ(snap.trace[1].addr, reinterpret_cast<std::uintptr_t>(p));
+  for (std::size_t i = 1; i < snap.trace.size() - 1; ++i) {
+    EXPECT_GE(snap.trace[i].time_ns, snap.trace[i - 1].time_ns);
+  }
+  a.record_trace(false);
+  void* q = a.allocate(1000);
+  a.deallocate(q);
+  EXPECT_EQ(a.snapshot().trace.size(), 5u);  // nothing new while off
+}
+
+TEST(CachingAllocator, TraceRingKeepsTheNewestEvents) {
+  auto dev = sim();
+  allocator_config cfg;
+  cfg.record_trace = true;
+  cfg.trace_max_events = 4;
+  caching_allocator a(*dev, cfg);
+  for (int i = 0; i < 10; ++i) a.deallocate(a.allocate(512));
+  a.record_trace(false);
+  auto t = a.snapshot().trace;
+  // Each iteration records alloc, free_requested, free_completed: the newest four events are the
+  // tail of the ninth iteration and the whole tenth.
+  ASSERT_EQ(t.size(), 4u);
+  EXPECT_EQ(t[0].action, trace_action::free_completed);
+  EXPECT_EQ(t[1].action, trace_action::alloc);
+  EXPECT_EQ(t[2].action, trace_action::free_requested);
+  EXPECT_EQ(t[3].action, trace_action::free_completed);
+  for (std::size_t i = 1; i < t.size(); ++i) EXPECT_GE(t[i].time_ns, t[i - 1].time_ns);
+}
+
+TEST(CachingAllocator, SnapshotShowsSegmentsAndBlockStates) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(4 * KiB);
+  void* q = a.allocate(4 * KiB);
+  a.deallocate(q);
+  auto snap = a.snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  const auto& seg = snap.segments[0];
+  EXPECT_TRUE(seg.is_small_pool);
+  EXPECT_EQ(seg.total_size, 2 * MiB);
+  EXPECT_EQ(seg.allocated_size, 4 * KiB);
+  ASSERT_EQ(seg.blocks.size(), 2u);
+  EXPECT_EQ(seg.blocks[0].state, "active_allocated");
+  EXPECT_EQ(seg.blocks[1].state, "inactive");
+  EXPECT_EQ(seg.blocks[0].addr, reinterpret_cast<std::uintptr_t>(p));
+  a.deallocate(p);
+}
+
+TEST(CachingAllocator, ExpandableSegmentsGrowInPlaceAndUnmapOnEmptyCache) {
+  device_options o;
+  o.capacity = 256 * MiB;
+  o.map_granularity = 2 * MiB;
+  auto dev = make_device("sim", o);
+  allocator_config cfg;
+  cfg.expandable_segments = true;
+  caching_allocator a(*dev, cfg);
+  auto* x = static_cast<char*>(a.allocate(6 * MiB));
+  auto* y = static_cast<char*>(a.allocate(6 * MiB));
+  auto* z = static_cast<char*>(a.allocate(30 * MiB));
+  EXPECT_EQ(y - x, static_cast<std::ptrdiff_t>(6 * MiB));  // grows in place
+  EXPECT_EQ(z - y, static_cast<std::ptrdiff_t>(6 * MiB));
+  auto s = a.stats();
+  EXPECT_EQ(s.segment[2].current, 1);
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(42 * MiB));  // pages: 2 MiB
+  EXPECT_EQ(dev->used_bytes(), 42 * MiB);
+  std::memset(z, 1, 30 * MiB);  // mapped memory is usable
+  a.check_invariants();
+  a.deallocate(y);
+  a.empty_cache();  // y's pages go back although x and z stay
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(36 * MiB));
+  EXPECT_EQ(dev->used_bytes(), 36 * MiB);
+  a.check_invariants();
+  auto* y2 = static_cast<char*>(a.allocate(6 * MiB));  // the hole is mapped again
+  EXPECT_EQ(y2, y);
+  std::memset(y2, 2, 6 * MiB);
+  a.check_invariants();
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(y2), static_cast<void*>(z)}) {
+    a.deallocate(p);
+  }
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  EXPECT_EQ(dev->used_bytes(), 0u);
+  a.check_invariants();
+}
+
+// Regression: pages mapped into a hole that they fill exactly must merge with the mapped free
+// block after the hole, not only with the one before it.
+TEST(CachingAllocator, ExpandableHoleRefilledMergesWithBothNeighbours) {
+  device_options o;
+  o.capacity = 256 * MiB;
+  o.map_granularity = 2 * MiB;
+  auto dev = make_device("sim", o);
+  allocator_config cfg;
+  cfg.expandable_segments = true;
+  caching_allocator a(*dev, cfg);
+  void* x = a.allocate(2 * MiB);                    // page 0
+  void* y = a.allocate(4 * MiB);                    // pages 1-2
+  void* z = a.allocate(2 * MiB + MiB / 2);          // page 3 and half of page 4
+  void* w = a.allocate(MiB + MiB / 2);              // the rest of page 4
+  a.deallocate(y);
+  a.empty_cache();                                  // pages 1-2 become a hole
+  a.deallocate(z);                                  // mapped, free, right after the hole
+  a.check_invariants();
+  // 3 MiB does not fit z's 2.5 MiB; the hole is mapped again (4 MiB) and merges with z.
+  void* v = a.allocate(3 * MiB);
+  EXPECT_EQ(v, y);
+  a.check_invariants();
+  auto s = a.stats();
+  EXPECT_EQ(s.inactive_split[0].current, 1);
+  EXPECT_EQ(s.inactive_split_bytes[0].current, static_cast<std::int64_t>(MiB + 2 * MiB + MiB / 2));
+  for (void* p : {x, v, w}) a.deallocate(p);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, ExpandableSegmentsHitTheCapacityWithAClearError) {
+  device_options o;
+  o.capacity = 32 * MiB;
+  o.map_granularity = 2 * MiB;
+  auto dev = make_device("sim", o);
+  allocator_config cfg;
+  cfg.expandable_segments = true;
+  caching_allocator a(*dev, cfg);
+  void* p = a.allocate(20 * MiB);
+  EXPECT_THROW(a.allocate(20 * MiB), out_of_memory);
+  a.deallocate(p);
+  void* q = a.allocate(30 * MiB);  // the freed pages serve it
+  a.deallocate(q);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, InconsistentConfigIsRejected) {
+  auto dev = sim();
+  allocator_config bad_fraction;
+  bad_fraction.memory_fraction = 0.0;
+  EXPECT_THROW(caching_allocator(*dev, bad_fraction), logic_error);
+  allocator_config bad_segments;
+  bad_segments.small_segment_size = 512 * KiB;  // below small_size (1 MiB)
+  EXPECT_THROW(caching_allocator(*dev, bad_segments), logic_error);
+}
+
+TEST(CachingAllocator, NullBackendReplaysHugePeaksWithoutTouchingMemory) {
+  device_options o;
+  o.capacity = std::size_t{1} << 40;
+  auto dev = make_device("null", o);
+  caching_allocator a(*dev);
+  std::vector<void*> ps;
+  for (int i = 0; i < 70; ++i) ps.push_back(a.allocate(std::size_t{1} << 30));  // 70 GiB
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, std::int64_t{70} << 30);
+  for (void* p : ps) a.deallocate(p);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  a.check_invariants();
+}
+
+}  // namespace
+}  // namespace terrace

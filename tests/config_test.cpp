@@ -1,0 +1,401 @@
+// SPDX-License-Identifier: Apache-2.0
+// TERRACE_ALLOC_CONF parsing: every key, every size suffix, and every way a value is refused.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "terrace/config.hpp"
+#include "terrace/error.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+constexpr std::size_t GiB = 1024 * MiB;
+constexpr std::size_t TiB = 1024 * GiB;
+
+// The message of the logic_error that parsing `text` throws; fails the test if nothing is thrown.
+std::string error_of(std::string_view text) {
+  try {
+    parse_alloc_conf(text);
+  } catch (const logic_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "parse_alloc_conf(\"" << text << "\") did not throw";
+  return {};
+}
+
+std::string size_error_of(std::string_view text) {
+  try {
+    parse_size(text);
+  } catch (const logic_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "parse_size(\"" << text << "\") did not throw";
+  return {};
+}
+
+// Every error names the offending item and lists every valid key.
+void expect_item_error(std::string_view text, std::string_view item, std::string_view problem) {
+  SCOPED_TRACE(std::string(text));
+  const std::string msg = error_of(text);
+  EXPECT_NE(msg.find("'" + std::string(item) + "'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(problem), std::string::npos) << msg;
+  EXPECT_NE(msg.find("valid keys: "), std::string::npos) << msg;
+  for (std::string_view key : alloc_conf_keys()) {
+    EXPECT_NE(msg.find(key), std::string::npos) << "key " << key << " missing from: " << msg;
+  }
+}
+
+// ------------------------------------------------------------------------------------- keys
+
+TEST(AllocConf, KeysAreTheHeadersInDeclarationOrder) {
+  const std::vector<std::string_view> expected = {
+      "device",          "device_capacity",          "copy_bandwidth",
+      "small_size",      "small_segment_size",       "large_segment_size",
+      "min_large_alloc", "large_round",              "max_split_size_mb",
+      "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments",
+      "memory_fraction", "record_trace",             "trace_max_events"};
+  EXPECT_EQ(alloc_conf_keys(), expected);
+}
+
+TEST(AllocConf, EmptyTextAndEmptyItemsKeepTheBase) {
+  allocator_config base;
+  base.small_size = 4 * KiB;
+  base.device = "null";
+  for (std::string_view text : {"", "   ", ",", ",,", " , , "}) {
+    const auto c = parse_alloc_conf(text, base);
+    EXPECT_EQ(c.small_size, 4 * KiB) << text;
+    EXPECT_EQ(c.device, "null") << text;
+  }
+  const auto c = parse_alloc_conf("record_trace:true,", base);
+  EXPECT_TRUE(c.record_trace);
+  EXPECT_EQ(c.small_size, 4 * KiB);
+}
+
+TEST(AllocConf, EveryKeyParses) {
+  const auto c = parse_alloc_conf(
+      "device:sim,device_capacity:8GiB,copy_bandwidth:12.5e9,small_size:512KiB,"
+      "small_segment_size:4MiB,large_segment_size:32MiB,min_large_alloc:16MiB,large_round:4MiB,"
+      "max_split_size_mb:256,roundup_power2_divisions:4,garbage_collection_threshold:0.75,"
+      "expandable_segments:true,memory_fraction:0.5,record_trace:1,trace_max_events:1000");
+  EXPECT_EQ(c.device, "sim");
+  EXPECT_EQ(c.device_capacity, 8 * GiB);
+  EXPECT_DOUBLE_EQ(c.copy_bandwidth, 12.5e9);
+  EXPECT_EQ(c.small_size, 512 * KiB);
+  EXPECT_EQ(c.small_segment_size, 4 * MiB);
+  EXPECT_EQ(c.large_segment_size, 32 * MiB);
+  EXPECT_EQ(c.min_large_alloc, 16 * MiB);
+  EXPECT_EQ(c.large_round, 4 * MiB);
+  EXPECT_EQ(c.max_split_size, 256 * MiB);
+  EXPECT_EQ(c.roundup_power2_divisions, 4u);
+  EXPECT_DOUBLE_EQ(c.garbage_collection_threshold, 0.75);
+  EXPECT_TRUE(c.expandable_segments);
+  EXPECT_DOUBLE_EQ(c.memory_fraction, 0.5);
+  EXPECT_TRUE(c.record_trace);
+  EXPECT_EQ(c.trace_max_events, 1000u);
+}
+
+TEST(AllocConf, DefaultsMatchPyTorch) {
+  const allocator_config c = parse_alloc_conf("");
+  EXPECT_EQ(c.device, "auto");
+  EXPECT_EQ(c.small_size, 1 * MiB);
+  EXPECT_EQ(c.small_segment_size, 2 * MiB);
+  EXPECT_EQ(c.large_segment_size, 20 * MiB);
+  EXPECT_EQ(c.min_large_alloc, 10 * MiB);
+  EXPECT_EQ(c.large_round, 2 * MiB);
+  EXPECT_EQ(c.max_split_size, SIZE_MAX);
+  EXPECT_EQ(c.roundup_power2_divisions, 0u);
+  EXPECT_FALSE(c.expandable_segments);
+}
+
+TEST(AllocConf, SpacesAroundItemsKeysAndValuesAreTrimmed) {
+  const auto c = parse_alloc_conf("  device : null ,  small_size :  2 MiB , memory_fraction: 1 ");
+  EXPECT_EQ(c.device, "null");
+  EXPECT_EQ(c.small_size, 2 * MiB);
+  EXPECT_DOUBLE_EQ(c.memory_fraction, 1.0);
+}
+
+TEST(AllocConf, LaterItemsWinAndUntouchedFieldsKeepTheBase) {
+  allocator_config base;
+  base.trace_max_events = 7;
+  const auto c = parse_alloc_conf("small_size:4K,small_size:8K", base);
+  EXPECT_EQ(c.small_size, 8 * KiB);
+  EXPECT_EQ(c.trace_max_events, 7u);
+}
+
+TEST(AllocConf, EveryDeviceName) {
+  for (std::string_view d : {"auto", "sim", "null", "cuda", "cuda-vmm"}) {
+    EXPECT_EQ(parse_alloc_conf("device:" + std::string(d)).device, d);
+  }
+}
+
+TEST(AllocConf, BooleanSpellings) {
+  for (std::string_view t : {"true", "True", "TRUE", "1"}) {
+    EXPECT_TRUE(parse_alloc_conf("expandable_segments:" + std::string(t)).expandable_segments) << t;
+  }
+  allocator_config on;
+  on.record_trace = true;
+  for (std::string_view f : {"false", "False", "0"}) {
+    EXPECT_FALSE(parse_alloc_conf("record_trace:" + std::string(f), on).record_trace) << f;
+  }
+}
+
+TEST(AllocConf, RoundupDivisionsAcceptsZeroAndPowersOfTwoUpTo64) {
+  for (unsigned d : {0u, 1u, 2u, 4u, 8u, 16u, 32u, 64u}) {
+    EXPECT_EQ(parse_alloc_conf("roundup_power2_divisions:" + std::to_string(d))
+                  .roundup_power2_divisions,
+              d);
+  }
+}
+
+TEST(AllocConf, MaxSplitSizeIsInMiBAndBoundedBelowByTheLargeSegment) {
+  EXPECT_EQ(parse_alloc_conf("max_split_size_mb:20").max_split_size, 20 * MiB);
+  // The bound follows the configured large segment, whichever item comes first.
+  EXPECT_EQ(parse_alloc_conf("max_split_size_mb:8,large_segment_size:8MiB").max_split_size, 8 * MiB);
+  EXPECT_EQ(parse_alloc_conf("large_segment_size:8MiB,max_split_size_mb:8").max_split_size, 8 * MiB);
+  // Too large to express in bytes: never split, as PyTorch clamps it.
+  EXPECT_EQ(parse_alloc_conf("max_split_size_mb:18446744073709551615").max_split_size, SIZE_MAX);
+  expect_item_error("max_split_size_mb:19", "max_split_size_mb:19", "at least large_segment_size");
+  expect_item_error("max_split_size_mb:0", "max_split_size_mb:0", "at least large_segment_size");
+  // Raising the segment above an earlier limit is refused too, quoting the limit's item.
+  expect_item_error("max_split_size_mb:32,large_segment_size:64MiB", "max_split_size_mb:32",
+                    "at least large_segment_size");
+  // Without a limit anywhere, any segment size goes.
+  EXPECT_EQ(parse_alloc_conf("large_segment_size:64MiB").large_segment_size, 64 * MiB);
+  // A limit from the base is checked against a segment size from the text, quoting that item...
+  allocator_config base;
+  base.max_split_size = 32 * MiB;
+  try {
+    parse_alloc_conf("large_segment_size:64MiB", base);
+    ADD_FAILURE() << "expected a throw";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'large_segment_size:64MiB'"), std::string::npos)
+        << e.what();
+  }
+  // ...but a base that no item touches is left to the allocator's own checks.
+  EXPECT_EQ(parse_alloc_conf("small_size:4K", base).max_split_size, 32 * MiB);
+}
+
+TEST(AllocConf, BoundaryValuesAreAccepted) {
+  EXPECT_DOUBLE_EQ(parse_alloc_conf("garbage_collection_threshold:0").garbage_collection_threshold, 0.0);
+  EXPECT_DOUBLE_EQ(parse_alloc_conf("garbage_collection_threshold:0.999").garbage_collection_threshold,
+                   0.999);
+  EXPECT_DOUBLE_EQ(parse_alloc_conf("memory_fraction:1.0").memory_fraction, 1.0);
+  EXPECT_DOUBLE_EQ(parse_alloc_conf("memory_fraction:1e-3").memory_fraction, 1e-3);
+  EXPECT_DOUBLE_EQ(parse_alloc_conf("copy_bandwidth:0").copy_bandwidth, 0.0);
+  EXPECT_DOUBLE_EQ(parse_alloc_conf("copy_bandwidth:2GiB").copy_bandwidth, 2.0 * GiB);
+  EXPECT_EQ(parse_alloc_conf("small_segment_size:1MiB").small_segment_size, 1 * MiB);
+  EXPECT_EQ(parse_alloc_conf("small_segment_size:512,small_size:512").small_segment_size, 512u);
+  EXPECT_EQ(parse_alloc_conf("device_capacity:0").device_capacity, 0u);
+  EXPECT_EQ(parse_alloc_conf("min_large_alloc:0").min_large_alloc, 0u);
+  EXPECT_EQ(parse_alloc_conf("trace_max_events:1").trace_max_events, 1u);
+}
+
+// ------------------------------------------------------------------------------------- errors
+
+TEST(AllocConfErrors, UnknownKey) {
+  expect_item_error("small_size:1K,bogus:3", "bogus:3", "unknown key 'bogus'");
+  expect_item_error(":3", ":3", "unknown key ''");
+  // Keys are case-sensitive, as in PyTorch.
+  expect_item_error("Small_Size:1K", "Small_Size:1K", "unknown key");
+}
+
+TEST(AllocConfErrors, MissingColonOrValue) {
+  expect_item_error("record_trace", "record_trace", "expected key:value");
+  expect_item_error("small_size:1K, expandable_segments", "expandable_segments", "expected key:value");
+  expect_item_error("small_size:", "small_size:", "missing value");
+}
+
+TEST(AllocConfErrors, MalformedValues) {
+  expect_item_error("device:gpu", "device:gpu", "unknown device");
+  expect_item_error("device:CUDA", "device:CUDA", "unknown device");
+  expect_item_error("device_capacity:lots", "device_capacity:lots", "malformed size");
+  expect_item_error("small_size:-1", "small_size:-1", "malformed size");
+  expect_item_error("small_size:1Q", "small_size:1Q", "unknown size suffix 'Q'");
+  expect_item_error("copy_bandwidth:fast", "copy_bandwidth:fast", "bytes per second");
+  expect_item_error("copy_bandwidth:inf", "copy_bandwidth:inf", "bytes per second");
+  expect_item_error("max_split_size_mb:1.5", "max_split_size_mb:1.5", "unsigned integer");
+  expect_item_error("max_split_size_mb:64M", "max_split_size_mb:64M", "unsigned integer");
+  expect_item_error("max_split_size_mb:99999999999999999999", "max_split_size_mb:99999999999999999999",
+                    "too large");
+  expect_item_error("roundup_power2_divisions:x", "roundup_power2_divisions:x", "unsigned integer");
+  expect_item_error("garbage_collection_threshold:half", "garbage_collection_threshold:half",
+                    "finite number");
+  expect_item_error("garbage_collection_threshold:nan", "garbage_collection_threshold:nan",
+                    "finite number");
+  expect_item_error("expandable_segments:yes", "expandable_segments:yes", "expected true, false");
+  expect_item_error("record_trace:2", "record_trace:2", "expected true, false");
+  expect_item_error("memory_fraction:0.5x", "memory_fraction:0.5x", "finite number");
+  expect_item_error("trace_max_events:-5", "trace_max_events:-5", "unsigned integer");
+  expect_item_error("trace_max_events:1e6", "trace_max_events:1e6", "unsigned integer");
+}
+
+TEST(AllocConfErrors, OutOfRangeValues) {
+  for (std::string_view d : {"3", "12", "65", "128"}) {
+    const std::string item = "roundup_power2_divisions:" + std::string(d);
+    expect_item_error(item, item, "power of two from 1 to 64");
+  }
+  for (std::string_view v : {"1", "1.0", "-0.1", "2"}) {
+    const std::string item = "garbage_collection_threshold:" + std::string(v);
+    expect_item_error(item, item, "[0, 1)");
+  }
+  for (std::string_view v : {"0", "0.0", "-0.5", "1.0001"}) {
+    const std::string item = "memory_fraction:" + std::string(v);
+    expect_item_error(item, item, "(0, 1]");
+  }
+  expect_item_error("copy_bandwidth:-1", "copy_bandwidth:-1", ">= 0");
+  expect_item_error("small_size:0", "small_size:0", "small_size must be > 0");
+  expect_item_error("trace_max_events:0", "trace_max_events:0", ">= 1");
+  expect_item_error("device_capacity:20000000T", "device_capacity:20000000T", "does not fit");
+}
+
+TEST(AllocConfErrors, SegmentSizesArePositiveMultiplesOf512) {
+  for (std::string_view key : {"small_segment_size", "large_segment_size", "large_round"}) {
+    for (std::string_view v : {"0", "1000", "513", "0.75K"}) {
+      const std::string item = std::string(key) + ":" + std::string(v);
+      expect_item_error(item, item, "positive multiple of 512");
+    }
+  }
+  // 1.5K = 3 * 512 is a granule multiple even though it is written as a decimal.
+  EXPECT_EQ(parse_alloc_conf("small_size:512,small_segment_size:1.5K").small_segment_size, 1536u);
+  EXPECT_EQ(parse_alloc_conf("large_segment_size:1.5K").large_segment_size, 1536u);
+  EXPECT_EQ(parse_alloc_conf("large_round:1.5K").large_round, 1536u);
+}
+
+TEST(AllocConfErrors, SmallSegmentMustHoldASmallBlock) {
+  expect_item_error("small_segment_size:512K", "small_segment_size:512K",
+                    "must be >= small_size");
+  expect_item_error("small_size:4MiB", "small_size:4MiB", "must be >= small_size");
+  expect_item_error("small_size:4MiB,small_segment_size:2MiB", "small_segment_size:2MiB",
+                    "must be >= small_size");
+  EXPECT_EQ(parse_alloc_conf("small_size:4MiB,small_segment_size:4MiB").small_size, 4 * MiB);
+}
+
+TEST(AllocConfErrors, TheFirstBadItemIsReportedAndTheBaseIsUntouched) {
+  allocator_config base;
+  base.small_size = 4 * KiB;
+  try {
+    parse_alloc_conf("small_size:8K,nope:1,alsobad", base);
+    FAIL() << "expected a throw";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'nope:1'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(base.small_size, 4 * KiB);
+}
+
+// ------------------------------------------------------------------------------------- sizes
+
+TEST(ParseSize, PlainNumbersAreBytes) {
+  EXPECT_EQ(parse_size("0"), 0u);
+  EXPECT_EQ(parse_size("512"), 512u);
+  EXPECT_EQ(parse_size("18446744073709551615"), SIZE_MAX);
+  EXPECT_EQ(parse_size("  42  "), 42u);
+}
+
+TEST(ParseSize, EverySuffixIsBinaryAndCaseInsensitive) {
+  struct row {
+    const char* suffix;
+    std::size_t mult;
+  };
+  const row rows[] = {{"B", 1},      {"K", KiB},    {"KB", KiB},   {"KiB", KiB},
+                      {"M", MiB},    {"MB", MiB},   {"MiB", MiB},  {"G", GiB},
+                      {"GB", GiB},   {"GiB", GiB},  {"T", TiB},    {"TB", TiB},
+                      {"TiB", TiB},  {"b", 1},      {"k", KiB},    {"kb", KiB},
+                      {"kib", KiB},  {"mib", MiB},  {"gB", GiB},   {"TIB", TiB}};
+  for (const row& r : rows) {
+    EXPECT_EQ(parse_size(std::string("3") + r.suffix), 3 * r.mult) << r.suffix;
+    EXPECT_EQ(parse_size(std::string("3 ") + r.suffix), 3 * r.mult) << r.suffix;
+  }
+}
+
+TEST(ParseSize, DecimalsAreScaledAndFractionalBytesDropped) {
+  EXPECT_EQ(parse_size("1.5G"), 3 * GiB / 2);
+  EXPECT_EQ(parse_size("1.5KiB"), 1536u);
+  EXPECT_EQ(parse_size("0.5M"), 512 * KiB);
+  EXPECT_EQ(parse_size("2.0"), 2u);
+  EXPECT_EQ(parse_size("0.3K"), 307u);  // 307.2 bytes
+  EXPECT_EQ(parse_size("2.25T"), 9 * TiB / 4);
+  EXPECT_EQ(parse_size("0.001K"), 1u);  // 1.024 bytes
+}
+
+TEST(ParseSize, OverflowIsRejected) {
+  EXPECT_NE(size_error_of("18446744073709551616").find("does not fit"), std::string::npos);
+  EXPECT_NE(size_error_of("16777216T").find("does not fit"), std::string::npos);  // exactly 2^64
+  EXPECT_EQ(parse_size("16777215T"), 16777215 * TiB);
+  EXPECT_NE(size_error_of("16777216.0T").find("does not fit"), std::string::npos);
+  EXPECT_NE(size_error_of("99999999999999999999999999K").find("does not fit"), std::string::npos);
+}
+
+TEST(ParseSize, MalformedTextIsRejectedWithTheText) {
+  for (std::string_view bad : {"", " ", "K", "abc", "-1", "+1", "1.", ".5", "1..5", "1.2.3",
+                               "1e3", "0x10", "1 2", "1KK", "1 KiBs", "inf", "nan", "1,5M"}) {
+    const std::string msg = size_error_of(bad);
+    EXPECT_NE(msg.find("terrace: "), std::string::npos) << bad << ": " << msg;
+    if (!std::string_view(bad).empty() && bad != " ") {
+      EXPECT_NE(msg.find(std::string(bad)), std::string::npos) << bad << ": " << msg;
+    }
+  }
+  EXPECT_NE(size_error_of("5 PiB").find("B, K, KB, KiB"), std::string::npos);
+}
+
+// ------------------------------------------------------------------------------------- env
+
+class AllocConfEnv : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const char* old = std::getenv("TERRACE_ALLOC_CONF")) saved_ = old;
+    unsetenv("TERRACE_ALLOC_CONF");
+  }
+  void TearDown() override {
+    if (saved_) {
+      setenv("TERRACE_ALLOC_CONF", saved_->c_str(), 1);
+    } else {
+      unsetenv("TERRACE_ALLOC_CONF");
+    }
+  }
+  std::optional<std::string> saved_;
+};
+
+TEST_F(AllocConfEnv, UnsetGivesDefaults) {
+  const auto c = alloc_conf_from_env();
+  EXPECT_EQ(c.device, "auto");
+  EXPECT_EQ(c.small_size, 1 * MiB);
+  EXPECT_FALSE(c.record_trace);
+}
+
+TEST_F(AllocConfEnv, ReadsTheVariable) {
+  ASSERT_EQ(setenv("TERRACE_ALLOC_CONF", "device:null,max_split_size_mb:64,record_trace:true", 1), 0);
+  const auto c = alloc_conf_from_env();
+  EXPECT_EQ(c.device, "null");
+  EXPECT_EQ(c.max_split_size, 64 * MiB);
+  EXPECT_TRUE(c.record_trace);
+  ASSERT_EQ(setenv("TERRACE_ALLOC_CONF", "", 1), 0);
+  EXPECT_EQ(alloc_conf_from_env().device, "auto");
+}
+
+TEST_F(AllocConfEnv, ErrorsNameTheVariableTheItemAndTheKeys) {
+  ASSERT_EQ(setenv("TERRACE_ALLOC_CONF", "device:sim,memory_fraction:2", 1), 0);
+  try {
+    alloc_conf_from_env();
+    FAIL() << "expected a throw";
+  } catch (const logic_error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("terrace: TERRACE_ALLOC_CONF: ", 0), 0u) << msg;
+    EXPECT_NE(msg.find("'memory_fraction:2'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(0, 1]"), std::string::npos) << msg;
+    for (std::string_view key : alloc_conf_keys()) {
+      EXPECT_NE(msg.find(key), std::string::npos) << key;
+    }
+  }
+  // parse_alloc_conf itself does not claim the variable.
+  EXPECT_EQ(error_of("memory_fraction:2").find("TERRACE_ALLOC_CONF"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace terrace
