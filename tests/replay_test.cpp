@@ -1,0 +1,579 @@
+// SPDX-License-Identifier: Apache-2.0
+// Trace replay (tools/replay.hpp), the training-trace generator (tests/trace_generator.hpp) and the
+// `terrace replay` command line.
+//
+// Sections: helpers / generator / replay accounting / windows, OOMs and bad traces / sample trace /
+// command line.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "terrace/error.hpp"
+#include "terrace/trace.hpp"
+#include "tools/replay.hpp"
+#include "trace_generator.hpp"
+
+namespace {
+
+using terrace::trace_action;
+using terrace::trace_event;
+namespace tr = terrace::tools;
+namespace tg = terrace::tracegen;
+
+// ------------------------------------------------------------------------------------ helpers
+
+std::uint64_t round512(std::uint64_t n) { return n < 512 ? 512 : (n + 511) / 512 * 512; }
+
+// What a replay must report, recounted from the events alone, independently of the allocator.
+// `peak_allocated` is a lower bound for the allocator's figure: a large-pool block keeps a remainder
+// of up to small_size unsplit (PyTorch's rule), and that remainder counts as allocated.
+struct recount {
+  std::int64_t peak_requested = 0;
+  std::int64_t peak_allocated = 0;
+  std::size_t allocs = 0;
+  std::size_t frees = 0;
+  std::size_t preexisting_frees = 0;
+  std::size_t others = 0;
+  std::size_t live_at_end = 0;
+  std::unordered_set<std::uintptr_t> streams;
+};
+
+recount count(const std::vector<trace_event>& events) {
+  recount c;
+  std::unordered_map<std::uintptr_t, std::uint64_t> live;  // addr -> requested
+  std::int64_t requested = 0;
+  std::int64_t allocated = 0;
+  for (const trace_event& e : events) {
+    if (e.action == trace_action::alloc) {
+      live[e.addr] = e.requested;
+      requested += static_cast<std::int64_t>(e.requested);
+      allocated += static_cast<std::int64_t>(round512(e.requested));
+      c.peak_requested = std::max(c.peak_requested, requested);
+      c.peak_allocated = std::max(c.peak_allocated, allocated);
+      ++c.allocs;
+      c.streams.insert(e.stream);
+    } else if (e.action == trace_action::free_requested) {
+      auto it = live.find(e.addr);
+      if (it == live.end()) {
+        ++c.preexisting_frees;
+        continue;
+      }
+      requested -= static_cast<std::int64_t>(it->second);
+      allocated -= static_cast<std::int64_t>(round512(it->second));
+      live.erase(it);
+      ++c.frees;
+      c.streams.insert(e.stream);
+    } else {
+      ++c.others;
+    }
+  }
+  c.live_at_end = live.size();
+  return c;
+}
+
+tg::training_trace_options small_model() {
+  tg::training_trace_options o;
+  o.layers = 2;
+  o.hidden = 256;
+  o.seq_len = 64;
+  o.batch = 2;
+  o.vocab = 1024;
+  o.iterations = 3;
+  o.dynamic_iterations = 1;
+  o.seed = 7;
+  return o;
+}
+
+trace_event ev(trace_action a, std::uintptr_t addr, std::uint64_t requested,
+               std::uintptr_t stream = 0) {
+  trace_event e;
+  e.action = a;
+  e.addr = addr;
+  e.requested = requested;
+  e.size = round512(requested);
+  e.stream = stream;
+  return e;
+}
+
+std::string temp_path(const std::string& name) {
+  return (std::filesystem::path(testing::TempDir()) /
+          (name + "." + std::to_string(::getpid()) + ".jsonl"))
+      .string();
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  ASSERT_TRUE(out) << path;
+  out << text;
+}
+
+constexpr std::uint64_t MiB = 1u << 20;
+
+// ---------------------------------------------------------------------------------- generator
+
+TEST(TraceGenerator, SameSeedSameTraceOtherSeedOtherTrace) {
+  const auto a = tg::generate_training_trace(small_model());
+  const auto b = tg::generate_training_trace(small_model());
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(a[i].action, b[i].action) << i;
+    ASSERT_EQ(a[i].addr, b[i].addr) << i;
+    ASSERT_EQ(a[i].requested, b[i].requested) << i;
+    ASSERT_EQ(a[i].time_ns, b[i].time_ns) << i;
+    ASSERT_EQ(a[i].tag, b[i].tag) << i;
+  }
+  auto other = small_model();
+  other.seed = 8;
+  const auto c = tg::generate_training_trace(other);
+  bool differs = c.size() != a.size();
+  for (std::size_t i = 0; !differs && i < a.size(); ++i) {
+    differs = a[i].requested != c[i].requested || a[i].addr != c[i].addr;
+  }
+  EXPECT_TRUE(differs);
+}
+
+TEST(TraceGenerator, TraceIsConsistent) {
+  const auto events = tg::generate_training_trace(small_model());
+  std::map<std::uintptr_t, std::uint64_t> live;  // addr -> size
+  std::uint64_t last_time = 0;
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const trace_event& e = events[i];
+    ASSERT_GE(e.time_ns, last_time) << i;
+    last_time = e.time_ns;
+    ASSERT_EQ(e.size, round512(e.requested)) << i;
+    if (e.action == trace_action::alloc) {
+      ASSERT_FALSE(e.tag.empty()) << i;
+      // No overlap with the live neighbours on either side.
+      auto next = live.lower_bound(e.addr);
+      if (next != live.end()) {
+        ASSERT_LE(e.addr + e.size, next->first) << i << " " << e.tag;
+      }
+      if (next != live.begin()) {
+        auto prev = std::prev(next);
+        ASSERT_LE(prev->first + prev->second, e.addr) << i << " " << e.tag;
+      }
+      live.emplace(e.addr, e.size);
+    } else if (e.action == trace_action::free_requested) {
+      ASSERT_EQ(live.erase(e.addr), 1u) << "free of a dead address at event " << i;
+    } else {
+      ASSERT_EQ(e.action, trace_action::free_completed) << i;
+      ASSERT_EQ(events[i - 1].action, trace_action::free_requested) << i;
+      ASSERT_EQ(events[i - 1].addr, e.addr) << i;
+    }
+  }
+  // What survives the job: parameters, optimizer state, gradient buckets.
+  const auto c = count(events);
+  std::size_t long_lived = 0;
+  for (const trace_event& e : events) {
+    if (e.action != trace_action::alloc) continue;
+    const bool state = e.tag.ends_with(".master") || e.tag.ends_with(".exp_avg") ||
+                       e.tag.ends_with(".exp_avg_sq") || e.tag.starts_with("ddp.bucket");
+    const bool param = e.tag.ends_with(".w") || e.tag.ends_with(".b");
+    if (state || param) ++long_lived;
+  }
+  EXPECT_EQ(c.live_at_end, long_lived);
+  EXPECT_EQ(c.streams.size(), 2u);  // compute and communication
+}
+
+TEST(TraceGenerator, ShapeOptionsShapeTheTrace) {
+  auto o = small_model();
+  o.dynamic_iterations = 0;
+  o.iterations = 1;
+  const auto one = tg::generate_training_trace(o);
+  o.iterations = 2;
+  const auto two = tg::generate_training_trace(o);
+  EXPECT_GT(two.size(), one.size());
+  o.layers = 4;
+  const auto deeper = tg::generate_training_trace(o);
+  EXPECT_GT(deeper.size(), two.size());
+  EXPECT_GT(count(deeper).peak_requested, count(two).peak_requested);
+
+  // Dynamic iterations: some attention-score sizes (batch * heads * s * s * 2) appear that the
+  // static trace never has.
+  auto fixed = small_model();
+  fixed.dynamic_iterations = 0;
+  auto dynamic = small_model();
+  dynamic.dynamic_iterations = 2;
+  std::unordered_set<std::uint64_t> fixed_sizes;
+  for (const auto& e : tg::generate_training_trace(fixed)) fixed_sizes.insert(e.requested);
+  std::size_t new_sizes = 0;
+  for (const auto& e : tg::generate_training_trace(dynamic)) {
+    if (e.action == trace_action::alloc && fixed_sizes.count(e.requested) == 0) ++new_sizes;
+  }
+  EXPECT_GT(new_sizes, 10u);
+}
+
+TEST(TraceGenerator, RejectsBadOptions) {
+  auto o = small_model();
+  o.layers = 0;
+  EXPECT_THROW(tg::generate_training_trace(o), terrace::logic_error);
+  o = small_model();
+  o.iterations = 0;
+  EXPECT_THROW(tg::generate_training_trace(o), terrace::logic_error);
+  o = small_model();
+  o.hidden = 0;
+  EXPECT_THROW(tg::generate_training_trace(o), terrace::logic_error);
+  o = small_model();
+  o.dynamic_iterations = o.iterations;  // iteration 0 must stay nominal
+  try {
+    tg::generate_training_trace(o);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("dynamic_iterations"), std::string::npos) << e.what();
+  }
+  o = small_model();
+  o.comm_stream = o.compute_stream;
+  EXPECT_THROW(tg::generate_training_trace(o), terrace::logic_error);
+}
+
+// --------------------------------------------------------------------------- replay accounting
+
+TEST(Replay, PeakLiveBytesEqualARecountOfTheEvents) {
+  const auto events = tg::generate_training_trace(small_model());
+  const recount c = count(events);
+  tr::replay_options opts;
+  opts.check_invariants_every = 101;
+  const auto r = tr::replay(events, opts);
+
+  EXPECT_EQ(r.device, "null");
+  EXPECT_EQ(r.events_total, events.size());
+  EXPECT_EQ(r.allocs, c.allocs);
+  EXPECT_EQ(r.frees, c.frees);
+  EXPECT_EQ(r.events_replayed, c.allocs + c.frees);
+  EXPECT_EQ(r.skipped_events, c.others);
+  EXPECT_EQ(r.preexisting_frees, 0u);
+  EXPECT_EQ(r.live_at_end, c.live_at_end);
+  EXPECT_EQ(r.streams, c.streams.size());
+  EXPECT_EQ(r.ooms, 0u);
+
+  EXPECT_EQ(r.peak_requested_bytes, c.peak_requested);
+  EXPECT_GE(r.peak_allocated_bytes, c.peak_allocated);
+  EXPECT_GE(r.peak_reserved_bytes, r.peak_allocated_bytes);
+  EXPECT_GT(r.device_allocs, 0);
+  EXPECT_DOUBLE_EQ(r.fragmentation, 1.0 - static_cast<double>(r.peak_allocated_bytes) /
+                                              static_cast<double>(r.peak_reserved_bytes));
+  EXPECT_GE(r.fragmentation, 0.0);
+  EXPECT_LT(r.fragmentation, 1.0);
+  EXPECT_GT(r.events_per_second, 0.0);
+  EXPECT_EQ(r.stats.allocation[0].allocated, static_cast<std::int64_t>(c.allocs));
+  EXPECT_EQ(r.stats.allocation[0].current, static_cast<std::int64_t>(c.live_at_end));
+}
+
+TEST(Replay, NullAndSimGiveTheSameAccounting) {
+  auto o = small_model();
+  o.iterations = 2;
+  const auto events = tg::generate_training_trace(o);
+  tr::replay_options null_opts;
+  null_opts.device = "null";
+  tr::replay_options sim_opts;
+  sim_opts.device = "sim";
+  sim_opts.check_invariants_every = 500;
+  const auto n = tr::replay(events, null_opts);
+  const auto s = tr::replay(events, sim_opts);
+  EXPECT_EQ(n.device, "null");
+  EXPECT_EQ(s.device, "sim");
+  EXPECT_EQ(n.events_replayed, s.events_replayed);
+  EXPECT_EQ(n.peak_requested_bytes, s.peak_requested_bytes);
+  EXPECT_EQ(n.peak_allocated_bytes, s.peak_allocated_bytes);
+  EXPECT_EQ(n.peak_reserved_bytes, s.peak_reserved_bytes);
+  EXPECT_EQ(n.device_allocs, s.device_allocs);
+  EXPECT_EQ(n.stats.num_device_free, s.stats.num_device_free);
+  EXPECT_EQ(n.stats.segment[0].peak, s.stats.segment[0].peak);
+  // Not compared: the inactive_split families. Best fit breaks ties between equal free blocks by
+  // address, and the backends lay segments out in different address orders, so which neighbours
+  // later merge (and so the split remainders) may differ while every byte count above agrees.
+  EXPECT_EQ(n.live_at_end, s.live_at_end);
+  EXPECT_DOUBLE_EQ(n.fragmentation, s.fragmentation);
+}
+
+TEST(Replay, ExpandableSegmentsKeepTheLiveAccounting) {
+  const auto events = tg::generate_training_trace(small_model());
+  const recount c = count(events);
+  tr::replay_options opts;
+  opts.config.expandable_segments = true;
+  opts.check_invariants_every = 301;
+  const auto r = tr::replay(events, opts);
+  EXPECT_EQ(r.peak_requested_bytes, c.peak_requested);
+  EXPECT_GE(r.peak_allocated_bytes, c.peak_allocated);
+  EXPECT_GE(r.peak_reserved_bytes, r.peak_allocated_bytes);
+  EXPECT_EQ(r.ooms, 0u);
+}
+
+TEST(Replay, StreamsAreCreatedOnDemandAndKeepTheirOwnBlocks) {
+  // The same small size on three streams: a block cached on one stream never serves another, so
+  // each stream needs its own segment.
+  const std::vector<trace_event> events = {
+      ev(trace_action::alloc, 0x1000, 1000, 0),  ev(trace_action::free_requested, 0x1000, 1000, 0),
+      ev(trace_action::alloc, 0x2000, 1000, 7),  ev(trace_action::free_requested, 0x2000, 1000, 7),
+      ev(trace_action::alloc, 0x3000, 1000, 9),  ev(trace_action::free_requested, 0x3000, 1000, 9),
+      ev(trace_action::alloc, 0x4000, 1000, 7),  ev(trace_action::free_requested, 0x4000, 1000, 7),
+  };
+  for (const char* device : {"null", "sim"}) {
+    tr::replay_options opts;
+    opts.device = device;
+    const auto r = tr::replay(events, opts);
+    EXPECT_EQ(r.streams, 3u) << device;
+    EXPECT_EQ(r.device_allocs, 3) << device;
+    EXPECT_EQ(r.frees, 4u) << device;
+    EXPECT_EQ(r.live_at_end, 0u) << device;
+  }
+}
+
+TEST(Replay, ZeroByteAllocationsReplayAsNull) {
+  const std::vector<trace_event> events = {
+      ev(trace_action::alloc, 0x1000, 0), ev(trace_action::free_requested, 0x1000, 0),
+      ev(trace_action::alloc, 0x1000, 600), ev(trace_action::free_requested, 0x1000, 600)};
+  const auto r = tr::replay(events);
+  EXPECT_EQ(r.allocs, 2u);
+  EXPECT_EQ(r.frees, 2u);
+  EXPECT_EQ(r.peak_allocated_bytes, 1024);
+  EXPECT_EQ(r.preexisting_frees, 0u);
+}
+
+// -------------------------------------------------------------- windows, OOMs and bad traces
+
+TEST(Replay, FreesOfBlocksAllocatedBeforeTheWindowAreCountedAndSkipped) {
+  const auto full = tg::generate_training_trace(small_model());
+  // Cut the window in the middle of the first iteration's backward: many live activations were
+  // allocated before it.
+  const std::vector<trace_event> window(full.begin() + static_cast<std::ptrdiff_t>(full.size() / 3),
+                                        full.end());
+  const recount c = count(window);
+  ASSERT_GT(c.preexisting_frees, 10u);
+  tr::replay_options opts;
+  opts.check_invariants_every = 211;
+  const auto r = tr::replay(window, opts);
+  EXPECT_EQ(r.preexisting_frees, c.preexisting_frees);
+  EXPECT_EQ(r.frees, c.frees);
+  EXPECT_EQ(r.allocs, c.allocs);
+  EXPECT_EQ(r.events_replayed, c.allocs + c.frees);
+  EXPECT_EQ(r.peak_requested_bytes, c.peak_requested);
+  EXPECT_GE(r.peak_allocated_bytes, c.peak_allocated);
+}
+
+TEST(Replay, OutOfMemoryIsCountedAndTheReplayGoesOn) {
+  // 64 MiB device: the second 40 MiB block cannot fit; its free is expected, not pre-existing;
+  // after the first block is freed the third fits again.
+  const std::vector<trace_event> events = {
+      ev(trace_action::alloc, 0x10000000, 40 * MiB),
+      ev(trace_action::alloc, 0x20000000, 40 * MiB),
+      ev(trace_action::free_requested, 0x20000000, 40 * MiB),
+      ev(trace_action::free_requested, 0x10000000, 40 * MiB),
+      ev(trace_action::alloc, 0x30000000, 40 * MiB),
+      ev(trace_action::free_requested, 0x30000000, 40 * MiB),
+      ev(trace_action::free_requested, 0x40000000, 40 * MiB),  // before the window
+  };
+  for (const char* device : {"null", "sim"}) {
+    tr::replay_options opts;
+    opts.device = device;
+    opts.config.device_capacity = 64 * MiB;
+    const auto r = tr::replay(events, opts);
+    EXPECT_EQ(r.ooms, 1u) << device;
+    EXPECT_EQ(r.stats.num_ooms, 1) << device;
+    EXPECT_EQ(r.failed_alloc_frees, 1u) << device;
+    EXPECT_EQ(r.preexisting_frees, 1u) << device;
+    EXPECT_EQ(r.allocs, 3u) << device;
+    EXPECT_EQ(r.frees, 2u) << device;
+    EXPECT_EQ(r.peak_requested_bytes, static_cast<std::int64_t>(40 * MiB)) << device;
+    EXPECT_LE(r.peak_reserved_bytes, static_cast<std::int64_t>(64 * MiB)) << device;
+  }
+}
+
+TEST(Replay, AnAllocOfALiveAddressIsAnInconsistentTrace) {
+  const std::vector<trace_event> events = {
+      ev(trace_action::alloc, 0x1000, 512), ev(trace_action::alloc, 0x2000, 512),
+      ev(trace_action::alloc, 0x1000, 512)};
+  try {
+    tr::replay(events);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("event 2"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("event 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("0x1000"), std::string::npos) << msg;
+  }
+}
+
+TEST(Replay, UnknownDeviceOrBadConfigIsALogicError) {
+  tr::replay_options opts;
+  opts.device = "abacus";
+  EXPECT_THROW(tr::replay({}, opts), terrace::logic_error);
+  opts.device = "null";
+  opts.config.memory_fraction = 2.0;
+  EXPECT_THROW(tr::replay({}, opts), terrace::logic_error);
+}
+
+TEST(LoadTrace, MalformedLineIsAnErrorNamingFileAndLine) {
+  const std::string good =
+      R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":512,"requested":100,"tag":"a"})";
+  const std::string path = temp_path("malformed");
+  write_file(path, good + "\n" + good + "\n{\"action\":\"alloc\",\"time_ns\":\n");
+  try {
+    tr::load_trace(path);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("line 3"), std::string::npos) << msg;
+  }
+  write_file(path, good + "\n" + R"({"action":"teleport","time_ns":1,"stream":0,"addr":1,"size":512,"requested":1,"tag":""})" + "\n");
+  try {
+    tr::load_trace(path);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 2"), std::string::npos) << e.what();
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(LoadTrace, MissingFileIsAnErrorNamingIt) {
+  const std::string path = temp_path("does-not-exist");
+  try {
+    tr::load_trace(path);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("cannot open"), std::string::npos) << msg;
+  }
+}
+
+// ------------------------------------------------------------------------------ sample trace
+
+// tests/data/sample_trace.jsonl was written by `terrace_gen_trace --dynamic 2 -o ...` with the
+// program's defaults, which are these.
+tg::training_trace_options sample_options() {
+  tg::training_trace_options o;
+  o.layers = 6;
+  o.iterations = 6;
+  o.dynamic_iterations = 2;
+  return o;
+}
+
+TEST(SampleTrace, IsWhatTheGeneratorMakesAndReplaysCleanly) {
+  const std::string path = std::string(TERRACE_TEST_DATA_DIR) + "/sample_trace.jsonl";
+  ASSERT_TRUE(std::filesystem::exists(path)) << path;
+  EXPECT_LT(std::filesystem::file_size(path), 2u * MiB);
+  const auto events = tr::load_trace(path);
+  const auto expected = tg::generate_training_trace(sample_options());
+  ASSERT_EQ(events.size(), expected.size());
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    ASSERT_EQ(events[i].action, expected[i].action) << i;
+    ASSERT_EQ(events[i].addr, expected[i].addr) << i;
+    ASSERT_EQ(events[i].size, expected[i].size) << i;
+    ASSERT_EQ(events[i].requested, expected[i].requested) << i;
+    ASSERT_EQ(events[i].stream, expected[i].stream) << i;
+    ASSERT_EQ(events[i].time_ns, expected[i].time_ns) << i;
+    ASSERT_EQ(events[i].tag, expected[i].tag) << i;
+  }
+  const recount c = count(events);
+  const auto r = tr::replay(events);
+  EXPECT_EQ(r.preexisting_frees, 0u);
+  EXPECT_EQ(r.peak_requested_bytes, c.peak_requested);
+  EXPECT_GE(r.peak_allocated_bytes, c.peak_allocated);
+}
+
+// ------------------------------------------------------------------------------ command line
+
+#ifdef TERRACE_CLI_PATH
+struct run_result {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+run_result run_cli(const std::string& args) {
+  run_result r;
+  const std::string cmd = std::string("'") + TERRACE_CLI_PATH + "' " + args + " 2>&1";
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buf[4096];
+  std::size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
+  const int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+TEST(Cli, ReplayJsonReportsTheRecount) {
+  const auto events = tg::generate_training_trace(small_model());
+  const std::string path = temp_path("cli-trace");
+  {
+    std::ofstream out(path);
+    terrace::write_trace_jsonl(out, events);
+  }
+  const recount c = count(events);
+  const auto r = run_cli("replay '" + path + "' --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j.at("device"), "null");
+  EXPECT_EQ(j.at("events_total").get<std::size_t>(), events.size());
+  EXPECT_EQ(j.at("events_replayed").get<std::size_t>(), c.allocs + c.frees);
+  EXPECT_EQ(j.at("peak_requested_bytes").get<std::int64_t>(), c.peak_requested);
+  EXPECT_GE(j.at("peak_allocated_bytes").get<std::int64_t>(), c.peak_allocated);
+  EXPECT_GE(j.at("peak_reserved_bytes").get<std::int64_t>(), c.peak_allocated);
+  EXPECT_EQ(j.at("ooms").get<std::size_t>(), 0u);
+  EXPECT_EQ(j.at("stats").at("allocated_bytes.all.peak").get<std::int64_t>(),
+            j.at("peak_allocated_bytes").get<std::int64_t>());
+  EXPECT_EQ(j.at("stats").at("requested_bytes.all.peak").get<std::int64_t>(), c.peak_requested);
+
+  const auto sim = run_cli("replay '" + path + "' --device sim --expandable --json");
+  ASSERT_EQ(sim.exit_code, 0) << sim.output;
+  const auto js = nlohmann::json::parse(sim.output);
+  EXPECT_EQ(js.at("device"), "sim");
+  EXPECT_EQ(js.at("expandable_segments"), true);
+  EXPECT_EQ(js.at("peak_requested_bytes").get<std::int64_t>(), c.peak_requested);
+
+  const auto text = run_cli("replay '" + path + "' --conf roundup_power2_divisions:4");
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  for (const char* label : {"peak live requested", "peak live allocated", "peak reserved",
+                            "fragmentation", "device allocations", "OOMs", "events/s",
+                            "pre-existing frees"}) {
+    EXPECT_NE(text.output.find(label), std::string::npos) << label << "\n" << text.output;
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(Cli, BadInputExitsWithTwoAndSaysWhy) {
+  const std::string path = temp_path("cli-bad");
+  write_file(path,
+             R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":512,"requested":100,"tag":""})"
+             "\nnot json at all\n");
+  auto r = run_cli("replay '" + path + "'");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("line 2"), std::string::npos) << r.output;
+
+  r = run_cli("replay '" + path + ".missing'");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("cannot open"), std::string::npos) << r.output;
+
+  write_file(path,
+             R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":512,"requested":100,"tag":""})"
+             "\n");
+  r = run_cli("replay '" + path + "' --conf no_such_key:1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("no_such_key"), std::string::npos) << r.output;
+
+  r = run_cli("replay '" + path + "' --device abacus");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("abacus"), std::string::npos) << r.output;
+
+  r = run_cli("");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+
+  r = run_cli("replay --help");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--expandable"), std::string::npos) << r.output;
+  std::filesystem::remove(path);
+}
+#endif
+
+}  // namespace

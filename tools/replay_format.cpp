@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "tools/replay_format.hpp"
+
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+
+#include "terrace/stats.hpp"
+
+namespace terrace::tools {
+
+std::string format_bytes(std::int64_t bytes) {
+  constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while ((v >= 1024.0 || v <= -1024.0) && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+std::string format_replay_text(const replay_result& r, const replay_context& c) {
+  std::string out;
+  auto line = [&out](std::string_view label, const std::string& value) {
+    fmt::format_to(std::back_inserter(out), "  {:<22}{}\n", label, value);
+  };
+  fmt::format_to(std::back_inserter(out), "replay of {} on the {} device{}{}\n", c.trace_path,
+                 r.device, c.expandable ? ", expandable segments" : "",
+                 c.conf.empty() ? std::string() : ", conf " + c.conf);
+  line("events", fmt::format("{} in the trace, {} replayed ({} allocs, {} frees), {} other actions skipped",
+                             r.events_total, r.events_replayed, r.allocs,
+                             r.frees + r.failed_alloc_frees, r.skipped_events));
+  line("pre-existing frees", fmt::format("{} (freed addresses allocated before the window)",
+                                         r.preexisting_frees));
+  line("streams", fmt::format("{}", r.streams));
+  line("peak live requested", fmt::format("{} ({} B)", format_bytes(r.peak_requested_bytes),
+                                          r.peak_requested_bytes));
+  line("peak live allocated", fmt::format("{} ({} B)", format_bytes(r.peak_allocated_bytes),
+                                          r.peak_allocated_bytes));
+  line("peak reserved", fmt::format("{} ({} B)", format_bytes(r.peak_reserved_bytes),
+                                    r.peak_reserved_bytes));
+  line("fragmentation", fmt::format("{:.2f} % (1 - peak allocated / peak reserved)",
+                                    100.0 * r.fragmentation));
+  line("device allocations", fmt::format("{}", r.device_allocs));
+  line("OOMs", fmt::format("{}", r.ooms));
+  line("live at end", fmt::format("{} blocks", r.live_at_end));
+  line("replay time", fmt::format("{:.4f} s, {:.0f} events/s", r.seconds, r.events_per_second));
+  out += '\n';
+  out += to_text(r.stats);
+  return out;
+}
+
+std::string format_replay_json(const replay_result& r, const replay_context& c) {
+  nlohmann::ordered_json j;
+  j["trace"] = c.trace_path;
+  j["device"] = r.device;
+  j["expandable_segments"] = c.expandable;
+  j["conf"] = c.conf;
+  j["events_total"] = r.events_total;
+  j["events_replayed"] = r.events_replayed;
+  j["allocs"] = r.allocs;
+  j["frees"] = r.frees;
+  j["preexisting_frees"] = r.preexisting_frees;
+  j["failed_alloc_frees"] = r.failed_alloc_frees;
+  j["skipped_events"] = r.skipped_events;
+  j["streams"] = r.streams;
+  j["live_at_end"] = r.live_at_end;
+  j["peak_requested_bytes"] = r.peak_requested_bytes;
+  j["peak_allocated_bytes"] = r.peak_allocated_bytes;
+  j["peak_reserved_bytes"] = r.peak_reserved_bytes;
+  j["fragmentation"] = r.fragmentation;
+  j["device_allocs"] = r.device_allocs;
+  j["ooms"] = r.ooms;
+  j["seconds"] = r.seconds;
+  j["events_per_second"] = r.events_per_second;
+  j["stats"] = nlohmann::ordered_json::parse(to_json(r.stats));
+  return j.dump();
+}
+
+}  // namespace terrace::tools
