@@ -1,0 +1,295 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tools/terrace_to_torch_snapshot.py (terrace snapshot JSON -> memory_viz pickle) and, when
+TERRACE_LIBRARY names a built libterrace.so, the whole path through tools/terrace_torch.py:
+allocate on the simulated device, dump, convert, unpickle.
+
+    python3 -m unittest -v test_snapshot_convert        (from tests/)
+"""
+import contextlib
+import io
+import json
+import os
+import pickle
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+
+import terrace_to_torch_snapshot as conv  # noqa: E402
+
+SEGMENT_KEYS = {"device", "address", "total_size", "allocated_size", "active_size",
+                "requested_size", "stream", "segment_type", "segment_pool_id", "is_expandable",
+                "frames", "blocks"}
+BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
+EVENT_KEYS = {"action", "addr", "size", "stream", "time_us", "frames"}
+
+MiB = 1 << 20
+
+
+def hand_made_snapshot():
+    """Two segments of device 1, as write_snapshot_json writes them: a small one with a live, a
+    pending and a free block, and an expandable large one with an unmapped hole."""
+    small = 0x7F0000000000
+    large = 0x7F0010000000
+    return {
+        "device": 1,
+        "segments": [
+            {"address": large, "total_size": 6 * MiB, "allocated_size": 2 * MiB,
+             "active_size": 2 * MiB, "requested_size": 2 * MiB - 100, "stream": 0,
+             "segment_type": "large", "is_expandable": True,
+             "blocks": [
+                 {"address": large, "size": 2 * MiB, "requested_size": 2 * MiB - 100,
+                  "state": "active_allocated", "tag": ""},
+                 {"address": large + 2 * MiB, "size": 2 * MiB, "requested_size": 0,
+                  "state": "unmapped", "tag": ""},
+                 {"address": large + 4 * MiB, "size": 2 * MiB, "requested_size": 0,
+                  "state": "inactive", "tag": ""},
+             ]},
+            {"address": small, "total_size": 2 * MiB, "allocated_size": 1024,
+             "active_size": 1536, "requested_size": 1400, "stream": 4096,
+             "segment_type": "small", "is_expandable": False,
+             "blocks": [
+                 {"address": small, "size": 1024, "requested_size": 1000,
+                  "state": "active_allocated", "tag": "attn.qkv"},
+                 {"address": small + 1024, "size": 512, "requested_size": 400,
+                  "state": "active_pending_free", "tag": ""},
+                 {"address": small + 1536, "size": 2 * MiB - 1536, "requested_size": 0,
+                  "state": "inactive", "tag": ""},
+             ]},
+        ],
+        "device_traces": [[
+            {"action": "segment_alloc", "addr": small, "size": 2 * MiB, "requested": 0,
+             "stream": 4096, "time_us": 10, "tag": ""},
+            {"action": "alloc", "addr": small, "size": 1024, "requested": 1000, "stream": 4096,
+             "time_us": 11, "tag": "attn.qkv"},
+            {"action": "free_requested", "addr": small + 1024, "size": 512, "requested": 400,
+             "stream": 4096, "time_us": 12, "tag": ""},
+        ]],
+    }
+
+
+def run_cli(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = conv.main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
+class ConvertHandMadeSnapshot(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+
+    def path(self, name):
+        return os.path.join(self.dir.name, name)
+
+    def write_json(self, name, obj):
+        with open(self.path(name), "w") as f:
+            json.dump(obj, f)
+        return self.path(name)
+
+    def convert_file(self, snapshot, *extra):
+        src = self.write_json("snap.json", snapshot)
+        code, out, err = run_cli(src, self.path("out.pickle"), *extra)
+        self.assertEqual(code, 0, err)
+        self.assertIn("memory_viz", out)
+        with open(self.path("out.pickle"), "rb") as f:
+            return pickle.load(f)
+
+    def test_structure_and_field_names_match_torch(self):
+        result = self.convert_file(hand_made_snapshot())
+        self.assertEqual(set(result), {"segments", "device_traces"})
+        segs = result["segments"]
+        # The expandable segment's two mapped runs are reported as two segments, as PyTorch does.
+        self.assertEqual(len(segs), 3)
+        self.assertEqual([s["address"] for s in segs], sorted(s["address"] for s in segs))
+        for s in segs:
+            self.assertEqual(set(s), SEGMENT_KEYS)
+            self.assertEqual(s["device"], 1)
+            self.assertEqual(s["segment_pool_id"], (0, 0))
+            self.assertEqual(s["frames"], [])
+            self.assertEqual(s["total_size"], sum(b["size"] for b in s["blocks"]))
+            for b in s["blocks"]:
+                self.assertEqual(set(b), BLOCK_KEYS)
+                self.assertIn(b["state"], ("active_allocated", "active_pending_free", "inactive"))
+
+    def test_small_segment_sizes_and_tag_frames(self):
+        small = self.convert_file(hand_made_snapshot())["segments"][0]
+        self.assertEqual(small["segment_type"], "small")
+        self.assertFalse(small["is_expandable"])
+        self.assertEqual(small["stream"], 4096)
+        self.assertEqual(small["total_size"], 2 * MiB)
+        self.assertEqual(small["allocated_size"], 1024)
+        self.assertEqual(small["active_size"], 1536)  # allocated + pending free
+        self.assertEqual(small["requested_size"], 1400)
+        tagged, pending, free = small["blocks"]
+        self.assertEqual(tagged["frames"], [{"filename": "<terrace tag>", "line": 0,
+                                             "name": "attn.qkv"}])
+        self.assertEqual(pending["frames"], [])
+        self.assertEqual(pending["state"], "active_pending_free")
+        self.assertEqual(free["requested_size"], 0)
+
+    def test_expandable_segment_splits_at_unmapped_pages(self):
+        segs = self.convert_file(hand_made_snapshot())["segments"]
+        first, second = segs[1], segs[2]
+        self.assertTrue(first["is_expandable"] and second["is_expandable"])
+        self.assertEqual(first["address"], 0x7F0010000000)
+        self.assertEqual((first["total_size"], first["allocated_size"]), (2 * MiB, 2 * MiB))
+        self.assertEqual(second["address"], 0x7F0010000000 + 4 * MiB)
+        self.assertEqual((second["total_size"], second["allocated_size"]), (2 * MiB, 0))
+
+    def test_device_traces_are_indexed_by_device(self):
+        traces = self.convert_file(hand_made_snapshot())["device_traces"]
+        self.assertEqual(len(traces), 2)
+        self.assertEqual(traces[0], [])
+        self.assertEqual([e["action"] for e in traces[1]],
+                         ["segment_alloc", "alloc", "free_requested"])
+        for e in traces[1]:
+            self.assertEqual(set(e), EVENT_KEYS)
+        self.assertEqual(traces[1][1]["time_us"], 11)
+        self.assertEqual(traces[1][1]["frames"][0]["name"], "attn.qkv")
+
+    def test_trace_file_replaces_the_snapshot_trace(self):
+        trace = self.path("trace.jsonl")
+        with open(trace, "w") as f:
+            f.write(json.dumps({"action": "alloc", "time_ns": 5_000_123, "stream": 0, "addr": 512,
+                                "size": 512, "requested": 3, "tag": ""}) + "\n\n")
+            f.write(json.dumps({"action": "oom", "time_ns": 7_000_000, "stream": 0, "addr": 0,
+                                "size": 1 << 40, "requested": 0, "tag": ""}) + "\n")
+        traces = self.convert_file(hand_made_snapshot(), "--trace", trace)["device_traces"]
+        self.assertEqual([(e["action"], e["time_us"]) for e in traces[1]],
+                         [("alloc", 5000), ("oom", 7000)])
+
+    def test_empty_snapshot(self):
+        result = self.convert_file({"device": 0, "segments": [], "device_traces": [[]]})
+        self.assertEqual(result, {"segments": [], "device_traces": [[]]})
+
+    def test_malformed_inputs_fail_with_a_message(self):
+        bad_cases = [
+            ({"device": 0}, "expected an object with 'segments'"),
+            ({"device": -1, "segments": []}, "'device' must be a non-negative integer"),
+            ({"segments": [{"address": 0, "total_size": 512, "segment_type": "medium"}]},
+             "segment_type must be 'small' or 'large'"),
+            ({"segments": [{"total_size": 512, "segment_type": "small"}]},
+             "segments[0]: missing field 'address'"),
+            ({"segments": [{"address": 0, "total_size": 512, "segment_type": "small",
+                            "blocks": [{"address": 0, "size": 512, "state": "lost"}]}]},
+             "segments[0].blocks[0]: unknown block state 'lost'"),
+            ({"segments": [{"address": 0, "total_size": 512, "segment_type": "small",
+                            "blocks": [{"address": 0, "size": "512", "state": "inactive"}]}]},
+             "field 'size' must be an integer"),
+            ({"segments": [{"address": 0, "total_size": 512, "segment_type": "small",
+                            "blocks": [{"address": 0, "size": 512, "state": "unmapped"}]}]},
+             "unmapped block in a segment that is not expandable"),
+            ({"segments": [], "device_traces": [[{"action": "teleport", "addr": 0, "size": 0,
+                                                  "time_us": 0}]]},
+             "device_traces[0][0]: unknown action 'teleport'"),
+            ({"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 0}]]},
+             "missing field 'time_ns'"),
+            ({"segments": [], "device_traces": {}}, "'device_traces' must be a list of lists"),
+        ]
+        for snapshot, message in bad_cases:
+            with self.subTest(message=message):
+                src = self.write_json("bad.json", snapshot)
+                code, _, err = run_cli(src, self.path("bad.pickle"))
+                self.assertEqual(code, 1)
+                self.assertIn(message, err)
+
+    def test_unreadable_inputs_fail_with_a_message(self):
+        code, _, err = run_cli(self.path("missing.json"), self.path("x.pickle"))
+        self.assertEqual(code, 1)
+        self.assertIn("No such file or directory", err)
+        with open(self.path("broken.json"), "w") as f:
+            f.write("{\"segments\": [")
+        code, _, err = run_cli(self.path("broken.json"), self.path("x.pickle"))
+        self.assertEqual(code, 1)
+        self.assertIn("malformed JSON", err)
+        src = self.write_json("ok.json", {"segments": []})
+        with open(self.path("bad_trace.jsonl"), "w") as f:
+            f.write("{\"action\": \"alloc\"}\nnot json\n")
+        code, _, err = run_cli(src, self.path("x.pickle"), "--trace", self.path("bad_trace.jsonl"))
+        self.assertEqual(code, 1)
+        self.assertIn("bad_trace.jsonl:2: malformed JSON", err)
+
+
+LIBRARY = os.environ.get("TERRACE_LIBRARY", "")
+
+
+@unittest.skipUnless(LIBRARY and os.path.exists(LIBRARY),
+                     "TERRACE_LIBRARY does not name a built libterrace.so (ctest sets it, except "
+                     "in sanitizer builds, whose library python3 cannot load)")
+class EndToEndThroughLibterrace(unittest.TestCase):
+    """One process-wide terrace state: configured once here, before any allocation."""
+
+    @classmethod
+    def setUpClass(cls):
+        import terrace_torch
+
+        cls.tt = terrace_torch
+        cls.lib = terrace_torch.load(LIBRARY)
+        cls.lib.configure("device:sim,device_capacity:64MiB")
+        cls.dir = tempfile.TemporaryDirectory()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.dir.cleanup()
+
+    def test_dump_convert_and_unpickle(self):
+        lib = self.lib
+        self.tt.record_trace(True)
+        a = lib.malloc(1000)
+        b = lib.malloc(3 * MiB)
+        lib.free(a, 1000)
+        snap = os.path.join(self.dir.name, "snap.json")
+        trace = os.path.join(self.dir.name, "trace.jsonl")
+        self.tt.dump_snapshot(snap)
+        self.tt.dump_trace(trace)
+        self.tt.record_trace(False)
+
+        out = os.path.join(self.dir.name, "viz.pickle")
+        code, _, err = run_cli(snap, out)
+        self.assertEqual(code, 0, err)
+        with open(out, "rb") as f:
+            result = pickle.load(f)
+        blocks = {blk["address"]: blk for s in result["segments"] for blk in s["blocks"]}
+        self.assertEqual(blocks[b]["state"], "active_allocated")
+        self.assertEqual(blocks[b]["requested_size"], 3 * MiB)
+        actions = [(e["action"], e["addr"]) for e in result["device_traces"][0]]
+        self.assertIn(("alloc", a), actions)
+        self.assertIn(("free_requested", a), actions)
+        self.assertIn(("alloc", b), actions)
+        with open(trace) as f:
+            self.assertEqual(len(conv.read_trace_jsonl(f)), len(actions))
+
+        stats = self.tt.stats()
+        self.assertEqual(stats["allocation.all.current"], 1)
+        self.assertEqual(stats["num_bad_frees"], 0)
+        lib.free(b, 3 * MiB)
+        self.assertEqual(self.tt.stats()["allocated_bytes.all.current"], 0)
+        self.tt.empty_cache()
+        self.assertEqual(self.tt.stats()["reserved_bytes.all.current"], 0)
+
+    def test_errors_become_exceptions_with_the_last_error(self):
+        TerraceError = self.tt.TerraceError
+        with self.assertRaises(TerraceError) as cm:
+            self.lib.configure("bogus_key:1")
+        self.assertEqual(cm.exception.code, -1)
+        self.assertIn("bogus_key", str(cm.exception))
+        with self.assertRaises(TerraceError) as cm:
+            self.tt.stats(device=99)
+        self.assertIn("out of range", cm.exception.message)
+        with self.assertRaises(TerraceError) as cm:
+            self.tt.dump_snapshot(os.path.join(self.dir.name, "no", "such", "dir.json"))
+        self.assertEqual(cm.exception.code, -4)
+        self.assertIn("No such file or directory", cm.exception.message)
+        with self.assertRaises(TerraceError) as cm:
+            self.lib.malloc(1 << 30)  # the sim device holds 64 MiB
+        self.assertIn("out of memory", cm.exception.message)
+        with self.assertRaises(TerraceError) as cm:
+            self.lib.free(0x1000, 512)
+        self.assertIn("foreign pointer", cm.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main()

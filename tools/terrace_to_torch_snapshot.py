@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Converts terrace's snapshot JSON into the pickle that https://pytorch.org/memory_viz opens.
+
+    python3 tools/terrace_to_torch_snapshot.py snapshot.json out.pickle [--trace trace.jsonl]
+
+The input is what terrace_dump_snapshot (write_snapshot_json) writes:
+    {"device": 0, "segments": [{address, total_size, ..., blocks: [...]}], "device_traces": [[...]]}
+The output is the dict torch.cuda.memory._snapshot() returns, pickled:
+    {"segments": [...], "device_traces": [[...], ...]}
+with PyTorch's field names. `--trace` (terrace_dump_trace's JSON lines) replaces the snapshot's own
+trace, e.g. when the snapshot was taken with recording off. Block tags become a one-frame stack
+so that memory_viz shows them where it shows Python stacks. Only the standard library is used.
+"""
+import argparse
+import json
+import pickle
+import sys
+
+# Block states memory_viz knows; terrace's "unmapped" (expandable address space with no memory
+# behind it) is not memory at all, and PyTorch reports only the mapped runs of such segments.
+_BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
+_TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+                  "segment_map", "segment_unmap", "oom", "snapshot")
+
+
+class SnapshotFormatError(ValueError):
+    """The input is not a terrace snapshot or trace; the message says where and why."""
+
+
+def _field(obj, names, where, default=None):
+    """The first of `names` present in `obj`, which must be an integer; `default` if none is
+    (a missing field is an error when `default` is None)."""
+    for name in names:
+        if name in obj:
+            value = obj[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SnapshotFormatError(f"{where}: field '{name}' must be an integer, got {value!r}")
+            return value
+    if default is None:
+        raise SnapshotFormatError(f"{where}: missing field '{names[0]}'")
+    return default
+
+
+def _frames(tag):
+    return [{"filename": "<terrace tag>", "line": 0, "name": tag}] if tag else []
+
+
+def _torch_block(block, where):
+    state = block.get("state")
+    if state not in _BLOCK_STATES:
+        raise SnapshotFormatError(f"{where}: unknown block state {state!r}")
+    return {
+        "address": _field(block, ("address", "addr"), where),
+        "size": _field(block, ("size",), where),
+        "requested_size": _field(block, ("requested_size", "requested"), where, 0),
+        "state": state,
+        "frames": _frames(block.get("tag", "")),
+    }
+
+
+def _torch_segment(device, seg, address, total, blocks):
+    return {
+        "device": device,
+        "address": address,
+        "total_size": total,
+        "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+        "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive"),
+        "requested_size": sum(b["requested_size"] for b in blocks if b["state"] != "inactive"),
+        "stream": seg.get("stream", 0),
+        "segment_type": seg["segment_type"],
+        "segment_pool_id": (0, 0),
+        "is_expandable": bool(seg.get("is_expandable", False)),
+        "frames": [],
+        "blocks": blocks,
+    }
+
+
+def _torch_segments(device, seg, where):
+    """One terrace segment as PyTorch segments: itself, or the mapped runs of an expandable one."""
+    if not isinstance(seg, dict):
+        raise SnapshotFormatError(f"{where}: expected an object, got {seg!r}")
+    address = _field(seg, ("address", "addr"), where)
+    _field(seg, ("total_size",), where)
+    if seg.get("segment_type") not in ("small", "large"):
+        if "is_small_pool" in seg:
+            seg = dict(seg, segment_type="small" if seg["is_small_pool"] else "large")
+        else:
+            raise SnapshotFormatError(f"{where}: segment_type must be 'small' or 'large', "
+                                      f"got {seg.get('segment_type')!r}")
+    blocks = seg.get("blocks", [])
+    if not isinstance(blocks, list):
+        raise SnapshotFormatError(f"{where}: 'blocks' must be a list")
+    converted = []
+    for i, block in enumerate(blocks):
+        bwhere = f"{where}.blocks[{i}]"
+        if not isinstance(block, dict):
+            raise SnapshotFormatError(f"{bwhere}: expected an object, got {block!r}")
+        converted.append(None if block.get("state") == "unmapped" else _torch_block(block, bwhere))
+    if not seg.get("is_expandable", False):
+        if None in converted:
+            raise SnapshotFormatError(f"{where}: an unmapped block in a segment that is not expandable")
+        return [_torch_segment(device, seg, address, seg["total_size"], converted)]
+    # Split at unmapped blocks: each mapped run is a segment of its own, as PyTorch reports them.
+    out, run = [], []
+    for block in converted + [None]:
+        if block is not None:
+            run.append(block)
+        elif run:
+            out.append(_torch_segment(device, seg, run[0]["address"], sum(b["size"] for b in run), run))
+            run = []
+    return out
+
+
+def _torch_event(event, where):
+    if not isinstance(event, dict):
+        raise SnapshotFormatError(f"{where}: expected an object, got {event!r}")
+    action = event.get("action")
+    if action not in _TRACE_ACTIONS:
+        raise SnapshotFormatError(f"{where}: unknown action {action!r}")
+    if "time_us" in event:
+        time_us = _field(event, ("time_us",), where)
+    else:
+        time_us = _field(event, ("time_ns",), where) // 1000
+    return {
+        "action": action,
+        "addr": _field(event, ("addr", "address"), where),
+        "size": _field(event, ("size",), where),
+        "stream": _field(event, ("stream",), where, 0),
+        "time_us": time_us,
+        "frames": _frames(event.get("tag", "")),
+    }
+
+
+def read_trace_jsonl(lines, name="trace"):
+    """terrace_dump_trace's JSON lines as a list of dicts (blank lines skipped)."""
+    events = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise SnapshotFormatError(f"{name}:{n}: malformed JSON: {e}") from None
+    return events
+
+
+def convert(snapshot, trace=None):
+    """terrace's snapshot (a parsed dict) as PyTorch's snapshot dict.
+
+    `trace`, a list of terrace trace events, replaces the snapshot's own trace when given.
+    Raises SnapshotFormatError naming the offending element.
+    """
+    if not isinstance(snapshot, dict) or "segments" not in snapshot:
+        raise SnapshotFormatError("not a terrace snapshot: expected an object with 'segments'")
+    device = snapshot.get("device", 0)
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise SnapshotFormatError(f"'device' must be a non-negative integer, got {device!r}")
+    if not isinstance(snapshot["segments"], list):
+        raise SnapshotFormatError("'segments' must be a list")
+    segments = []
+    for i, seg in enumerate(snapshot["segments"]):
+        segments.extend(_torch_segments(device, seg, f"segments[{i}]"))
+    segments.sort(key=lambda s: s["address"])
+
+    if trace is None:
+        traces = snapshot.get("device_traces", [])
+        if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+            raise SnapshotFormatError("'device_traces' must be a list of lists")
+        # terrace writes one device per snapshot, its trace first.
+        trace = [e for t in traces for e in t]
+        where = "device_traces[0]"
+    else:
+        where = "trace"
+    events = [_torch_event(e, f"{where}[{i}]") for i, e in enumerate(trace)]
+    # PyTorch indexes device_traces by device ordinal.
+    device_traces = [[] for _ in range(device)] + [events]
+    return {"segments": segments, "device_traces": device_traces}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("snapshot", help="terrace snapshot JSON (terrace_dump_snapshot)")
+    ap.add_argument("output", help="pickle to write, for pytorch.org/memory_viz")
+    ap.add_argument("--trace", help="terrace trace JSON lines (terrace_dump_trace) to use instead "
+                                    "of the snapshot's own trace")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.snapshot, encoding="utf-8") as f:
+            try:
+                snapshot = json.load(f)
+            except json.JSONDecodeError as e:
+                raise SnapshotFormatError(f"malformed JSON: {e}") from None
+        trace = None
+        if args.trace:
+            with open(args.trace, encoding="utf-8") as f:
+                trace = read_trace_jsonl(f, args.trace)
+        result = convert(snapshot, trace)
+        with open(args.output, "wb") as f:
+            pickle.dump(result, f)
+    except OSError as e:
+        print(f"terrace_to_torch_snapshot: {e}", file=sys.stderr)
+        return 1
+    except SnapshotFormatError as e:
+        print(f"terrace_to_torch_snapshot: {args.snapshot}: {e}", file=sys.stderr)
+        return 1
+    n_blocks = sum(len(s["blocks"]) for s in result["segments"])
+    n_events = sum(len(t) for t in result["device_traces"])
+    print(f"wrote {args.output}: {len(result['segments'])} segments, {n_blocks} blocks, "
+          f"{n_events} trace events; open it at https://pytorch.org/memory_viz")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
