@@ -291,5 +291,56 @@ class EndToEndThroughLibterrace(unittest.TestCase):
         self.assertIn("foreign pointer", cm.exception.message)
 
 
+REAL_SNAPSHOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                             "h100_mlp_training_snapshot.json")
+
+
+class RealSnapshotFromPyTorchTraining(unittest.TestCase):
+    """tests/data/h100_mlp_training_snapshot.json: terrace's snapshot after 12 steps of
+    tools/pytorch_example.py on an H100, with terrace as PyTorch's allocator (see
+    docs/gpu-2026-11-22-h100.md). Real data: what the converter and the tools must read."""
+
+    @classmethod
+    def setUpClass(cls):
+        with open(REAL_SNAPSHOT) as f:
+            cls.snap = json.load(f)
+
+    def test_blocks_tile_every_segment_and_sizes_add_up(self):
+        for seg in self.snap["segments"]:
+            blocks = seg["blocks"]
+            self.assertEqual(sum(b["size"] for b in blocks), seg["total_size"])
+            addr = seg["address"]
+            for b in blocks:
+                self.assertEqual(b["address"], addr)
+                addr += b["size"]
+            live = [b for b in blocks if b["state"] == "active_allocated"]
+            self.assertEqual(sum(b["size"] for b in live), seg["allocated_size"])
+
+    def test_the_trace_replays_to_exactly_the_live_blocks(self):
+        live, current, peak = {}, 0, 0
+        for e in self.snap["device_traces"][0]:
+            if e["action"] == "alloc":
+                self.assertNotIn(e["addr"], live)
+                live[e["addr"]] = e["size"]
+                current += e["size"]
+                peak = max(peak, current)
+            elif e["action"] == "free_requested":
+                current -= live.pop(e["addr"])  # a KeyError would be a free of an unknown block
+        in_segments = {b["address"]: b["size"] for s in self.snap["segments"]
+                       for b in s["blocks"] if b["state"] == "active_allocated"}
+        self.assertEqual(live, in_segments)
+        self.assertEqual(peak, 236896768)  # 225.9 MiB, allocated_bytes.all.peak of the run
+
+    def test_converts_to_a_memory_viz_pickle(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "viz.pickle")
+            code, _, err = run_cli(REAL_SNAPSHOT, out)
+            self.assertEqual(code, 0, err)
+            with open(out, "rb") as f:
+                result = pickle.load(f)
+        self.assertEqual(len(result["segments"]), len(self.snap["segments"]))
+        self.assertEqual(len(result["device_traces"][0]), len(self.snap["device_traces"][0]))
+
+
 if __name__ == "__main__":
     unittest.main()
