@@ -24,6 +24,20 @@ std::unique_ptr<device_backend> sim(std::size_t capacity = 256 * MiB) {
   return make_device("sim", o);
 }
 
+// A sim device with 2 MiB pages, and the config of an allocator with expandable segments on it.
+std::unique_ptr<device_backend> paged_sim(std::size_t capacity = 256 * MiB) {
+  device_options o;
+  o.capacity = capacity;
+  o.map_granularity = 2 * MiB;
+  return make_device("sim", o);
+}
+
+allocator_config expandable_config() {
+  allocator_config cfg;
+  cfg.expandable_segments = true;
+  return cfg;
+}
+
 TEST(CachingAllocator, RoundsToMinimumBlockAndCountsRequestedBytes) {
   auto dev = sim();
   caching_allocator a(*dev);
@@ -471,13 +485,8 @@ TEST(CachingAllocator, SnapshotShowsSegmentsAndBlockStates) {
 }
 
 TEST(CachingAllocator, ExpandableSegmentsGrowInPlaceAndUnmapOnEmptyCache) {
-  device_options o;
-  o.capacity = 256 * MiB;
-  o.map_granularity = 2 * MiB;
-  auto dev = make_device("sim", o);
-  allocator_config cfg;
-  cfg.expandable_segments = true;
-  caching_allocator a(*dev, cfg);
+  auto dev = paged_sim();
+  caching_allocator a(*dev, expandable_config());
   auto* x = static_cast<char*>(a.allocate(6 * MiB));
   auto* y = static_cast<char*>(a.allocate(6 * MiB));
   auto* z = static_cast<char*>(a.allocate(30 * MiB));
@@ -510,13 +519,8 @@ TEST(CachingAllocator, ExpandableSegmentsGrowInPlaceAndUnmapOnEmptyCache) {
 // Regression: pages mapped into a hole that they fill exactly must merge with the mapped free
 // block after the hole, not only with the one before it.
 TEST(CachingAllocator, ExpandableHoleRefilledMergesWithBothNeighbours) {
-  device_options o;
-  o.capacity = 256 * MiB;
-  o.map_granularity = 2 * MiB;
-  auto dev = make_device("sim", o);
-  allocator_config cfg;
-  cfg.expandable_segments = true;
-  caching_allocator a(*dev, cfg);
+  auto dev = paged_sim();
+  caching_allocator a(*dev, expandable_config());
   void* x = a.allocate(2 * MiB);                    // page 0
   void* y = a.allocate(4 * MiB);                    // pages 1-2
   void* z = a.allocate(2 * MiB + MiB / 2);          // page 3 and half of page 4
@@ -537,13 +541,8 @@ TEST(CachingAllocator, ExpandableHoleRefilledMergesWithBothNeighbours) {
 }
 
 TEST(CachingAllocator, ExpandableSegmentsHitTheCapacityWithAClearError) {
-  device_options o;
-  o.capacity = 32 * MiB;
-  o.map_granularity = 2 * MiB;
-  auto dev = make_device("sim", o);
-  allocator_config cfg;
-  cfg.expandable_segments = true;
-  caching_allocator a(*dev, cfg);
+  auto dev = paged_sim(32 * MiB);
+  caching_allocator a(*dev, expandable_config());
   void* p = a.allocate(20 * MiB);
   EXPECT_THROW(a.allocate(20 * MiB), out_of_memory);
   a.deallocate(p);

@@ -36,6 +36,10 @@ inline void cuda_check(cudaError_t error, std::string_view call, int device) {
 /// a sticky error from an earlier kernel): printed once per call, never thrown.
 void report_noexcept_failure(cudaError_t error, std::string_view call, int device) noexcept;
 
+/// "1.00 GiB (...) free of 80.00 GiB (...)" for the current device, or "an unknown amount free"
+/// when cudaMemGetInfo fails (its error is cleared): the tail of every out-of-memory message.
+std::string describe_free_device_memory() noexcept;
+
 // --------------------------------------------------------------------------- current device
 
 /// Makes `device` current on this thread for the scope and restores the caller's device after:

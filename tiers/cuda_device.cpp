@@ -188,6 +188,20 @@ cuda_backend::~cuda_backend() {
 
 // ---------------------------------------------------------------------------- segments
 
+std::string describe_free_device_memory() noexcept {
+  try {
+    std::size_t free = 0;
+    std::size_t total = 0;
+    if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
+      return describe_bytes(free) + " free of " + describe_bytes(total);
+    }
+    (void)cudaGetLastError();
+    return "an unknown amount free";
+  } catch (...) {  // std::bad_alloc while building the text: the message loses its tail
+    return {};
+  }
+}
+
 void* cuda_backend::do_reserve(std::size_t bytes) {
   device_scope scope(device());
   scope.check();
@@ -195,14 +209,7 @@ void* cuda_backend::do_reserve(std::size_t bytes) {
   const cudaError_t error = cudaMalloc(&p, bytes);
   if (error == cudaErrorMemoryAllocation) {
     (void)cudaGetLastError();
-    std::size_t free = 0;
-    std::size_t total = 0;
-    std::string free_text = "an unknown amount free";
-    if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
-      free_text = describe_bytes(free) + " free of " + describe_bytes(total);
-    } else {
-      (void)cudaGetLastError();
-    }
+    const std::string free_text = describe_free_device_memory();
     throw out_of_memory("terrace: out of memory on device '" + properties_.name +
                         "' (CUDA device " + std::to_string(device()) + "): cudaMalloc of " +
                         describe_bytes(bytes) + " failed with " + cuda_error_text(error) +

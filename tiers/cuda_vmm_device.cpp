@@ -243,14 +243,7 @@ class cuda_vmm_backend final : public cuda_backend {
 
   [[noreturn]] void throw_out_of_memory(const std::string& call, std::size_t mapped_before_failure,
                                         CUresult r) const {
-    std::size_t free = 0;
-    std::size_t total = 0;
-    std::string free_text = "an unknown amount free";
-    if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
-      free_text = describe_bytes(free) + " free of " + describe_bytes(total);
-    } else {
-      (void)cudaGetLastError();
-    }
+    const std::string free_text = describe_free_device_memory();
     throw out_of_memory(
         "terrace: out of memory on device '" + properties_.name + "' (CUDA device " +
         std::to_string(device()) + "): " + call + " failed with " + api_.text(r) + " after " +

@@ -19,6 +19,7 @@
 
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
+#include "tiers/capacity_meter.hpp"
 #include "tiers/vmm_book.hpp"
 
 namespace terrace::detail {
@@ -95,9 +96,10 @@ std::size_t round_up(std::size_t n, std::size_t align) { return (n + align - 1) 
 class null_device final : public device_backend {
  public:
   explicit null_device(const device_options& options)
-      : vmm_("null", options.map_granularity ? options.map_granularity : kDefaultGranularity) {
+      : vmm_("null", options.map_granularity ? options.map_granularity : kDefaultGranularity),
+        meter_("null", options.capacity ? options.capacity : kDefaultCapacity) {
     properties_.name = "null";
-    properties_.capacity = options.capacity ? options.capacity : kDefaultCapacity;
+    properties_.capacity = meter_.capacity();
     properties_.alignment = kAlignment;
     properties_.touches_memory = false;
     properties_.supports_vmm = true;
@@ -110,11 +112,11 @@ class null_device final : public device_backend {
 
   void* do_reserve(std::size_t bytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    charge(bytes, "reserve");
+    meter_.charge(bytes, "reserve");
     const std::uintptr_t p =
         bytes > SIZE_MAX - kAlignment ? 0 : space_.take(round_up(bytes, kAlignment), kAlignment);
     if (p == 0) {
-      uncharge(bytes);
+      meter_.uncharge(bytes);
       throw out_of_memory("terrace: out of memory on device 'null': its fake address space has no "
                           "room for " + describe_bytes(bytes));
     }
@@ -136,7 +138,7 @@ class null_device final : public device_backend {
     }
     segments_.erase(it);
     space_.give(p, round_up(bytes, kAlignment));
-    uncharge(bytes);
+    meter_.uncharge(bytes);
   }
 
   // -------------------------------------------------------------- virtual memory
@@ -167,7 +169,7 @@ class null_device final : public device_backend {
     std::lock_guard<std::mutex> lock(mutex_);
     const auto p = reinterpret_cast<std::uintptr_t>(ptr);
     vmm_.check_map(p, bytes);
-    charge(bytes, "map");
+    meter_.charge(bytes, "map");
     vmm_.mark_mapped(p, bytes);
   }
 
@@ -178,29 +180,10 @@ class null_device final : public device_backend {
       contract_violation("null", why);
     }
     vmm_.mark_unmapped(p, bytes);
-    uncharge(bytes);
+    meter_.uncharge(bytes);
   }
 
-  // REQUIRES: mutex_ held.
-  void charge(std::size_t bytes, const char* what) {
-    const std::size_t used = used_.load(std::memory_order_relaxed);
-    const std::size_t capacity = properties_.capacity;
-    if (bytes > capacity - used) {
-      throw out_of_memory("terrace: out of memory on device 'null': " + std::string(what) + " of " +
-                          describe_bytes(bytes) + ", but only " + describe_bytes(capacity - used) +
-                          " of the capacity of " + describe_bytes(capacity) + " is free");
-    }
-    used_.store(used + bytes, std::memory_order_relaxed);
-  }
-
-  // REQUIRES: mutex_ held.
-  void uncharge(std::size_t bytes) noexcept {
-    used_.store(used_.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
-  }
-
-  std::size_t do_used_bytes() const noexcept override {
-    return used_.load(std::memory_order_relaxed);
-  }
+  std::size_t do_used_bytes() const noexcept override { return meter_.used(); }
 
   // -------------------------------------------------------------- streams, events, copies
   // Nothing is ever queued, so everything has always completed. Handles are distinct non-null
@@ -223,11 +206,11 @@ class null_device final : public device_backend {
     return reinterpret_cast<void*>((tokens_.fetch_add(1, std::memory_order_relaxed) + 1) << 4);
   }
 
-  std::mutex mutex_;  // guards space_, segments_, vmm_ and writes to used_
+  std::mutex mutex_;  // guards space_, segments_, vmm_ and meter_'s counts
   fake_address_space space_;
   std::unordered_map<std::uintptr_t, std::size_t> segments_;
   vmm_book vmm_;
-  std::atomic<std::size_t> used_{0};
+  capacity_meter meter_;  // charged and uncharged under mutex_
   std::atomic<std::uintptr_t> tokens_{0};
 };
 

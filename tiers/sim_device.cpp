@@ -45,6 +45,7 @@
 #include "terrace/error.hpp"
 #include "terrace/sim_device.hpp"
 #include "tiers/backends.hpp"
+#include "tiers/capacity_meter.hpp"
 #include "tiers/vmm_book.hpp"
 
 namespace terrace {
@@ -256,9 +257,10 @@ class sim_device final : public device_backend {
  public:
   explicit sim_device(const device_options& options)
       : bandwidth_(options.copy_bandwidth),
-        vmm_("sim", options.map_granularity ? options.map_granularity : kDefaultGranularity) {
+        vmm_("sim", options.map_granularity ? options.map_granularity : kDefaultGranularity),
+        meter_("sim", options.capacity ? options.capacity : kDefaultCapacity) {
     properties_.name = "sim";
-    properties_.capacity = options.capacity ? options.capacity : kDefaultCapacity;
+    properties_.capacity = meter_.capacity();
     properties_.alignment = kAlignment;
     properties_.touches_memory = true;
     properties_.supports_vmm = true;
@@ -295,7 +297,7 @@ class sim_device final : public device_backend {
 
   void* do_reserve(std::size_t bytes) override {
     std::lock_guard<std::mutex> lock(memory_mutex_);
-    charge(bytes, "reserve");
+    meter_.charge(bytes, "reserve");
     void* p = nullptr;
     int err = ENOMEM;
     if (bytes >= kMmapThreshold) {
@@ -309,7 +311,7 @@ class sim_device final : public device_backend {
       p = ::operator new(bytes, std::align_val_t{kAlignment}, std::nothrow);
     }
     if (p == nullptr) {
-      uncharge(bytes);
+      meter_.uncharge(bytes);
       throw out_of_memory("terrace: out of memory on device 'sim': the host refused " +
                           describe_bytes(bytes) + " (" + errno_text(err) + ")");
     }
@@ -331,7 +333,7 @@ class sim_device final : public device_backend {
     }
     segments_.erase(it);
     free_segment(p, bytes);
-    uncharge(bytes);
+    meter_.uncharge(bytes);
   }
 
   static void free_segment(void* p, std::size_t bytes) noexcept {
@@ -383,11 +385,11 @@ class sim_device final : public device_backend {
     std::lock_guard<std::mutex> lock(memory_mutex_);
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     vmm_.check_map(a, bytes);
-    charge(bytes, "map");
+    meter_.charge(bytes, "map");
     // The pages are fresh: never touched, or dropped by the MADV_DONTNEED of an earlier unmap.
     if (::mprotect(p, bytes, PROT_READ | PROT_WRITE) != 0) {
       const int err = errno;
-      uncharge(bytes);
+      meter_.uncharge(bytes);
       throw device_error("terrace: device 'sim': map(" + hex_address(a) + ", " +
                          describe_bytes(bytes) + ") failed: mprotect: " + errno_text(err));
     }
@@ -405,29 +407,10 @@ class sim_device final : public device_backend {
     ::madvise(p, bytes, MADV_DONTNEED);
     ::mprotect(p, bytes, PROT_NONE);
     vmm_.mark_unmapped(a, bytes);
-    uncharge(bytes);
+    meter_.uncharge(bytes);
   }
 
-  // REQUIRES: memory_mutex_ held.
-  void charge(std::size_t bytes, const char* what) {
-    const std::size_t used = used_.load(std::memory_order_relaxed);
-    const std::size_t capacity = properties_.capacity;
-    if (bytes > capacity - used) {
-      throw out_of_memory("terrace: out of memory on device 'sim': " + std::string(what) + " of " +
-                          describe_bytes(bytes) + ", but only " + describe_bytes(capacity - used) +
-                          " of the capacity of " + describe_bytes(capacity) + " is free");
-    }
-    used_.store(used + bytes, std::memory_order_relaxed);
-  }
-
-  // REQUIRES: memory_mutex_ held.
-  void uncharge(std::size_t bytes) noexcept {
-    used_.store(used_.load(std::memory_order_relaxed) - bytes, std::memory_order_relaxed);
-  }
-
-  std::size_t do_used_bytes() const noexcept override {
-    return used_.load(std::memory_order_relaxed);
-  }
+  std::size_t do_used_bytes() const noexcept override { return meter_.used(); }
 
   // -------------------------------------------------------------- handles
 
@@ -580,10 +563,10 @@ class sim_device final : public device_backend {
 
   const double bandwidth_;
 
-  mutable std::mutex memory_mutex_;  // guards segments_, vmm_ and writes to used_
+  mutable std::mutex memory_mutex_;  // guards segments_, vmm_ and meter_'s counts
   std::unordered_map<std::uintptr_t, std::size_t> segments_;
   vmm_book vmm_;
-  std::atomic<std::size_t> used_{0};
+  capacity_meter meter_;  // charged and uncharged under memory_mutex_
 
   std::mutex handles_mutex_;  // guards the three below
   std::shared_ptr<sim_stream> default_stream_;
