@@ -27,6 +27,26 @@ class device_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// @brief A file or I/O operation failed: open, fallocate, a read or write through the NVMe
+/// engine, fsync, rename. what() names the file or tensor and the operation; code() is the errno
+/// (EIO, ENOSPC, ...), or 0 when the failure has none (a truncated index, an unexpected end of file).
+class io_error : public std::runtime_error {
+ public:
+  explicit io_error(const std::string& message, int code = 0)
+      : std::runtime_error(message), code_(code) {}
+  int code() const noexcept { return code_; }
+
+ private:
+  int code_;
+};
+
+/// @brief Stored data failed its CRC32C check: a corrupt extent (what() names the tensor) or a
+/// corrupt index. Data is never returned silently wrong. An io_error, so one handler can take both.
+class checksum_error : public io_error {
+ public:
+  using io_error::io_error;
+};
+
 /// @brief The request could not be satisfied even after releasing cached memory.
 ///
 /// what() carries the full report: what was asked, what is reserved but unused, the largest free

@@ -1,0 +1,486 @@
+// SPDX-License-Identifier: Apache-2.0
+// The NVMe tensor store, single-threaded: round trips of odd sizes and alignments, hole reuse,
+// copy-on-write across checkpoints, recovery, checksum detection, every error path the engine's
+// fault seam can produce, real file-size and file-system limits, striping and SQPOLL.
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "scratch_dir.hpp"
+#include "terrace/error.hpp"
+#include "terrace/tensor_store.hpp"
+
+namespace terrace {
+namespace {
+
+using testing::scratch_dir;
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+
+std::vector<unsigned char> pattern(std::size_t n, std::uint64_t seed) {
+  std::vector<unsigned char> v(n);
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& b : v) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b = static_cast<unsigned char>(x);
+  }
+  return v;
+}
+
+tensor_store_options small(std::uint64_t capacity = 64 * MiB, std::size_t block = 64 * KiB) {
+  tensor_store_options o;
+  o.capacity = capacity;
+  o.block_size = block;
+  o.queue_depth = 8;
+  return o;
+}
+
+void expect_tensor(tensor_store& s, const std::string& id, const std::vector<unsigned char>& want) {
+  ASSERT_EQ(s.size_of(id), want.size()) << id;
+  std::vector<unsigned char> got(want.size() + 1);
+  s.get(id, got.data() + 1, want.size()).wait();  // +1: deliberately unaligned
+  ASSERT_TRUE(want.empty() || std::memcmp(got.data() + 1, want.data(), want.size()) == 0) << id;
+}
+
+void flip_byte(const std::filesystem::path& file, std::uint64_t offset) {
+  const int fd = ::open(file.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char b = 0;
+  ASSERT_EQ(::pread(fd, &b, 1, static_cast<off_t>(offset)), 1);
+  b ^= 0x40;
+  ASSERT_EQ(::pwrite(fd, &b, 1, static_cast<off_t>(offset)), 1);
+  ::fsync(fd);
+  ::close(fd);
+}
+
+TEST(TensorStore, RoundTripsOddSizesAndAlignments) {
+  scratch_dir dir("roundtrip");
+  auto s = tensor_store::create(dir.path(), small());
+  EXPECT_TRUE(s.direct()) << s.describe();
+  std::mt19937 rng(1);
+  std::map<std::string, std::vector<unsigned char>> want;
+  std::vector<io_handle> handles;
+  // Sizes around block and page boundaries, plus random ones; sources at odd addresses too.
+  std::vector<std::size_t> sizes = {0, 1, 4095, 4096, 4097, 64 * KiB - 1, 64 * KiB, 64 * KiB + 1, 3 * 64 * KiB + 77};
+  for (int i = 0; i < 120; ++i) sizes.push_back(rng() % (300 * KiB));
+  std::vector<std::vector<unsigned char>> sources;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const std::string id = "t" + std::to_string(i);
+    want[id] = pattern(sizes[i], i);
+    sources.emplace_back(sizes[i] + 3);
+    unsigned char* src = sources.back().data() + i % 4;
+    if (sizes[i]) std::memcpy(src, want[id].data(), sizes[i]);
+    handles.push_back(s.put(id, src, sizes[i]));
+  }
+  for (auto& h : handles) h.wait();
+  for (auto& [id, v] : want) expect_tensor(s, id, v);
+  EXPECT_EQ(s.checkpoint(), 1u);
+  EXPECT_EQ(s.ids().size(), want.size());
+}
+
+TEST(TensorStore, AlignedLargeTensorRoundTrip) {
+  scratch_dir dir("aligned");
+  auto s = tensor_store::create(dir.path(), small(64 * MiB, 1 * MiB));
+  auto* src = static_cast<unsigned char*>(std::aligned_alloc(4096, 8 * MiB));
+  auto* dst = static_cast<unsigned char*>(std::aligned_alloc(4096, 8 * MiB));
+  auto v = pattern(8 * MiB, 99);
+  std::memcpy(src, v.data(), v.size());
+  s.put("big", src, 8 * MiB).wait();
+  auto h = s.get("big", dst, 8 * MiB);
+  while (!h.ready()) {
+  }  // the poll path
+  h.wait();
+  EXPECT_EQ(std::memcmp(dst, v.data(), v.size()), 0);
+  std::free(src);
+  std::free(dst);
+}
+
+TEST(TensorStore, InterleavedPutGetEraseReusesHoles) {
+  scratch_dir dir("interleave");
+  // 4 MiB of room for up to 20 live tensors of up to 128 KiB: thousands of puts only fit if holes
+  // are reused.
+  auto s = tensor_store::create(dir.path(), small(4 * MiB, 64 * KiB));
+  std::mt19937 rng(3);
+  std::map<std::string, std::vector<unsigned char>> live;
+  for (int step = 0; step < 1500; ++step) {
+    const std::string id = "x" + std::to_string(rng() % 20);
+    const int op = static_cast<int>(rng() % 3);
+    if (op == 0 || !live.count(id)) {
+      auto v = pattern(rng() % (128 * KiB) + 1, static_cast<std::uint64_t>(step));
+      s.put(id, v.data(), v.size()).wait();
+      live[id] = std::move(v);
+    } else if (op == 1) {
+      expect_tensor(s, id, live[id]);
+    } else {
+      s.erase(id);
+      live.erase(id);
+      EXPECT_FALSE(s.contains(id));
+    }
+  }
+  for (auto& [id, v] : live) expect_tensor(s, id, v);
+  EXPECT_LE(s.used_bytes(), 20 * (128 * KiB + 4 * KiB));
+}
+
+TEST(TensorStore, ReopenRecoversTheLastCheckpointOnly) {
+  scratch_dir dir("reopen");
+  auto a = pattern(100 * KiB + 3, 1), b = pattern(5, 2), c = pattern(70 * KiB, 3);
+  {
+    auto s = tensor_store::create(dir.path(), small());
+    s.put("a", a.data(), a.size());
+    s.put("b", b.data(), b.size());
+    EXPECT_EQ(s.checkpoint(), 1u);
+    s.put("c", c.data(), c.size()).wait();
+    s.erase("a");
+    auto b2 = pattern(9000, 4);
+    s.put("b", b2.data(), b2.size()).wait();  // overwrite: the committed b stays on disk
+  }  // closed without a checkpoint: as if the process died here
+  auto s = tensor_store::open(dir.path(), small());
+  EXPECT_EQ(s.generation(), 1u);
+  EXPECT_FALSE(s.contains("c"));
+  expect_tensor(s, "a", a);
+  expect_tensor(s, "b", b);
+  // The space of the forgotten writes is free again.
+  EXPECT_EQ(s.used_bytes(), (100 * KiB + 4 * KiB) + 4 * KiB);
+}
+
+TEST(TensorStore, ExtentsOfTheCommittedIndexAreNotReusedBeforeTheNextCheckpoint) {
+  scratch_dir dir("cow");
+  auto s = tensor_store::create(dir.path(), small(2 * MiB, 64 * KiB));
+  auto a = pattern(MiB, 1);
+  s.put("a", a.data(), a.size()).wait();
+  s.checkpoint();
+  s.erase("a");
+  EXPECT_EQ(s.used_bytes(), MiB);  // held for generation 1
+  auto b = pattern(MiB, 2);
+  s.put("b", b.data(), b.size()).wait();
+  EXPECT_THROW(s.put("c", b.data(), b.size()), out_of_memory);
+  // Until generation 2 commits, generation 1's "a" must still be readable from disk.
+  s.checkpoint();
+  EXPECT_NO_THROW(s.put("c", b.data(), b.size()).wait());
+}
+
+TEST(TensorStore, FullStoreIsReportedBeforeAnyWrite) {
+  scratch_dir dir("full");
+  auto s = tensor_store::create(dir.path(), small(MiB, 64 * KiB));
+  auto v = pattern(2 * MiB, 1);
+  io_fault f;
+  f.what = io_fault::kind::eio;
+  f.reads = false;
+  s.inject_fault(f);
+  try {
+    s.put("huge", v.data(), v.size());
+    FAIL() << "a put past capacity must throw";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("huge"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is full"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(s.used_bytes(), 0u);
+  EXPECT_FALSE(s.contains("huge"));
+  // The armed fault was not consumed: no write was issued for the refused put.
+  EXPECT_THROW(s.put("small", v.data(), 10).wait(), io_error);
+  s.put("small", v.data(), 10).wait();
+}
+
+TEST(TensorStore, FlippedByteOnDiskIsACheckumErrorNamingTheTensor) {
+  scratch_dir dir("flip");
+  auto good = pattern(200 * KiB, 2);
+  auto victim = pattern(150 * KiB, 1);
+  {
+    auto s = tensor_store::create(dir.path(), small());
+    s.put("layer0.weight", victim.data(), victim.size()).wait();  // first extent: offset 0
+    s.put("other", good.data(), good.size()).wait();
+    s.checkpoint();
+  }
+  flip_byte(dir.path() / "swap.0", 100 * KiB + 17);
+  auto s = tensor_store::open(dir.path(), small());
+  std::vector<unsigned char> out(victim.size());
+  try {
+    s.get("layer0.weight", out.data(), out.size()).wait();
+    FAIL() << "corrupt data returned silently";
+  } catch (const checksum_error& e) {
+    EXPECT_NE(std::string(e.what()).find("layer0.weight"), std::string::npos) << e.what();
+    EXPECT_EQ(e.code(), EBADMSG);
+  }
+  expect_tensor(s, "other", good);  // still usable
+  s.put("layer0.weight", victim.data(), victim.size()).wait();
+  expect_tensor(s, "layer0.weight", victim);
+}
+
+io_fault fault(io_fault::kind k, bool reads, bool writes, int count = 1, int skip = 0) {
+  io_fault f;
+  f.what = k;
+  f.reads = reads;
+  f.writes = writes;
+  f.count = count;
+  f.skip = skip;
+  return f;
+}
+
+TEST(TensorStore, InjectedWriteErrorsFailThePutAndLeaveTheStoreUsable) {
+  for (auto k : {io_fault::kind::eio, io_fault::kind::enospc}) {
+    scratch_dir dir("werr");
+    auto s = tensor_store::create(dir.path(), small());
+    auto v = pattern(300 * KiB, 5);
+    s.put("kept", v.data(), v.size()).wait();
+    s.inject_fault(fault(k, false, true, 1, 2));  // the third block of the next put
+    auto h = s.put("w", v.data(), v.size());
+    try {
+      h.wait();
+      FAIL() << "the injected fault was not reported";
+    } catch (const io_error& e) {
+      EXPECT_EQ(e.code(), k == io_fault::kind::eio ? EIO : ENOSPC) << e.what();
+      EXPECT_NE(std::string(e.what()).find("'w'"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(h.wait(), io_error);  // every wait reports it
+    EXPECT_FALSE(s.contains("w"));
+    std::vector<unsigned char> out(v.size());
+    EXPECT_THROW(s.get("w", out.data(), out.size()), io_error);
+    EXPECT_EQ(s.checkpoint(), 1u);
+    s.put("w", v.data(), v.size()).wait();
+    expect_tensor(s, "w", v);
+    expect_tensor(s, "kept", v);
+    EXPECT_EQ(s.used_bytes(), 2 * (300 * KiB));
+  }
+}
+
+TEST(TensorStore, InjectedReadErrorFailsTheGetOnly) {
+  scratch_dir dir("rerr");
+  auto s = tensor_store::create(dir.path(), small());
+  auto v = pattern(200 * KiB, 6);
+  s.put("r", v.data(), v.size()).wait();
+  s.inject_fault(fault(io_fault::kind::eio, true, false));
+  std::vector<unsigned char> out(v.size());
+  try {
+    s.get("r", out.data(), out.size()).wait();
+    FAIL();
+  } catch (const checksum_error&) {
+    FAIL() << "an EIO must not be reported as corruption";
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), EIO);
+  }
+  expect_tensor(s, "r", v);
+}
+
+TEST(TensorStore, ShortTransfersAndEagainAreCompleted) {
+  for (auto k : {io_fault::kind::short_io, io_fault::kind::eagain}) {
+    scratch_dir dir("short");
+    auto s = tensor_store::create(dir.path(), small());
+    auto v = pattern(1 * MiB + 12345, 7);
+    s.inject_fault(fault(k, true, true, 12));
+    s.put("s", v.data(), v.size()).wait();
+    expect_tensor(s, "s", v);
+    s.checkpoint();
+  }
+}
+
+TEST(TensorStore, ErrorsForMissingDirectoryUnknownIdsAndMisuse) {
+  scratch_dir dir("errors");
+  EXPECT_THROW(tensor_store::create(dir.path() / "nope", small()), io_error);
+  EXPECT_THROW(tensor_store::open(dir.path(), small()), io_error);  // empty folder: no store
+  auto s = tensor_store::create(dir.path(), small());
+  EXPECT_THROW(tensor_store::create(dir.path(), small()), io_error);  // locked / exists
+  EXPECT_THROW(tensor_store::open(dir.path(), small()), io_error);    // locked by `s`
+  std::vector<unsigned char> out(10);
+  EXPECT_THROW(s.get("ghost", out.data(), out.size()), io_error);
+  EXPECT_THROW(s.erase("ghost"), io_error);
+  auto v = pattern(100, 1);
+  s.put("v", v.data(), v.size()).wait();
+  EXPECT_THROW(s.get("v", out.data(), out.size()), logic_error);  // buffer too small
+  tensor_store_options bad = small();
+  bad.block_size = 1000;
+  scratch_dir dir2("errors2");
+  EXPECT_THROW(tensor_store::create(dir2.path(), bad), logic_error);
+}
+
+TEST(TensorStore, CreatesOnlyPrivateFilesInItsDirectory) {
+  scratch_dir dir("perm");
+  tensor_store_options o = small();
+  o.files = 2;
+  { auto s = tensor_store::create(dir.path(), o); s.checkpoint(); }
+  std::vector<std::string> names;
+  for (auto& e : std::filesystem::directory_iterator(dir.path())) {
+    names.push_back(e.path().filename());
+    struct stat st {};
+    ASSERT_EQ(::lstat(e.path().c_str(), &st), 0);
+    EXPECT_TRUE(S_ISREG(st.st_mode)) << e.path();
+    EXPECT_EQ(st.st_mode & 0777, 0600u) << e.path();
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"index", "lock", "swap.0", "swap.1"}));
+}
+
+TEST(TensorStore, RefusesSymlinkedFiles) {
+  scratch_dir dir("symlink");
+  scratch_dir elsewhere("symlink-target");
+  std::filesystem::create_symlink(elsewhere.path() / "victim", dir.path() / "swap.0");
+  EXPECT_THROW(tensor_store::create(dir.path(), small()), io_error);
+  EXPECT_FALSE(std::filesystem::exists(elsewhere.path() / "victim"));
+}
+
+TEST(TensorStore, TruncatedOrCorruptIndexIsAClearError) {
+  scratch_dir dir("index");
+  auto v = pattern(5000, 1);
+  {
+    auto s = tensor_store::create(dir.path(), small());
+    s.put("a", v.data(), v.size()).wait();
+    s.checkpoint();
+  }
+  const auto index = dir.path() / "index";
+  const auto size = std::filesystem::file_size(index);
+  std::vector<char> bytes(size);
+  std::ifstream(index, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(size));
+  std::filesystem::resize_file(index, size - 3);
+  try {
+    tensor_store::open(dir.path(), small());
+    FAIL();
+  } catch (const checksum_error& e) {
+    FAIL() << "truncation should say truncated: " << e.what();
+  } catch (const io_error& e) {
+    EXPECT_NE(std::string(e.what()).find("truncated"), std::string::npos) << e.what();
+  }
+  std::ofstream(index, std::ios::binary | std::ios::trunc).write(bytes.data(), static_cast<std::streamsize>(size));
+  flip_byte(index, size - 6);
+  EXPECT_THROW(tensor_store::open(dir.path(), small()), checksum_error);
+  flip_byte(index, size - 6);
+  auto s = tensor_store::open(dir.path(), small());  // restored: fine again
+  expect_tensor(s, "a", v);
+}
+
+TEST(TensorStore, StripesAcrossSeveralFiles) {
+  scratch_dir dir("stripe");
+  tensor_store_options o = small(12 * MiB, 64 * KiB);
+  o.files = 3;
+  auto v = pattern(2 * MiB + 5, 8);
+  {
+    auto s = tensor_store::create(dir.path(), o);
+    s.put("wide", v.data(), v.size()).wait();
+    expect_tensor(s, "wide", v);
+    s.checkpoint();
+  }
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::filesystem::file_size(dir.path() / ("swap." + std::to_string(i))), 4 * MiB);
+    std::ifstream f(dir.path() / ("swap." + std::to_string(i)), std::ios::binary);
+    std::vector<char> head(64 * KiB);
+    f.read(head.data(), static_cast<std::streamsize>(head.size()));
+    EXPECT_TRUE(std::any_of(head.begin(), head.end(), [](char c) { return c != 0; })) << "file " << i << " unused";
+  }
+  auto s = tensor_store::open(dir.path(), o);
+  expect_tensor(s, "wide", v);
+}
+
+TEST(TensorStore, SqpollMode) {
+  scratch_dir dir("sqpoll");
+  tensor_store_options o = small();
+  o.sqpoll = true;
+  std::optional<tensor_store> s;
+  try {
+    s.emplace(tensor_store::create(dir.path(), o));
+  } catch (const io_error& e) {
+    if (e.code() == EPERM || e.code() == EINVAL || e.code() == ENOMEM)
+      GTEST_SKIP() << "SQPOLL is not available here: " << e.what();
+    throw;
+  }
+  EXPECT_NE(s->describe().find("sqpoll"), std::string::npos);
+  auto v = pattern(700 * KiB + 1, 9);
+  s->put("p", v.data(), v.size()).wait();
+  expect_tensor(*s, "p", v);
+}
+
+// Runs `body` in a child process (for process-wide limits) and returns its exit status.
+template <class F>
+int in_child(F body) {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(body());
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 100 + WTERMSIG(status);
+}
+
+TEST(TensorStore, FileSizeLimitIsReportedAtCreate) {
+  scratch_dir dir("fsize");
+  const int rc = in_child([&] {
+    // RLIMIT_FSIZE would kill with SIGXFSZ; ignored, the call fails with EFBIG instead.
+    std::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{2 * MiB, 2 * MiB};
+    if (::setrlimit(RLIMIT_FSIZE, &lim) != 0) return 3;
+    try {
+      tensor_store::create(dir.path(), small(8 * MiB));
+      return 1;
+    } catch (const io_error& e) {
+      if (e.code() != EFBIG) return 2;
+    }
+    // Nothing left behind but the lock file, and a smaller store works.
+    if (std::filesystem::exists(dir.path() / "swap.0") || std::filesystem::exists(dir.path() / "index")) return 4;
+    auto s = tensor_store::create(dir.path(), small(MiB));
+    auto v = pattern(MiB, 1);
+    s.put("v", v.data(), v.size()).wait();
+    std::vector<unsigned char> out(v.size());
+    s.get("v", out.data(), out.size()).wait();
+    return out == v ? 0 : 5;
+  });
+  EXPECT_EQ(rc, 0);
+}
+
+TEST(TensorStore, FullFileSystemIsReportedAtCreate) {
+  // A genuinely small file system: tmpfs of 4 MiB, mounted in a private user+mount namespace
+  // (needs no privilege where unprivileged user namespaces are allowed).
+  scratch_dir dir("enospc");
+  const int rc = in_child([&] {
+    const uid_t uid = ::getuid();
+    const gid_t gid = ::getgid();
+    if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return 77;
+    auto write_file = [](const char* path, const std::string& s) {
+      const int fd = ::open(path, O_WRONLY);
+      if (fd < 0) return;
+      [[maybe_unused]] auto n = ::write(fd, s.data(), s.size());
+      ::close(fd);
+    };
+    write_file("/proc/self/setgroups", "deny");
+    write_file("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1");
+    write_file("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1");
+    if (::mount("none", dir.path().c_str(), "tmpfs", 0, "size=4m,mode=0700") != 0) return 77;
+    int result = 0;
+    try {
+      tensor_store::create(dir.path(), small(16 * MiB));
+      result = 1;
+    } catch (const io_error& e) {
+      if (e.code() != ENOSPC) result = 2;
+    }
+    if (result == 0) {
+      try {
+        auto s = tensor_store::create(dir.path(), small(MiB));
+        auto v = pattern(MiB - 7, 1);
+        s.put("v", v.data(), v.size()).wait();
+        std::vector<unsigned char> out(v.size());
+        s.get("v", out.data(), out.size()).wait();
+        result = out == v ? 0 : 5;
+      } catch (...) {
+        result = 6;
+      }
+    }
+    ::umount(dir.path().c_str());
+    return result;
+  });
+  if (rc == 77) GTEST_SKIP() << "cannot mount a small tmpfs here (no user namespaces); the ENOSPC path is covered through the fault seam";
+  EXPECT_EQ(rc, 0);
+}
+
+}  // namespace
+}  // namespace terrace

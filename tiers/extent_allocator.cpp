@@ -1,0 +1,94 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "tiers/extent_allocator.hpp"
+
+#include "terrace/error.hpp"
+
+namespace terrace::detail {
+
+extent_allocator::extent_allocator(std::uint64_t capacity, std::uint64_t unit)
+    : capacity_(capacity), unit_(unit), free_(0) {
+  TERRACE_EXPECTS(unit > 0 && capacity % unit == 0, "extent capacity must be whole units");
+  if (capacity > 0) insert_hole(0, capacity);
+}
+
+std::uint64_t extent_allocator::extent_size(std::uint64_t bytes) const {
+  if (bytes == 0) return unit_;
+  return (bytes + unit_ - 1) / unit_ * unit_;
+}
+
+void extent_allocator::insert_hole(std::uint64_t offset, std::uint64_t size) {
+  by_offset_.emplace(offset, size);
+  by_size_.emplace(size, offset);
+  free_ += size;
+}
+
+void extent_allocator::erase_hole(std::map<std::uint64_t, std::uint64_t>::iterator it) {
+  by_size_.erase({it->second, it->first});
+  free_ -= it->second;
+  by_offset_.erase(it);
+}
+
+std::optional<std::uint64_t> extent_allocator::allocate(std::uint64_t bytes) {
+  const std::uint64_t size = extent_size(bytes);
+  auto fit = by_size_.lower_bound({size, 0});
+  if (fit == by_size_.end()) return std::nullopt;
+  const auto [hole_size, offset] = *fit;
+  erase_hole(by_offset_.find(offset));
+  if (hole_size > size) insert_hole(offset + size, hole_size - size);
+  return offset;
+}
+
+void extent_allocator::release(std::uint64_t offset, std::uint64_t bytes) {
+  std::uint64_t size = extent_size(bytes);
+  // Coalesce with the hole after, then the hole before.
+  auto next = by_offset_.lower_bound(offset);
+  if (next != by_offset_.end() && next->first == offset + size) {
+    size += next->second;
+    erase_hole(next);
+  }
+  auto after = by_offset_.lower_bound(offset);
+  if (after != by_offset_.begin()) {
+    auto prev = std::prev(after);
+    if (prev->first + prev->second == offset) {
+      offset = prev->first;
+      size += prev->second;
+      erase_hole(prev);
+    }
+  }
+  insert_hole(offset, size);
+}
+
+bool extent_allocator::reserve(std::uint64_t offset, std::uint64_t bytes) {
+  const std::uint64_t size = extent_size(bytes);
+  if (offset % unit_ != 0 || offset > capacity_ || size > capacity_ - offset) return false;
+  auto it = by_offset_.upper_bound(offset);
+  if (it == by_offset_.begin()) return false;
+  --it;
+  const auto [hole, hole_size] = *it;
+  if (offset + size > hole + hole_size) return false;
+  erase_hole(it);
+  if (offset > hole) insert_hole(hole, offset - hole);
+  if (hole + hole_size > offset + size) insert_hole(offset + size, hole + hole_size - offset - size);
+  return true;
+}
+
+std::uint64_t extent_allocator::largest_hole() const {
+  return by_size_.empty() ? 0 : by_size_.rbegin()->first;
+}
+
+bool extent_allocator::consistent() const {
+  if (by_offset_.size() != by_size_.size()) return false;
+  std::uint64_t total = 0, end = 0;
+  bool first = true;
+  for (const auto& [off, size] : by_offset_) {
+    if (size == 0 || off % unit_ || size % unit_ || off + size > capacity_) return false;
+    if (!first && off <= end) return false;  // overlapping or adjacent (not coalesced)
+    if (!by_size_.count({size, off})) return false;
+    end = off + size;
+    first = false;
+    total += size;
+  }
+  return total == free_;
+}
+
+}  // namespace terrace::detail

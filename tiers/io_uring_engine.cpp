@@ -1,0 +1,435 @@
+// SPDX-License-Identifier: Apache-2.0
+// The io_uring engine: the only file in terrace that calls io_uring_*. See io_engine.hpp for the
+// contract. One thread owns the ring. Submitters append to an inbox and poke an eventfd whose read
+// is always pending in the ring, so the engine thread sleeps in exactly one place
+// (io_uring_wait_cqe) and wakes for either a completion or new work.
+#include <liburing.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <thread>
+
+#include "terrace/error.hpp"
+#include "tiers/io_engine.hpp"
+
+namespace terrace::detail {
+namespace {
+
+constexpr int kMaxRetries = 10000;  // EAGAIN/EINTR/short resubmissions of one piece before giving up
+constexpr std::uint64_t kWakeTag = 0;
+
+std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+std::string errno_text(int e) { return std::string(std::strerror(e)) + " (errno " + std::to_string(e) + ")"; }
+
+class uring_engine final : public io_engine {
+ public:
+  uring_engine(const engine_options& options, std::vector<engine_file> files)
+      : opt_(options), files_(std::move(files)) {
+    TERRACE_EXPECTS(!files_.empty(), "the engine needs at least one file");
+    TERRACE_EXPECTS(opt_.block_size >= kDirectAlign && opt_.block_size % kDirectAlign == 0,
+                    "block_size must be a positive multiple of 4 KiB");
+    TERRACE_EXPECTS(opt_.queue_depth >= 1 && opt_.queue_depth <= 4096, "queue_depth must be 1..4096");
+    for (const auto& f : files_) any_direct_ = any_direct_ || f.direct;
+
+    io_uring_params params{};
+    if (opt_.sqpoll) {
+      params.flags |= IORING_SETUP_SQPOLL;
+      params.sq_thread_idle = 100;  // ms before the kernel thread sleeps
+    }
+    // A block may straddle a stripe boundary (two pieces), plus the wake read: headroom of 4.
+    unsigned entries = 1;
+    while (entries < opt_.queue_depth + 4) entries <<= 1;
+    if (int rc = io_uring_queue_init_params(entries, &ring_, &params); rc < 0) {
+      throw io_error(std::string("terrace: io_uring setup failed") + (opt_.sqpoll ? " (SQPOLL)" : "") +
+                         ": " + errno_text(-rc),
+                     -rc);
+    }
+
+    // Registered files save a file-table lookup and reference count per I/O.
+    std::vector<int> fds;
+    for (const auto& f : files_) fds.push_back(f.fd);
+    fixed_files_ = io_uring_register_files(&ring_, fds.data(), static_cast<unsigned>(fds.size())) == 0;
+
+    // Bounce buffers, only for blocks whose memory or length breaks O_DIRECT's alignment. They are
+    // registered (the kernel pins them once rather than on every transfer). Capped at 64 MiB.
+    if (any_direct_) {
+      std::size_t slots = std::clamp<std::size_t>((std::size_t{64} << 20) / opt_.block_size, 2, opt_.queue_depth);
+      slots = std::max<std::size_t>(slots, 1);
+      bounce_ = static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, slots * opt_.block_size));
+      if (!bounce_) {
+        io_uring_queue_exit(&ring_);
+        throw io_error("terrace: cannot allocate the engine's bounce buffers", ENOMEM);
+      }
+      std::vector<iovec> iov(slots);
+      for (std::size_t i = 0; i < slots; ++i) {
+        iov[i] = {bounce_ + i * opt_.block_size, opt_.block_size};
+        free_slots_.push_back(static_cast<int>(i));
+      }
+      fixed_buffers_ = io_uring_register_buffers(&ring_, iov.data(), static_cast<unsigned>(slots)) == 0;
+    }
+
+    wake_fd_ = eventfd(0, EFD_CLOEXEC);
+    if (wake_fd_ < 0) {
+      const int e = errno;
+      io_uring_queue_exit(&ring_);
+      std::free(bounce_);
+      throw io_error("terrace: eventfd failed: " + errno_text(e), e);
+    }
+    thread_ = std::thread([this] { run(); });
+  }
+
+  ~uring_engine() override {
+    {
+      std::lock_guard lock(inbox_mutex_);
+      stop_ = true;
+    }
+    poke();
+    thread_.join();
+    io_uring_queue_exit(&ring_);
+    ::close(wake_fd_);
+    std::free(bounce_);
+  }
+
+  std::shared_ptr<io_completion> submit(io_request request) override {
+    const std::uint64_t limit = opt_.file_size * files_.size();
+    TERRACE_EXPECTS(request.offset <= limit && request.size <= limit - request.offset,
+                    "I/O request past the end of the store's files");
+    auto completion = std::make_shared<io_completion>();
+    if (request.size == 0) {
+      completion->finish(nullptr);
+      return completion;
+    }
+    auto state = std::make_unique<request_state>();
+    state->blocks = (request.size + opt_.block_size - 1) / opt_.block_size;
+    state->req = std::move(request);
+    state->completion = completion;
+    {
+      std::lock_guard lock(inbox_mutex_);
+      inbox_.push_back(std::move(state));
+    }
+    poke();
+    return completion;
+  }
+
+  void inject(const io_fault& fault) override {
+    std::lock_guard lock(fault_mutex_);
+    fault_ = fault;
+    fault_armed_.store(fault.what != io_fault::kind::none && fault.count > 0, std::memory_order_release);
+  }
+
+  std::string describe() const override {
+    std::string s = "io_uring qd=" + std::to_string(opt_.queue_depth) +
+                    " block=" + std::to_string(opt_.block_size >> 10) + " KiB files=" +
+                    std::to_string(files_.size());
+    if (opt_.sqpoll) s += " sqpoll";
+    if (fixed_files_) s += " fixed-files";
+    if (fixed_buffers_) s += " fixed-bounce-buffers";
+    s += any_direct_ ? " O_DIRECT" : " buffered";
+    return s;
+  }
+
+ private:
+  struct request_state {
+    io_request req;
+    std::shared_ptr<io_completion> completion;
+    std::size_t blocks = 0;    // blocks still to be started counts down via next_block
+    std::size_t next_block = 0;
+    std::size_t finished = 0;  // blocks completed (ok or not)
+    std::exception_ptr error;
+    bool done = false;
+  };
+  struct block_state {
+    request_state* r = nullptr;
+    std::size_t offset = 0;  // within the request
+    std::size_t size = 0;    // caller bytes
+    int slot = -1;           // bounce slot, or -1 when transferred in place
+    int pieces_left = 0;
+  };
+  struct piece {
+    block_state* b = nullptr;
+    unsigned file = 0;
+    std::uint64_t file_offset = 0;
+    std::byte* buf = nullptr;
+    std::size_t len = 0;  // still to transfer
+    int retries = 0;
+  };
+
+  void poke() {
+    const std::uint64_t one = 1;
+    // A full counter (2^64-2 pokes) cannot happen; EINTR is retried.
+    while (::write(wake_fd_, &one, sizeof one) < 0 && errno == EINTR) {
+    }
+  }
+
+  io_uring_sqe* get_sqe() {
+    io_uring_sqe* sqe;
+    while ((sqe = io_uring_get_sqe(&ring_)) == nullptr) submit_pending();
+    return sqe;
+  }
+
+  void submit_pending() {
+    for (;;) {
+      const int rc = io_uring_submit(&ring_);
+      if (rc >= 0) return;
+      if (rc == -EINTR || rc == -EAGAIN || rc == -EBUSY) {
+        if (rc != -EINTR) std::this_thread::yield();
+        continue;
+      }
+      std::fprintf(stderr, "terrace: io_uring_submit failed fatally: %s\n", errno_text(-rc).c_str());
+      std::abort();
+    }
+  }
+
+  void arm_wake() {
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_read(sqe, wake_fd_, &wake_buf_, sizeof wake_buf_, 0);
+    io_uring_sqe_set_data64(sqe, kWakeTag);
+  }
+
+  void queue_piece(piece* p) {
+    io_uring_sqe* sqe = get_sqe();
+    const engine_file& f = files_[p->file];
+    const int fd = fixed_files_ ? static_cast<int>(p->file) : f.fd;
+    const bool write = p->b->r->req.op == io_op::write;
+    const auto len = static_cast<unsigned>(p->len);
+    if (p->b->slot >= 0 && fixed_buffers_) {
+      if (write)
+        io_uring_prep_write_fixed(sqe, fd, p->buf, len, p->file_offset, p->b->slot);
+      else
+        io_uring_prep_read_fixed(sqe, fd, p->buf, len, p->file_offset, p->b->slot);
+    } else if (write) {
+      io_uring_prep_write(sqe, fd, p->buf, len, p->file_offset);
+    } else {
+      io_uring_prep_read(sqe, fd, p->buf, len, p->file_offset);
+    }
+    if (fixed_files_) sqe->flags |= IOSQE_FIXED_FILE;
+    io_uring_sqe_set_data(sqe, p);
+    ++inflight_;
+  }
+
+  // Starts the next block of `r`. Returns false when it cannot start now (no bounce slot free).
+  bool start_block(request_state* r) {
+    const std::size_t off = r->next_block * opt_.block_size;
+    const std::size_t size = std::min(opt_.block_size, r->req.size - off);
+    std::byte* user = r->req.buffer + off;
+    const std::uint64_t logical = r->req.offset + off;
+    // Pieces: split at stripe boundaries. A block touching a direct file needs aligned memory and
+    // length; otherwise it goes through a bounce slot, padded with zeros to 4 KiB.
+    bool direct = false;
+    for (std::uint64_t l = logical; l < logical + size; l = (l / opt_.block_size + 1) * opt_.block_size)
+      direct = direct || files_[(l / opt_.block_size) % files_.size()].direct;
+    const bool aligned = reinterpret_cast<std::uintptr_t>(user) % kDirectAlign == 0 && size % kDirectAlign == 0;
+    int slot = -1;
+    if (direct && !aligned) {
+      if (free_slots_.empty()) return false;
+      slot = free_slots_.back();
+      free_slots_.pop_back();
+    }
+    ++r->next_block;
+    std::byte* io_buf = slot >= 0 ? bounce_ + static_cast<std::size_t>(slot) * opt_.block_size : user;
+    const std::size_t io_len = direct ? round_up(size, kDirectAlign) : size;
+    if (r->req.op == io_op::write) {
+      try {
+        if (r->req.hook) r->req.hook(off, user, size);
+      } catch (...) {
+        fail(r, std::current_exception());
+        release_slot(slot);
+        ++r->finished;
+        maybe_finish(r);
+        return true;
+      }
+      if (slot >= 0) {
+        std::memcpy(io_buf, user, size);
+        std::memset(io_buf + size, 0, io_len - size);
+      }
+    }
+    auto* b = new block_state{r, off, size, slot, 0};
+    std::vector<piece*> pieces;
+    for (std::size_t done = 0; done < io_len;) {
+      const std::uint64_t l = logical + done;
+      const std::uint64_t stripe = l / opt_.block_size;
+      const std::size_t in_stripe = l % opt_.block_size;
+      const std::size_t n = std::min(io_len - done, opt_.block_size - in_stripe);
+      auto* p = new piece{b, static_cast<unsigned>(stripe % files_.size()),
+                          (stripe / files_.size()) * opt_.block_size + in_stripe, io_buf + done, n, 0};
+      pieces.push_back(p);
+      done += n;
+    }
+    b->pieces_left = static_cast<int>(pieces.size());
+    for (piece* p : pieces) queue_piece(p);
+    return true;
+  }
+
+  void release_slot(int slot) {
+    if (slot >= 0) free_slots_.push_back(slot);
+  }
+
+  void fail(request_state* r, std::exception_ptr e) {
+    if (!r->error) r->error = std::move(e);
+    r->blocks = r->next_block;  // start nothing more; drain what is in flight
+  }
+
+  void maybe_finish(request_state* r) {
+    if (r->finished != r->next_block || r->next_block != r->blocks) return;
+    r->completion->finish(r->error);
+    r->done = true;  // swept from active_ by run(), never while fill() walks the list
+  }
+
+  // Applies the fault seam to a completion result.
+  int apply_fault(const piece* p, int res) {
+    if (!fault_armed_.load(std::memory_order_acquire)) return res;
+    std::lock_guard lock(fault_mutex_);
+    const bool write = p->b->r->req.op == io_op::write;
+    if (fault_.count <= 0 || (write ? !fault_.writes : !fault_.reads)) return res;
+    if (fault_.skip > 0) {
+      --fault_.skip;
+      return res;
+    }
+    if (fault_.what == io_fault::kind::short_io && (res <= 0 || p->len < 2 * kDirectAlign)) return res;
+    if (--fault_.count == 0) fault_armed_.store(false, std::memory_order_release);
+    switch (fault_.what) {
+      case io_fault::kind::eio: return -EIO;
+      case io_fault::kind::enospc: return -ENOSPC;
+      case io_fault::kind::eagain: return -EAGAIN;
+      case io_fault::kind::short_io: return static_cast<int>(p->len / 2 / kDirectAlign * kDirectAlign);
+      case io_fault::kind::none: break;
+    }
+    return res;
+  }
+
+  void complete(piece* p, int res) {
+    block_state* b = p->b;
+    request_state* r = b->r;
+    const bool write = r->req.op == io_op::write;
+    res = apply_fault(p, res);
+    if (res == -EAGAIN || res == -EINTR || (res > 0 && static_cast<std::size_t>(res) < p->len)) {
+      if (res > 0) {
+        p->buf += res;
+        p->file_offset += static_cast<std::uint64_t>(res);
+        p->len -= static_cast<std::size_t>(res);
+      }
+      if (++p->retries <= kMaxRetries) {
+        queue_piece(p);
+        return;
+      }
+      res = -EIO;
+    }
+    if (res <= 0) {
+      const engine_file& f = files_[p->file];
+      std::string msg = "terrace: " + r->req.what + ": " + (write ? "write" : "read") + " of " +
+                        std::to_string(p->len) + " bytes at offset " + std::to_string(p->file_offset) +
+                        " of " + f.name + " failed: ";
+      msg += res < 0 ? errno_text(-res) : (write ? "the device accepted no bytes" : "unexpected end of file");
+      fail(r, std::make_exception_ptr(io_error(msg, res < 0 ? -res : 0)));
+    }
+    delete p;
+    if (--b->pieces_left > 0) return;
+    // The block is whole: hand read data to the caller and let the hook check it.
+    if (!write && !r->error) {
+      std::byte* user = r->req.buffer + b->offset;
+      if (b->slot >= 0) std::memcpy(user, bounce_ + static_cast<std::size_t>(b->slot) * opt_.block_size, b->size);
+      try {
+        if (r->req.hook) r->req.hook(b->offset, user, b->size);
+      } catch (...) {
+        fail(r, std::current_exception());
+      }
+    }
+    release_slot(b->slot);
+    delete b;
+    ++r->finished;
+    maybe_finish(r);
+  }
+
+  void fill() {
+    for (auto& r : active_) {
+      while (r->next_block < r->blocks && inflight_ < opt_.queue_depth) {
+        if (!start_block(r.get())) return;  // out of bounce slots: wait for completions
+      }
+      if (inflight_ >= opt_.queue_depth) return;
+    }
+  }
+
+  void run() {
+    arm_wake();
+    submit_pending();
+    for (;;) {
+      bool stop;
+      {
+        std::lock_guard lock(inbox_mutex_);
+        for (auto& r : inbox_) active_.push_back(std::move(r));
+        inbox_.clear();
+        stop = stop_;
+      }
+      fill();
+      active_.remove_if([](const std::unique_ptr<request_state>& r) { return r->done; });
+      if (stop && active_.empty() && inflight_ == 0) break;
+      submit_pending();
+
+      io_uring_cqe* cqe = nullptr;
+      int rc = io_uring_wait_cqe(&ring_, &cqe);
+      if (rc == -EINTR || rc == -EAGAIN) continue;
+      if (rc < 0) {
+        std::fprintf(stderr, "terrace: io_uring_wait_cqe failed fatally: %s\n", errno_text(-rc).c_str());
+        std::abort();
+      }
+      unsigned head;
+      unsigned seen = 0;
+      std::vector<std::pair<void*, int>> batch;
+      io_uring_for_each_cqe(&ring_, head, cqe) {
+        batch.emplace_back(io_uring_cqe_get_data(cqe), cqe->res);
+        ++seen;
+      }
+      io_uring_cq_advance(&ring_, seen);
+      for (auto [data, res] : batch) {
+        if (data == nullptr) {
+          arm_wake();  // the wake read fired (or failed): keep one pending
+          continue;
+        }
+        --inflight_;
+        complete(static_cast<piece*>(data), res);
+      }
+      active_.remove_if([](const std::unique_ptr<request_state>& r) { return r->done; });
+    }
+  }
+
+  const engine_options opt_;
+  const std::vector<engine_file> files_;
+  bool any_direct_ = false;
+  io_uring ring_{};
+  bool fixed_files_ = false;
+  bool fixed_buffers_ = false;
+  std::byte* bounce_ = nullptr;
+  std::vector<int> free_slots_;  // engine thread only
+  int wake_fd_ = -1;
+  std::uint64_t wake_buf_ = 0;
+
+  std::mutex inbox_mutex_;
+  std::vector<std::unique_ptr<request_state>> inbox_;  // guarded by inbox_mutex_
+  bool stop_ = false;                                  // guarded by inbox_mutex_
+
+  std::list<std::unique_ptr<request_state>> active_;  // engine thread only, oldest first
+  unsigned inflight_ = 0;                             // pieces in the ring (engine thread only)
+
+  std::mutex fault_mutex_;
+  io_fault fault_;  // guarded by fault_mutex_
+  std::atomic<bool> fault_armed_{false};
+
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<io_engine> make_io_uring_engine(const engine_options& options,
+                                                std::vector<engine_file> files) {
+  return std::make_unique<uring_engine>(options, std::move(files));
+}
+
+}  // namespace terrace::detail

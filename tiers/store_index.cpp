@@ -1,0 +1,212 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "tiers/store_index.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "terrace/error.hpp"
+#include "tiers/crc32c.hpp"
+
+namespace terrace::detail {
+namespace {
+
+constexpr char kMagic[8] = {'T', 'R', 'C', 'S', 'T', 'I', 'D', 'X'};
+constexpr std::uint32_t kVersion = 1;
+constexpr std::size_t kHeaderBytes = 40;
+
+template <class T>
+void put_le(std::vector<unsigned char>& out, T v) {
+  // resize + memcpy rather than insert: GCC 12 warns falsely on small vector inserts.
+  const std::size_t at = out.size();
+  out.resize(at + sizeof(T));
+  std::memcpy(out.data() + at, &v, sizeof(T));  // hosts are little-endian (see the header comment)
+}
+
+void put_bytes(std::vector<unsigned char>& out, const void* p, std::size_t n) {
+  const std::size_t at = out.size();
+  out.resize(at + n);
+  if (n) std::memcpy(out.data() + at, p, n);
+}
+
+class reader {
+ public:
+  reader(const unsigned char* p, std::size_t n, const std::string& where) : p_(p), n_(n), where_(where) {}
+  template <class T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, p_ + at_, sizeof(T));
+    at_ += sizeof(T);
+    return v;
+  }
+  std::string bytes(std::size_t n) {
+    need(n);
+    std::string s(reinterpret_cast<const char*>(p_ + at_), n);
+    at_ += n;
+    return s;
+  }
+  std::size_t left() const { return n_ - at_; }
+
+ private:
+  void need(std::size_t n) const {
+    if (n > n_ - at_) throw io_error("terrace: index " + where_ + " is malformed: an entry runs past its end");
+  }
+  const unsigned char* p_;
+  std::size_t n_;
+  std::size_t at_ = 0;
+  const std::string& where_;
+};
+
+std::string sys(const std::string& what, int e) {
+  return "terrace: " + what + ": " + std::strerror(e) + " (errno " + std::to_string(e) + ")";
+}
+
+void write_all(int fd, const unsigned char* p, std::size_t n, const std::string& what) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw io_error(sys(what, errno), errno);
+    }
+    if (w == 0) throw io_error(sys(what, ENOSPC), ENOSPC);
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+}
+
+}  // namespace
+
+std::vector<unsigned char> encode_index(const store_index& index) {
+  std::vector<unsigned char> payload;
+  put_le<std::uint64_t>(payload, index.block_size);
+  put_le<std::uint32_t>(payload, index.files);
+  put_le<std::uint32_t>(payload, 0);
+  put_le<std::uint64_t>(payload, index.file_size);
+  put_le<std::uint64_t>(payload, index.entries.size());
+  for (const auto& e : index.entries) {
+    put_le<std::uint32_t>(payload, static_cast<std::uint32_t>(e.id.size()));
+    put_bytes(payload, e.id.data(), e.id.size());
+    put_le<std::uint64_t>(payload, e.offset);
+    put_le<std::uint64_t>(payload, e.size);
+    put_le<std::uint32_t>(payload, static_cast<std::uint32_t>(e.crcs.size()));
+    for (std::uint32_t c : e.crcs) put_le<std::uint32_t>(payload, c);
+  }
+  std::vector<unsigned char> out;
+  out.reserve(kHeaderBytes + payload.size());
+  put_bytes(out, kMagic, 8);
+  put_le<std::uint32_t>(out, kVersion);
+  put_le<std::uint32_t>(out, 0);
+  put_le<std::uint64_t>(out, index.generation);
+  put_le<std::uint64_t>(out, payload.size());
+  put_le<std::uint32_t>(out, crc32c(0, payload.data(), payload.size()));
+  put_le<std::uint32_t>(out, crc32c(0, out.data(), out.size()));
+  put_bytes(out, payload.data(), payload.size());
+  return out;
+}
+
+store_index decode_index(const unsigned char* data, std::size_t size, const std::string& where) {
+  if (size < kHeaderBytes) {
+    throw io_error("terrace: index " + where + " is truncated: " + std::to_string(size) +
+                   " bytes, shorter than its 40-byte header");
+  }
+  if (std::memcmp(data, kMagic, 8) != 0) throw io_error("terrace: " + where + " is not a terrace tensor store index");
+  reader h(data + 8, kHeaderBytes - 8, where);
+  const auto version = h.get<std::uint32_t>();
+  h.get<std::uint32_t>();
+  store_index index;
+  index.generation = h.get<std::uint64_t>();
+  const auto payload_bytes = h.get<std::uint64_t>();
+  const auto payload_crc = h.get<std::uint32_t>();
+  const auto header_crc = h.get<std::uint32_t>();
+  if (crc32c(0, data, kHeaderBytes - 4) != header_crc) {
+    throw checksum_error("terrace: index " + where + " is corrupt: its header fails its CRC32C", EBADMSG);
+  }
+  if (version != kVersion) {
+    throw io_error("terrace: index " + where + " has format version " + std::to_string(version) +
+                   "; this build reads version " + std::to_string(kVersion));
+  }
+  if (size - kHeaderBytes != payload_bytes) {
+    throw io_error("terrace: index " + where + " is truncated: its header announces " +
+                   std::to_string(payload_bytes) + " payload bytes, the file holds " +
+                   std::to_string(size - kHeaderBytes));
+  }
+  const unsigned char* payload = data + kHeaderBytes;
+  if (crc32c(0, payload, payload_bytes) != payload_crc) {
+    throw checksum_error("terrace: index " + where + " is corrupt: its entries fail their CRC32C", EBADMSG);
+  }
+  reader r(payload, payload_bytes, where);
+  index.block_size = r.get<std::uint64_t>();
+  index.files = r.get<std::uint32_t>();
+  r.get<std::uint32_t>();
+  index.file_size = r.get<std::uint64_t>();
+  const auto count = r.get<std::uint64_t>();
+  for (std::uint64_t i = 0; i < count; ++i) {
+    index_entry e;
+    e.id = r.bytes(r.get<std::uint32_t>());
+    e.offset = r.get<std::uint64_t>();
+    e.size = r.get<std::uint64_t>();
+    const auto n = r.get<std::uint32_t>();
+    if (n > r.left() / 4) throw io_error("terrace: index " + where + " is malformed: an entry runs past its end");
+    e.crcs.resize(n);
+    for (auto& c : e.crcs) c = r.get<std::uint32_t>();
+    index.entries.push_back(std::move(e));
+  }
+  if (r.left() != 0) throw io_error("terrace: index " + where + " is malformed: bytes after its last entry");
+  return index;
+}
+
+void write_index_atomically(int dirfd, const std::string& dir, const store_index& index) {
+  const auto bytes = encode_index(index);
+  const std::string tmp = dir + "/" + kIndexTempName;
+  // A stale temporary is what a crash mid-checkpoint leaves; it was never committed.
+  if (::unlinkat(dirfd, kIndexTempName, 0) != 0 && errno != ENOENT) throw io_error(sys("cannot remove " + tmp, errno), errno);
+  const int fd = ::openat(dirfd, kIndexTempName, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) throw io_error(sys("cannot create " + tmp, errno), errno);
+  try {
+    write_all(fd, bytes.data(), bytes.size(), "cannot write " + tmp);
+    if (::fsync(fd) != 0) throw io_error(sys("cannot fsync " + tmp, errno), errno);
+  } catch (...) {
+    ::close(fd);
+    ::unlinkat(dirfd, kIndexTempName, 0);
+    throw;
+  }
+  ::close(fd);
+  if (::renameat(dirfd, kIndexTempName, dirfd, kIndexName) != 0) {
+    const int e = errno;
+    ::unlinkat(dirfd, kIndexTempName, 0);
+    throw io_error(sys("cannot rename " + tmp + " over the index", e), e);
+  }
+  // The rename is durable only once the directory is.
+  if (::fsync(dirfd) != 0) throw io_error(sys("cannot fsync directory " + dir, errno), errno);
+}
+
+store_index read_index(int dirfd, const std::string& dir) {
+  const std::string path = dir + "/" + kIndexName;
+  const int fd = ::openat(dirfd, kIndexName, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    const int e = errno;
+    if (e == ENOENT) throw io_error("terrace: " + dir + " holds no tensor store (no file 'index')", e);
+    throw io_error(sys("cannot open " + path, e), e);
+  }
+  std::vector<unsigned char> bytes;
+  unsigned char buf[1 << 16];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int e = errno;
+      ::close(fd);
+      throw io_error(sys("cannot read " + path, e), e);
+    }
+    if (n == 0) break;
+    bytes.insert(bytes.end(), buf, buf + n);
+  }
+  ::close(fd);
+  return decode_index(bytes.data(), bytes.size(), path);
+}
+
+}  // namespace terrace::detail

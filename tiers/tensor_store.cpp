@@ -1,0 +1,562 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tensor store: index and free space over the io_uring engine (io_engine.hpp), checksums on
+// every block, and checkpoints that survive kill -9.
+//
+// Crash consistency rests on one rule: an extent that a committed (or committing) index references
+// is never written until an index that no longer references it has committed. Such extents are
+// "pinned"; when their tensor is erased or replaced they wait in held_ (or retiring_, while a
+// transfer of them is still in flight) instead of returning to the allocator. Every free is stamped
+// with a sequence number; a checkpoint stamps its snapshot, and once it commits every extent freed
+// before that snapshot is released. New data therefore only ever lands in space no committed index
+// points at, so a crash at any moment leaves the committed generation's bytes intact.
+#include "terrace/tensor_store.hpp"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "terrace/error.hpp"
+#include "tiers/crc32c.hpp"
+#include "tiers/extent_allocator.hpp"
+#include "tiers/io_engine.hpp"
+#include "tiers/store_index.hpp"
+
+namespace terrace {
+
+// ---------------------------------------------------------------------------------- io_handle
+
+bool io_handle::ready() const noexcept {
+  return !state_ || state_->done.load(std::memory_order_acquire);
+}
+
+void io_handle::wait() const {
+  if (!state_) return;
+  std::unique_lock lock(state_->mutex);
+  state_->cv.wait(lock, [&] { return state_->done.load(std::memory_order_acquire); });
+  if (state_->error) std::rethrow_exception(state_->error);
+}
+
+namespace detail {
+namespace {
+
+using completion_ptr = std::shared_ptr<io_completion>;
+
+std::string sys(const std::string& what, int e) {
+  return "terrace: " + what + ": " + std::strerror(e) + " (errno " + std::to_string(e) + ")";
+}
+
+std::string bytes_text(std::uint64_t n) {
+  char buf[64];
+  if (n >= (std::uint64_t{1} << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(n) / (1 << 30));
+  else if (n >= (std::uint64_t{1} << 20))
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(n) / (1 << 20));
+  else
+    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(n));
+  return buf;
+}
+
+bool is_ready(const completion_ptr& c) { return !c || c->done.load(std::memory_order_acquire); }
+void wait_quietly(const completion_ptr& c) {
+  if (!c) return;
+  std::unique_lock lock(c->mutex);
+  c->cv.wait(lock, [&] { return c->done.load(std::memory_order_acquire); });
+}
+std::exception_ptr error_of(const completion_ptr& c) {
+  std::lock_guard lock(c->mutex);
+  return c->error;
+}
+
+struct fd_guard {
+  int fd = -1;
+  ~fd_guard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+int open_directory(const std::filesystem::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    const int e = errno;
+    if (e == ENOENT) throw io_error("terrace: tensor store directory " + dir.string() + " does not exist", e);
+    throw io_error(sys("cannot open tensor store directory " + dir.string(), e), e);
+  }
+  return fd;
+}
+
+// Turns on O_DIRECT, or explains once why not.
+bool enable_direct(int fd, const std::string& path) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0) return true;
+  std::fprintf(stderr, "terrace: warning: %s does not support O_DIRECT (tmpfs?); the tensor store uses buffered I/O\n",
+               path.c_str());
+  return false;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ the store itself
+
+class tensor_store_impl {
+ public:
+  struct entry {
+    std::uint64_t offset = 0;
+    std::uint64_t size = 0;
+    std::shared_ptr<std::vector<std::uint32_t>> crcs;
+    completion_ptr write;                // the put; null once known good
+    std::vector<completion_ptr> reads;   // gets possibly in flight
+    bool pinned = false;                 // referenced by a committed or committing index
+  };
+  struct freed_extent {
+    std::uint64_t offset, size;
+    bool pinned;
+    std::uint64_t seq;
+    std::vector<completion_ptr> inflight;
+  };
+
+  tensor_store_impl(const std::filesystem::path& dir, const tensor_store_options& opt, bool create)
+      : dir_(dir.string()) {
+    TERRACE_EXPECTS(opt.files >= 1 && opt.files <= 256, "files must be 1..256");
+    TERRACE_EXPECTS(opt.block_size >= kDirectAlign && opt.block_size % kDirectAlign == 0 &&
+                        opt.block_size <= (std::size_t{256} << 20),
+                    "block_size must be a multiple of 4 KiB, at most 256 MiB");
+    dirfd_.fd = open_directory(dir);
+    lock_store();
+    store_index index;
+    if (create) {
+      TERRACE_EXPECTS(opt.capacity > 0, "capacity must be positive");
+      index.block_size = opt.block_size;
+      index.files = opt.files;
+      const std::uint64_t per_file = (opt.capacity + opt.files - 1) / opt.files;
+      index.file_size = (per_file + opt.block_size - 1) / opt.block_size * opt.block_size;
+      if (::faccessat(dirfd_.fd, kIndexName, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+        throw io_error("terrace: " + dir_ + " already holds a tensor store; open it instead", EEXIST);
+    } else {
+      ::unlinkat(dirfd_.fd, kIndexTempName, 0);  // an uncommitted checkpoint
+      index = read_index(dirfd_.fd, dir_);
+      if (index.block_size < kDirectAlign || index.block_size % kDirectAlign || index.files == 0 ||
+          index.file_size % index.block_size)
+        throw io_error("terrace: index " + dir_ + "/index is malformed: bad geometry");
+    }
+    block_size_ = index.block_size;
+    generation_ = index.generation;
+    open_files(dir, opt, index, create);
+    alloc_ = std::make_unique<extent_allocator>(index.file_size * index.files, kDirectAlign);
+    for (auto& e : index.entries) {
+      const std::uint64_t blocks = (e.size + block_size_ - 1) / block_size_;
+      if (e.crcs.size() != blocks || !alloc_->reserve(e.offset, e.size) || entries_.count(e.id))
+        throw io_error("terrace: index " + dir_ + "/index is malformed: entry '" + e.id +
+                       "' overlaps another, lies past the end or repeats an id");
+      entry en;
+      en.offset = e.offset;
+      en.size = e.size;
+      en.crcs = std::make_shared<std::vector<std::uint32_t>>(std::move(e.crcs));
+      en.pinned = true;
+      entries_.emplace(std::move(e.id), std::move(en));
+    }
+    engine_options eo;
+    eo.block_size = block_size_;
+    eo.queue_depth = opt.queue_depth;
+    eo.sqpoll = opt.sqpoll;
+    eo.file_size = index.file_size;
+    std::vector<engine_file> files;
+    for (std::size_t i = 0; i < fds_.size(); ++i) files.push_back({fds_[i], direct_, names_[i]});
+    engine_ = make_io_uring_engine(eo, std::move(files));
+    if (create) {
+      index.generation = 0;
+      write_index_atomically(dirfd_.fd, dir_, index);
+    }
+  }
+
+  ~tensor_store_impl() {
+    engine_.reset();  // drains every transfer before the files close
+    for (int fd : fds_) ::close(fd);
+  }
+
+  // ---- operations
+
+  io_handle put(const std::string& id, const void* data, std::size_t size) {
+    TERRACE_EXPECTS(data != nullptr || size == 0, "put of a null buffer");
+    std::unique_lock lock(mutex_);
+    std::optional<std::uint64_t> offset = alloc_->allocate(size);
+    if (!offset && !retiring_.empty()) {
+      // Space may be waiting on transfers of erased tensors: let them finish.
+      auto pending = retiring_inflight();
+      lock.unlock();
+      for (auto& c : pending) wait_quietly(c);
+      lock.lock();
+      reap_retiring();
+      offset = alloc_->allocate(size);
+    }
+    if (!offset) {
+      std::uint64_t held = 0;
+      for (auto& h : held_) held += h.size;
+      throw out_of_memory("terrace: tensor store " + dir_ + " is full: put of tensor '" + id + "' needs " +
+                          bytes_text(alloc_->extent_size(size)) + " but " + bytes_text(alloc_->free_bytes()) +
+                          " of " + bytes_text(alloc_->capacity()) + " is free (largest hole " +
+                          bytes_text(alloc_->largest_hole()) + "); " + bytes_text(held) +
+                          " is held for the committed checkpoint until the next checkpoint()");
+    }
+    if (auto it = entries_.find(id); it != entries_.end()) drop(it);
+    entry e;
+    e.offset = *offset;
+    e.size = size;
+    const std::size_t blocks = (size + block_size_ - 1) / block_size_;
+    e.crcs = std::make_shared<std::vector<std::uint32_t>>(blocks);
+    io_request r;
+    r.op = io_op::write;
+    r.offset = *offset;
+    r.buffer = static_cast<std::byte*>(const_cast<void*>(data));  // read only: it is a write
+    r.size = size;
+    r.what = "put of tensor '" + id + "'";
+    r.hook = [crcs = e.crcs, bs = block_size_](std::size_t off, const std::byte* p, std::size_t n) {
+      (*crcs)[off / bs] = crc32c(0, p, n);
+    };
+    e.write = engine_->submit(std::move(r));
+    io_handle h(e.write);
+    entries_.emplace(id, std::move(e));
+    return h;
+  }
+
+  io_handle get(const std::string& id, void* into, std::size_t capacity) {
+    std::unique_lock lock(mutex_);
+    auto it = find(id);
+    while (it->second.write && !is_ready(it->second.write)) {
+      auto pending = it->second.write;
+      lock.unlock();
+      wait_quietly(pending);
+      lock.lock();
+      it = find(id);
+    }
+    settle(it);  // throws when the put failed
+    entry& e = it->second;
+    TERRACE_EXPECTS(capacity >= e.size, "get of tensor '" + id + "' (" + std::to_string(e.size) +
+                                            " bytes) into a buffer of " + std::to_string(capacity));
+    TERRACE_EXPECTS(into != nullptr || e.size == 0, "get into a null buffer");
+    io_request r;
+    r.op = io_op::read;
+    r.offset = e.offset;
+    r.buffer = static_cast<std::byte*>(into);
+    r.size = e.size;
+    r.what = "get of tensor '" + id + "'";
+    r.hook = [crcs = e.crcs, bs = block_size_, id](std::size_t off, const std::byte* p, std::size_t n) {
+      const std::uint32_t got = crc32c(0, p, n);
+      const std::uint32_t want = (*crcs)[off / bs];
+      if (got != want) {
+        char buf[160];
+        std::snprintf(buf, sizeof buf, ": block %zu (bytes %zu..%zu) has CRC32C %08x, stored %08x", off / bs, off,
+                      off + n, got, want);
+        throw checksum_error("terrace: tensor '" + id + "' is corrupt on disk" + buf, EBADMSG);
+      }
+    };
+    std::erase_if(e.reads, is_ready);
+    e.reads.push_back(engine_->submit(std::move(r)));
+    return io_handle(e.reads.back());
+  }
+
+  void erase(const std::string& id) {
+    std::lock_guard lock(mutex_);
+    drop(find(id));
+  }
+
+  std::uint64_t checkpoint() {
+    std::lock_guard serial(checkpoint_mutex_);  // one checkpoint at a time
+    // 1. Let every put issued so far finish (outside the lock: puts and gets go on meanwhile).
+    std::vector<completion_ptr> writes;
+    {
+      std::lock_guard lock(mutex_);
+      for (auto& [id, e] : entries_)
+        if (e.write) writes.push_back(e.write);
+    }
+    for (auto& c : writes) wait_quietly(c);
+    // 2. Snapshot the finished tensors and pin them: from here their extents stay untouched.
+    store_index index;
+    std::uint64_t snapshot_seq;
+    {
+      std::lock_guard lock(mutex_);
+      for (auto it = entries_.begin(); it != entries_.end();) {
+        auto next = std::next(it);
+        if (!it->second.write || is_ready(it->second.write)) {
+          if (it->second.write && error_of(it->second.write)) {
+            drop(it);  // a failed put: reported on its handle, absent from now on
+          } else {
+            it->second.write.reset();
+            it->second.pinned = true;
+            index.entries.push_back({it->first, it->second.offset, it->second.size, *it->second.crcs});
+          }
+        }
+        it = next;
+      }
+      snapshot_seq = ++seq_;
+      index.generation = generation_ + 1;
+    }
+    index.block_size = block_size_;
+    index.files = static_cast<std::uint32_t>(fds_.size());
+    index.file_size = file_size_;
+    // 3. The data first, then the index that points at it.
+    for (std::size_t i = 0; i < fds_.size(); ++i)
+      if (::fdatasync(fds_[i]) != 0) throw io_error(sys("cannot fdatasync " + names_[i], errno), errno);
+    write_index_atomically(dirfd_.fd, dir_, index);
+    // 4. Committed: what was freed before the snapshot is no longer referenced by any index.
+    std::lock_guard lock(mutex_);
+    generation_ = index.generation;
+    committed_seq_ = snapshot_seq;
+    std::erase_if(held_, [&](const freed_extent& f) {
+      if (f.seq >= committed_seq_) return false;
+      alloc_->release(f.offset, f.size);
+      return true;
+    });
+    reap_retiring();
+    return generation_;
+  }
+
+  void wait_all() {
+    std::vector<completion_ptr> all;
+    {
+      std::lock_guard lock(mutex_);
+      for (auto& [id, e] : entries_) {
+        if (e.write) all.push_back(e.write);
+        all.insert(all.end(), e.reads.begin(), e.reads.end());
+      }
+      auto r = retiring_inflight();
+      all.insert(all.end(), r.begin(), r.end());
+    }
+    for (auto& c : all) wait_quietly(c);
+    std::lock_guard lock(mutex_);
+    reap_retiring();
+  }
+
+  // ---- queries
+
+  // A put that finished in error counts as absent even before settle() drops it.
+  static bool present(const entry& e) { return !e.write || !is_ready(e.write) || !error_of(e.write); }
+  bool contains(const std::string& id) const {
+    std::lock_guard lock(mutex_);
+    auto it = entries_.find(id);
+    return it != entries_.end() && present(it->second);
+  }
+  std::optional<std::size_t> size_of(const std::string& id) const {
+    std::lock_guard lock(mutex_);
+    auto it = entries_.find(id);
+    if (it == entries_.end() || !present(it->second)) return std::nullopt;
+    return it->second.size;
+  }
+  std::vector<std::string> ids() const {
+    std::lock_guard lock(mutex_);
+    std::vector<std::string> out;
+    for (auto& [id, e] : entries_)
+      if (present(e)) out.push_back(id);
+    return out;
+  }
+  std::uint64_t generation() const {
+    std::lock_guard lock(mutex_);
+    return generation_;
+  }
+  std::uint64_t capacity() const { return alloc_->capacity(); }
+  std::uint64_t used_bytes() const {
+    std::lock_guard lock(mutex_);
+    return alloc_->capacity() - alloc_->free_bytes();
+  }
+  bool direct() const { return direct_; }
+  std::string describe() const { return engine_->describe(); }
+  void inject_fault(const io_fault& f) { engine_->inject(f); }
+
+ private:
+  // REQUIRES: mutex_ held (for all below).
+  std::map<std::string, entry>::iterator find(const std::string& id) {
+    auto it = entries_.find(id);
+    if (it == entries_.end()) throw io_error("terrace: tensor store " + dir_ + " has no tensor '" + id + "'", ENOENT);
+    return it;
+  }
+
+  // Drops an entry whose put has finished in error, and rethrows that error for the caller.
+  void settle(std::map<std::string, entry>::iterator it) {
+    entry& e = it->second;
+    if (!e.write) return;
+    if (auto err = error_of(e.write)) {
+      const std::string id = it->first;
+      drop(it);
+      try {
+        std::rethrow_exception(err);
+      } catch (const std::exception& ex) {
+        throw io_error("terrace: tensor '" + id + "' is not stored: its put failed: " + ex.what(), EIO);
+      }
+    }
+    e.write.reset();
+  }
+
+  // Removes an entry; its extent goes back once no transfer of it is in flight and no committed
+  // index references it.
+  void drop(std::map<std::string, entry>::iterator it) {
+    entry& e = it->second;
+    freed_extent f{e.offset, e.size, e.pinned, ++seq_, {}};
+    if (e.write && !is_ready(e.write)) f.inflight.push_back(e.write);
+    for (auto& r : e.reads)
+      if (!is_ready(r)) f.inflight.push_back(r);
+    entries_.erase(it);
+    if (f.inflight.empty())
+      release(std::move(f));
+    else
+      retiring_.push_back(std::move(f));
+    reap_retiring();
+  }
+
+  void release(freed_extent f) {
+    if (f.pinned && f.seq >= committed_seq_)
+      held_.push_back(std::move(f));
+    else
+      alloc_->release(f.offset, f.size);
+  }
+
+  void reap_retiring() {
+    for (auto it = retiring_.begin(); it != retiring_.end();) {
+      if (std::all_of(it->inflight.begin(), it->inflight.end(), is_ready)) {
+        it->inflight.clear();
+        release(std::move(*it));
+        it = retiring_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  std::vector<completion_ptr> retiring_inflight() const {
+    std::vector<completion_ptr> out;
+    for (auto& f : retiring_) out.insert(out.end(), f.inflight.begin(), f.inflight.end());
+    return out;
+  }
+
+  // ---- setup
+
+  void lock_store() {
+    // One process per store: a second opener would allocate over the first one's extents.
+    lock_fd_.fd = ::openat(dirfd_.fd, "lock", O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (lock_fd_.fd < 0) throw io_error(sys("cannot open " + dir_ + "/lock", errno), errno);
+    if (::flock(lock_fd_.fd, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      if (e == EWOULDBLOCK) throw io_error("terrace: tensor store " + dir_ + " is open in another process", e);
+      throw io_error(sys("cannot lock " + dir_ + "/lock", e), e);
+    }
+  }
+
+  void open_files(const std::filesystem::path& dir, const tensor_store_options& opt, const store_index& index,
+                  bool create) {
+    file_size_ = index.file_size;
+    direct_ = opt.direct;
+    std::vector<std::string> created;
+    std::vector<int> created_dirfds;
+    try {
+      for (std::uint32_t i = 0; i < index.files; ++i) {
+        std::filesystem::path d = opt.stripe_directories.empty() ? dir : opt.stripe_directories[i % opt.stripe_directories.size()];
+        fd_guard local;
+        int dfd = dirfd_.fd;
+        if (!opt.stripe_directories.empty()) {
+          local.fd = open_directory(d);
+          dfd = local.fd;
+        }
+        const std::string base = "swap." + std::to_string(i);
+        const std::string path = (d / base).string();
+        const int flags = O_RDWR | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0);
+        const int fd = ::openat(dfd, base.c_str(), flags, 0600);
+        if (fd < 0) {
+          const int e = errno;
+          if (e == EEXIST) throw io_error("terrace: " + path + " already exists; refusing to overwrite it", e);
+          throw io_error(sys("cannot " + std::string(create ? "create " : "open ") + path, e), e);
+        }
+        fds_.push_back(fd);
+        names_.push_back(path);
+        if (create) {
+          created.push_back(base);
+          created_dirfds.push_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd));
+          // Preallocated: a write inside the file never meets ENOSPC, so a full disk is reported
+          // here, once, rather than in the middle of a training step.
+          int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(index.file_size));
+          if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) rc = ::ftruncate(fd, static_cast<off_t>(index.file_size));
+          if (rc != 0) {
+            const int e = errno;
+            throw io_error(sys("cannot preallocate " + bytes_text(index.file_size) + " for " + path, e), e);
+          }
+          if (::fsync(dfd) != 0) throw io_error(sys("cannot fsync directory " + d.string(), errno), errno);
+        } else {
+          struct stat st {};
+          if (::fstat(fd, &st) != 0) throw io_error(sys("cannot stat " + path, errno), errno);
+          if (static_cast<std::uint64_t>(st.st_size) != index.file_size)
+            throw io_error("terrace: " + path + " is " + std::to_string(st.st_size) + " bytes; the index says " +
+                           std::to_string(index.file_size));
+        }
+        if (direct_) direct_ = enable_direct(fd, path);
+      }
+    } catch (...) {
+      for (int fd : fds_) ::close(fd);
+      fds_.clear();
+      for (std::size_t i = 0; i < created.size(); ++i) {
+        ::unlinkat(created_dirfds[i] >= 0 ? created_dirfds[i] : dirfd_.fd, created[i].c_str(), 0);
+        if (created_dirfds[i] >= 0) ::close(created_dirfds[i]);
+      }
+      throw;
+    }
+    for (int fd : created_dirfds)
+      if (fd >= 0) ::close(fd);
+  }
+
+  const std::string dir_;
+  fd_guard dirfd_;
+  fd_guard lock_fd_;
+  std::vector<int> fds_;
+  std::vector<std::string> names_;
+  std::uint64_t file_size_ = 0;
+  std::uint64_t block_size_ = 0;
+  bool direct_ = true;
+  std::unique_ptr<io_engine> engine_;
+
+  mutable std::mutex mutex_;
+  std::mutex checkpoint_mutex_;
+  std::unique_ptr<extent_allocator> alloc_;       // guarded by mutex_
+  std::map<std::string, entry> entries_;           // guarded by mutex_
+  std::vector<freed_extent> held_;                 // pinned extents freed since the last commit
+  std::vector<freed_extent> retiring_;             // freed, but with transfers in flight
+  std::uint64_t seq_ = 0;                          // stamps frees and snapshots
+  std::uint64_t committed_seq_ = 0;                // snapshot stamp of the last commit
+  std::uint64_t generation_ = 0;
+};
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------- public wrapper
+
+tensor_store::tensor_store(std::unique_ptr<detail::tensor_store_impl> impl) : impl_(std::move(impl)) {}
+tensor_store::tensor_store(tensor_store&&) noexcept = default;
+tensor_store& tensor_store::operator=(tensor_store&&) noexcept = default;
+tensor_store::~tensor_store() = default;
+
+tensor_store tensor_store::create(const std::filesystem::path& directory, const tensor_store_options& options) {
+  return tensor_store(std::make_unique<detail::tensor_store_impl>(directory, options, true));
+}
+tensor_store tensor_store::open(const std::filesystem::path& directory, const tensor_store_options& options) {
+  return tensor_store(std::make_unique<detail::tensor_store_impl>(directory, options, false));
+}
+
+io_handle tensor_store::put(const std::string& id, const void* data, std::size_t size) { return impl_->put(id, data, size); }
+io_handle tensor_store::get(const std::string& id, void* into, std::size_t capacity) { return impl_->get(id, into, capacity); }
+void tensor_store::erase(const std::string& id) { impl_->erase(id); }
+std::uint64_t tensor_store::checkpoint() { return impl_->checkpoint(); }
+void tensor_store::wait_all() { impl_->wait_all(); }
+bool tensor_store::contains(const std::string& id) const { return impl_->contains(id); }
+std::optional<std::size_t> tensor_store::size_of(const std::string& id) const { return impl_->size_of(id); }
+std::vector<std::string> tensor_store::ids() const { return impl_->ids(); }
+std::uint64_t tensor_store::generation() const { return impl_->generation(); }
+std::uint64_t tensor_store::capacity() const { return impl_->capacity(); }
+std::uint64_t tensor_store::used_bytes() const { return impl_->used_bytes(); }
+bool tensor_store::direct() const { return impl_->direct(); }
+std::string tensor_store::describe() const { return impl_->describe(); }
+void tensor_store::inject_fault(const io_fault& fault) { impl_->inject_fault(fault); }
+
+}  // namespace terrace

@@ -1,0 +1,185 @@
+// SPDX-License-Identifier: Apache-2.0
+// bench_nvme: the tensor store's put/get throughput against fio on the same file system, with the
+// same total bytes, block size and queue depth, in one run (the machines are noisy: only ratios
+// taken side by side mean anything). Prints a table of medians.
+//
+//   bench_nvme [--dir DIR] [--total-mib 1024] [--runs 5] [--qd 16] [--block-kib 1024]
+//              [--sizes-mib 1,16,256] [--no-fio]
+//
+// terrace: put every tensor (all in flight at once, the engine keeps --qd blocks in the ring),
+// wait for all; then get them all back, CRC-verified. fio: --ioengine=io_uring --direct=1
+// --rw=write then read over one file of the same total size.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "terrace/error.hpp"
+#include "terrace/tensor_store.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+constexpr std::uint64_t MiB = 1 << 20;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+std::string run_command(const std::string& cmd) {
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  while (std::size_t n = std::fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  ::pclose(p);
+  return out;
+}
+
+// fio's bandwidth in MB/s (10^6), or -1 when fio is missing or failed.
+double fio_mbps(const std::filesystem::path& file, const char* rw, std::uint64_t total, std::size_t block,
+                unsigned qd) {
+  const std::string cmd = "fio --name=terrace-bench --filename=" + file.string() + " --size=" + std::to_string(total) +
+                          " --bs=" + std::to_string(block) + " --iodepth=" + std::to_string(qd) +
+                          " --ioengine=io_uring --direct=1 --rw=" + rw + " --output-format=json 2>/dev/null";
+  const std::string out = run_command(cmd);
+  const auto start = out.find('{');
+  if (start == std::string::npos) return -1;
+  try {
+    auto j = nlohmann::json::parse(out.substr(start));
+    const double bw = j["jobs"][0][std::string(rw) == "write" ? "write" : "read"]["bw_bytes"].get<double>();
+    return bw / 1e6;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"terrace NVMe tier benchmark: tensor store vs fio"};
+  std::string dir = "bench-nvme-scratch";
+  std::uint64_t total_mib = 1024;
+  int runs = 5;
+  unsigned qd = terrace::tensor_store_options{}.queue_depth;
+  std::size_t block_kib = terrace::tensor_store_options{}.block_size >> 10;
+  std::vector<std::uint64_t> sizes_mib = {1, 16, 256};
+  bool no_fio = false;
+  app.add_option("--dir", dir, "scratch directory (created; must not be tmpfs)");
+  app.add_option("--total-mib", total_mib, "bytes moved per configuration and direction");
+  app.add_option("--runs", runs, "repetitions (medians are printed)");
+  app.add_option("--qd", qd, "queue depth (terrace and fio)");
+  app.add_option("--block-kib", block_kib, "block size (terrace and fio)");
+  app.add_option("--sizes-mib", sizes_mib, "tensor sizes")->delimiter(',');
+  app.add_flag("--no-fio", no_fio, "skip fio");
+  CLI11_PARSE(app, argc, argv);
+
+  const std::filesystem::path base = std::filesystem::absolute(dir);
+  const std::filesystem::path store_dir = base / "store";
+  std::filesystem::remove_all(base);
+  std::filesystem::create_directories(store_dir);
+  const std::uint64_t total = total_mib * MiB;
+  const std::size_t block = block_kib << 10;
+
+  terrace::tensor_store_options opt;
+  opt.capacity = total + 64 * MiB;
+  opt.queue_depth = qd;
+  opt.block_size = block;
+  auto store = terrace::tensor_store::create(store_dir, opt);
+  std::printf("bench_nvme: %s, %llu MiB per configuration, %d runs, dir %s\n", store.describe().c_str(),
+              static_cast<unsigned long long>(total_mib), runs, base.c_str());
+  if (!store.direct()) std::printf("warning: no O_DIRECT on this file system: numbers measure the page cache\n");
+
+  auto* src = static_cast<unsigned char*>(std::aligned_alloc(4096, total));
+  auto* dst = static_cast<unsigned char*>(std::aligned_alloc(4096, total));
+  for (std::uint64_t i = 0; i < total; i += 8) {
+    const std::uint64_t v = i * 0x9E3779B97F4A7C15ull;
+    std::memcpy(src + i, &v, 8);
+  }
+  std::memset(dst, 0, total);
+
+  struct row {
+    std::uint64_t size_mib;
+    std::vector<double> put, get, fio_w, fio_r;
+  };
+  std::vector<row> rows;
+  for (auto s : sizes_mib) rows.push_back({s, {}, {}, {}, {}});
+
+  auto pass = [&](row& r, bool record) {
+    const std::uint64_t size = r.size_mib * MiB;
+    const std::uint64_t n = total / size;
+    std::vector<terrace::io_handle> hs;
+    auto t0 = clock_type::now();
+    for (std::uint64_t i = 0; i < n; ++i) hs.push_back(store.put("t" + std::to_string(i), src + i * size, size));
+    for (auto& h : hs) h.wait();
+    auto t1 = clock_type::now();
+    hs.clear();
+    for (std::uint64_t i = 0; i < n; ++i) hs.push_back(store.get("t" + std::to_string(i), dst + i * size, size));
+    for (auto& h : hs) h.wait();
+    auto t2 = clock_type::now();
+    if (std::memcmp(src, dst, n * size) != 0) {
+      std::fprintf(stderr, "bench_nvme: data mismatch for %llu MiB tensors\n", static_cast<unsigned long long>(r.size_mib));
+      std::exit(1);
+    }
+    for (std::uint64_t i = 0; i < n; ++i) store.erase("t" + std::to_string(i));
+    if (record) {
+      const double bytes = static_cast<double>(n * size) / 1e6;
+      r.put.push_back(bytes / std::chrono::duration<double>(t1 - t0).count());
+      r.get.push_back(bytes / std::chrono::duration<double>(t2 - t1).count());
+    }
+  };
+
+  // Warm-up: the first write into a preallocated file also converts its extents; fio's first run
+  // lays its file out. Neither is counted.
+  pass(rows.front(), false);
+  const auto fio_file = base / "fio.dat";
+  if (!no_fio) fio_mbps(fio_file, "write", total, block, qd);
+  // Each terrace pass is paired with a fio pass right after it, and the ratio is taken per pair:
+  // the neighbours' load drifts over seconds, so adjacent measurements share most of it.
+  for (int run = 0; run < runs; ++run) {
+    for (auto& r : rows) {
+      pass(r, true);
+      if (!no_fio) {
+        r.fio_w.push_back(fio_mbps(fio_file, "write", total, block, qd));
+        r.fio_r.push_back(fio_mbps(fio_file, "read", total, block, qd));
+      }
+    }
+  }
+  std::printf("\nmedians over %d runs; ratios are medians of the per-run ratios\n", runs);
+  std::printf("| tensor | terrace put MB/s | fio write MB/s | put/fio | terrace get MB/s | fio read MB/s | get/fio |\n");
+  std::printf("|---|---|---|---|---|---|---|\n");
+  for (auto& r : rows) {
+    std::vector<double> pr, gr;
+    for (std::size_t i = 0; i < r.fio_w.size(); ++i) {
+      if (r.fio_w[i] > 0) pr.push_back(r.put[i] / r.fio_w[i]);
+      if (r.fio_r[i] > 0) gr.push_back(r.get[i] / r.fio_r[i]);
+    }
+    std::printf("| %llu MiB | %.0f | %.0f | %.2f | %.0f | %.0f | %.2f |\n", static_cast<unsigned long long>(r.size_mib),
+                median(r.put), median(r.fio_w), median(pr), median(r.get), median(r.fio_r), median(gr));
+  }
+  std::printf("\nper-run MB/s, terrace put/get | fio write/read:\n");
+  for (auto& r : rows) {
+    std::printf("  %4llu MiB:", static_cast<unsigned long long>(r.size_mib));
+    for (std::size_t i = 0; i < r.put.size(); ++i)
+      std::printf("  %.0f/%.0f | %.0f/%.0f", r.put[i], r.get[i], i < r.fio_w.size() ? r.fio_w[i] : 0.0,
+                  i < r.fio_r.size() ? r.fio_r[i] : 0.0);
+    std::printf("\n");
+  }
+  const bool deepspeed = std::system("python3 -c 'import deepspeed' >/dev/null 2>&1") == 0;
+  std::printf("DeepSpeed aio: %s\n", deepspeed ? "installed, but this bench does not drive it yet"
+                                               : "not installed (pip install deepspeed + libaio-dev); skipped");
+  std::free(src);
+  std::free(dst);
+  std::filesystem::remove_all(base);
+  return 0;
+}
