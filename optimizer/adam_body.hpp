@@ -1,0 +1,161 @@
+// SPDX-License-Identifier: Apache-2.0
+// The Adam update and the gradient scan, written once over a vector-traits type V and included by
+// each instruction-set translation unit. V provides F (a vector of N floats), set1, add, mul,
+// fmadd (a*b+c), sqrt, div, and loads/stores of N elements as f32, bf16 and f16, all unaligned.
+//
+// Internal linkage throughout (see half.hpp): each translation unit gets its own copy, compiled
+// for its own instruction set.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "optimizer/adam_kernel.hpp"
+#include "optimizer/half.hpp"
+
+namespace terrace::detail {
+namespace {
+
+// One float per "vector": the tails of the SIMD loops, and the whole scalar kernel.
+struct scalar_traits {
+  using F = float;
+  static constexpr std::size_t N = 1;
+  static F set1(float x) noexcept { return x; }
+  static F add(F a, F b) noexcept { return a + b; }
+  static F mul(F a, F b) noexcept { return a * b; }
+  static F fmadd(F a, F b, F c) noexcept { return a * b + c; }
+  static F sqrt(F a) noexcept { return __builtin_sqrtf(a); }
+  static F div(F a, F b) noexcept { return a / b; }
+  static F load_f32(const float* p) noexcept { return *p; }
+  static F load_bf16(const std::uint16_t* p) noexcept { return bf16_to_float(*p); }
+  static F load_f16(const std::uint16_t* p) noexcept { return f16_to_float(*p); }
+  static void store_f32(float* p, F x) noexcept { *p = x; }
+  static void store_bf16(std::uint16_t* p, F x) noexcept { *p = float_to_bf16(x); }
+  static void store_f16(std::uint16_t* p, F x) noexcept { *p = float_to_f16(x); }
+  static float reduce_add(F x) noexcept { return x; }
+};
+
+template <class V, dtype T>
+typename V::F load(const void* base, std::size_t i) noexcept {
+  if constexpr (T == dtype::f32) {
+    return V::load_f32(static_cast<const float*>(base) + i);
+  } else if constexpr (T == dtype::bf16) {
+    return V::load_bf16(static_cast<const std::uint16_t*>(base) + i);
+  } else {
+    return V::load_f16(static_cast<const std::uint16_t*>(base) + i);
+  }
+}
+
+template <class V, dtype T>
+void store(void* base, std::size_t i, typename V::F x) noexcept {
+  if constexpr (T == dtype::f32) {
+    V::store_f32(static_cast<float*>(base) + i, x);
+  } else if constexpr (T == dtype::bf16) {
+    V::store_bf16(static_cast<std::uint16_t*>(base) + i, x);
+  } else {
+    V::store_f16(static_cast<std::uint16_t*>(base) + i, x);
+  }
+}
+
+// The update of V::N consecutive elements starting at i. The order of operations follows
+// torch's single-tensor Adam; fmadd fuses where torch rounds twice (within float rounding).
+template <class V, dtype G, dtype S, bool Copy, dtype C>
+inline void adam_elements(const adam_scalars& s, const adam_span& a, std::size_t i) noexcept {
+  using F = typename V::F;
+  F g = V::mul(load<V, G>(a.grad, i), V::set1(s.grad_mul));
+  F p = V::load_f32(a.param + i);
+  g = V::fmadd(V::set1(s.coupled_wd), p, g);
+  p = V::mul(p, V::set1(s.decay));
+  F m = load<V, S>(a.exp_avg, i);
+  F v = load<V, S>(a.exp_avg_sq, i);
+  m = V::fmadd(V::set1(s.beta1), m, V::mul(V::set1(s.one_minus_beta1), g));
+  v = V::fmadd(V::set1(s.beta2), v, V::mul(V::mul(V::set1(s.one_minus_beta2), g), g));
+  const F denom = V::fmadd(V::sqrt(v), V::set1(s.inv_bc2_sqrt), V::set1(s.eps));
+  p = V::fmadd(V::set1(-s.step_size), V::div(m, denom), p);
+  V::store_f32(a.param + i, p);
+  store<V, S>(a.exp_avg, i, m);
+  store<V, S>(a.exp_avg_sq, i, v);
+  if constexpr (Copy) store<V, C>(a.copy, i, p);
+}
+
+template <class V, dtype G, dtype S, bool Copy, dtype C>
+void adam_update_t(const adam_scalars& s, const adam_span& a) noexcept {
+  std::size_t i = 0;
+  if constexpr (V::N > 1) {
+    for (; i + V::N <= a.n; i += V::N) adam_elements<V, G, S, Copy, C>(s, a, i);
+  }
+  for (; i < a.n; ++i) adam_elements<scalar_traits, G, S, Copy, C>(s, a, i);
+}
+
+// Turns the runtime configuration into one of the 3 x 2 x 4 instantiations.
+template <class V, dtype G, dtype S>
+void adam_update_copy(const adam_scalars& s, const adam_config& c, const adam_span& a) noexcept {
+  if (!c.has_copy) return adam_update_t<V, G, S, false, dtype::f32>(s, a);
+  switch (c.copy) {
+    case dtype::f32: return adam_update_t<V, G, S, true, dtype::f32>(s, a);
+    case dtype::bf16: return adam_update_t<V, G, S, true, dtype::bf16>(s, a);
+    case dtype::f16: return adam_update_t<V, G, S, true, dtype::f16>(s, a);
+  }
+}
+
+template <class V, dtype G>
+void adam_update_state(const adam_scalars& s, const adam_config& c, const adam_span& a) noexcept {
+  if (c.state == dtype::bf16) return adam_update_copy<V, G, dtype::bf16>(s, c, a);
+  return adam_update_copy<V, G, dtype::f32>(s, c, a);
+}
+
+template <class V>
+void adam_update(const adam_scalars& s, const adam_config& c, const adam_span& a) noexcept {
+  switch (c.grad) {
+    case dtype::f32: return adam_update_state<V, dtype::f32>(s, c, a);
+    case dtype::bf16: return adam_update_state<V, dtype::bf16>(s, c, a);
+    case dtype::f16: return adam_update_state<V, dtype::f16>(s, c, a);
+  }
+}
+
+// Sum of squares and finiteness in one read. x * 0 is 0 for every finite x and NaN otherwise, so
+// one extra add carries the finiteness check without a branch. Squares are summed in float within
+// blocks of a few thousand elements and the blocks in double: accurate to ~1e-6 relative.
+template <class V, dtype G>
+grad_scan_result grad_scan_t(const void* grad, std::size_t n) noexcept {
+  using F = typename V::F;
+  constexpr std::size_t block = 4096;
+  double total = 0;
+  float poison = 0;
+  const F zero = V::set1(0.0f);
+  for (std::size_t begin = 0; begin < n; begin += block) {
+    const std::size_t end = begin + block < n ? begin + block : n;
+    F sum = zero;
+    F nan_if_bad = zero;
+    std::size_t i = begin;
+    if constexpr (V::N > 1) {
+      for (; i + V::N <= end; i += V::N) {
+        const F x = load<V, G>(grad, i);
+        sum = V::fmadd(x, x, sum);
+        nan_if_bad = V::fmadd(x, zero, nan_if_bad);
+      }
+    }
+    float tail = 0;
+    for (; i < end; ++i) {
+      const float x = load<scalar_traits, G>(grad, i);
+      tail += x * x;
+      poison += x * 0.0f;
+    }
+    total += static_cast<double>(V::reduce_add(sum)) + tail;
+    poison += V::reduce_add(nan_if_bad);
+  }
+  return {total, poison == 0.0f};
+}
+
+template <class V>
+grad_scan_result grad_scan(const void* grad, dtype grad_dtype, std::size_t n) noexcept {
+  switch (grad_dtype) {
+    case dtype::f32: return grad_scan_t<V, dtype::f32>(grad, n);
+    case dtype::bf16: return grad_scan_t<V, dtype::bf16>(grad, n);
+    case dtype::f16: return grad_scan_t<V, dtype::f16>(grad, n);
+  }
+  return {0, true};
+}
+
+}  // namespace
+}  // namespace terrace::detail

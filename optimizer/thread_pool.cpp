@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "optimizer/thread_pool.hpp"
+
+namespace terrace::detail {
+
+thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads) {
+  workers_.reserve(size_ - 1);
+  for (unsigned i = 1; i < size_; ++i) workers_.emplace_back([this, i] { work(i); });
+}
+
+thread_pool::~thread_pool() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  start_.notify_all();
+  for (auto& t : workers_) t.join();
+}
+
+void thread_pool::run_erased(void (*call)(void*, unsigned), void* fn) {
+  std::lock_guard run_lock(run_mutex_);
+  if (size_ == 1) {
+    call(fn, 0);
+    return;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    call_ = call;
+    fn_ = fn;
+    pending_ = size_ - 1;
+    ++generation_;
+  }
+  start_.notify_all();
+  call(fn, 0);
+  std::unique_lock lock(mutex_);
+  done_.wait(lock, [this] { return pending_ == 0; });
+}
+
+void thread_pool::work(unsigned index) {
+  std::uint64_t seen = 0;
+  for (;;) {
+    void (*call)(void*, unsigned);
+    void* fn;
+    {
+      std::unique_lock lock(mutex_);
+      start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      call = call_;
+      fn = fn_;
+    }
+    call(fn, index);
+    bool last;
+    {
+      std::lock_guard lock(mutex_);
+      last = --pending_ == 0;
+    }
+    if (last) done_.notify_one();
+  }
+}
+
+}  // namespace terrace::detail

@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: Apache-2.0
+// A fixed team of threads that runs one job at a time, each member on its own index.
+//
+// Why our own pool and not OpenMP: (1) libgomp is not built with ThreadSanitizer, so every
+// OpenMP region reports false races and the `concurrent` tests could not run under TSan;
+// (2) this library is loaded into PyTorch processes, which bring their own OpenMP runtime
+// (libgomp or Intel's libiomp): two runtimes in one process oversubscribe the cores or abort, and
+// torch.set_num_threads would silently change our thread count; (3) an optimizer step is one
+// static split of a streaming loop, which needs nothing of OpenMP but a barrier. A step of 100M
+// parameters takes tens of milliseconds; the condition-variable wake-up (~10 us) is noise there.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace terrace::detail {
+
+class thread_pool {
+ public:
+  /// `threads` counts the caller: 1 starts no thread. REQUIRES: threads >= 1.
+  explicit thread_pool(unsigned threads);
+  ~thread_pool();
+  thread_pool(const thread_pool&) = delete;
+  thread_pool& operator=(const thread_pool&) = delete;
+
+  unsigned size() const noexcept { return size_; }
+
+  /// Runs fn(i) for every i in [0, size()): i == 0 on the calling thread, the rest on the pool.
+  /// Returns when all have returned. Calls from several threads are serialised.
+  /// REQUIRES: fn does not throw.
+  template <class Fn>
+  void run(Fn&& fn) {
+    auto* target = &fn;
+    run_erased([](void* f, unsigned i) { (*static_cast<decltype(target)>(f))(i); }, target);
+  }
+
+ private:
+  void run_erased(void (*call)(void*, unsigned), void* fn);
+  void work(unsigned index);
+
+  unsigned size_;
+  std::mutex run_mutex_;  // one job at a time
+  std::mutex mutex_;
+  std::condition_variable start_;
+  std::condition_variable done_;
+  std::uint64_t generation_ = 0;
+  unsigned pending_ = 0;
+  bool stop_ = false;
+  void (*call_)(void*, unsigned) = nullptr;
+  void* fn_ = nullptr;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace terrace::detail

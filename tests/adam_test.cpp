@@ -1,0 +1,483 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CPU Adam/AdamW kernels against the float64 reference, for every instruction set this CPU
+// has, both modes and every dtype combination; skipped steps, resume, thread-count invariance,
+// the gradient norm and argument checking.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "optimizer/adam_reference.hpp"
+#include "optimizer/half.hpp"
+#include "terrace/adam.hpp"
+#include "terrace/error.hpp"
+#include "tests/adam_test_support.hpp"
+
+namespace terrace {
+namespace {
+
+using testing::tolerances_for;
+using testing::typed_buffer;
+
+std::vector<simd_isa> available_isas() {
+  std::vector<simd_isa> isas{simd_isa::scalar};
+  if (best_simd_isa() >= simd_isa::avx2) isas.push_back(simd_isa::avx2);
+  if (best_simd_isa() >= simd_isa::avx512) isas.push_back(simd_isa::avx512);
+  return isas;
+}
+
+// One tensor's buffers plus the reference's float64 copy of its state.
+struct tensor_data {
+  tensor_data(std::size_t n, dtype state, dtype grad, bool copy, dtype copy_type)
+      : param(dtype::f32, n), m(state, n), v(state, n), g(grad, n),
+        copy(copy ? typed_buffer(copy_type, n) : typed_buffer()) {}
+  adam_tensor view() {
+    return {static_cast<float*>(param.data()), m.data(), v.data(), g.data(),
+            copy.size() != 0 ? copy.data() : nullptr, param.size()};
+  }
+  typed_buffer param, m, v, g, copy;
+};
+
+void fill_params(tensor_data& t, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    t.param.set(i, normal(rng));
+    t.m.set(i, 0.0f);
+    t.v.set(i, 0.0f);
+  }
+}
+
+// Gradients of unit scale times `scale` (what a loss-scaled backward pass produces).
+void fill_grads(tensor_data& t, std::mt19937_64& rng, float scale) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (std::size_t i = 0; i < t.g.size(); ++i) t.g.set(i, normal(rng) * scale);
+}
+
+reference::adam_state reference_of(const tensor_data& t) {
+  reference::adam_state s;
+  for (std::size_t i = 0; i < t.param.size(); ++i) {
+    s.param.push_back(t.param.get(i));
+    s.exp_avg.push_back(t.m.get(i));
+    s.exp_avg_sq.push_back(t.v.get(i));
+  }
+  return s;
+}
+
+using config = std::tuple<simd_isa, adam_mode, dtype /*grad*/, dtype /*state*/, int /*copy: -1 none*/>;
+
+class AdamReference : public ::testing::TestWithParam<config> {};
+
+TEST_P(AdamReference, MatchesFloat64ReferenceOverManySteps) {
+  const auto [isa, mode, grad_type, state_type, copy_code] = GetParam();
+  const bool has_copy = copy_code >= 0;
+  const dtype copy_type = has_copy ? static_cast<dtype>(copy_code) : dtype::bf16;
+  adam_options o;
+  o.mode = mode;
+  o.lr = 1e-2;
+  o.weight_decay = 0.05;
+  o.state_dtype = state_type;
+  o.isa = isa;
+  o.threads = 2;
+  adam_optimizer adam(o);
+  ASSERT_EQ(adam.options().isa, isa);
+
+  // Two tensors with odd sizes: SIMD bodies, scalar tails and a tensor boundary.
+  auto rng = testing::rng(42);
+  std::vector<tensor_data> tensors;
+  for (std::size_t n : {1003u, 2053u}) {
+    tensors.emplace_back(n, state_type, grad_type, has_copy, copy_type);
+    fill_params(tensors.back(), rng);
+  }
+  std::vector<reference::adam_state> ref;
+  for (auto& t : tensors) ref.push_back(reference_of(t));
+
+  constexpr int steps = 30;
+  constexpr float loss_scale = 1024.0f;
+  constexpr float clip = 0.5f;
+  for (int step = 1; step <= steps; ++step) {
+    std::vector<adam_tensor> views;
+    for (auto& t : tensors) {
+      fill_grads(t, rng, loss_scale);
+      views.push_back(t.view());
+    }
+    adam_step_options so;
+    so.grad_dtype = grad_type;
+    so.copy_dtype = copy_type;
+    so.grad_scale = loss_scale;
+    so.clip_coef = clip;
+    so.check_finite = step % 2 == 0;
+    ASSERT_TRUE(adam.step(views, so));
+    for (std::size_t k = 0; k < tensors.size(); ++k) {
+      std::vector<double> g(tensors[k].g.size());
+      for (std::size_t i = 0; i < g.size(); ++i) g[i] = tensors[k].g.get(i);
+      reference::adam_step(o, step, g, static_cast<double>(clip) / loss_scale, ref[k]);
+    }
+  }
+  EXPECT_EQ(adam.step_count(), steps);
+
+  const auto tol = tolerances_for(state_type);
+  const double typical_g = clip;  // the unscaled, clipped gradients are N(0, clip^2)
+  std::size_t bad = 0;
+  for (std::size_t k = 0; k < tensors.size(); ++k) {
+    const tensor_data& t = tensors[k];
+    for (std::size_t i = 0; i < t.param.size(); ++i) {
+      const double p = ref[k].param[i];
+      const double m = ref[k].exp_avg[i];
+      const double v = ref[k].exp_avg_sq[i];
+      const double p_tol = steps * (tol.param * std::abs(p) + tol.param_abs_per_lr * o.lr);
+      const double m_tol = tol.moment * (std::abs(m) + 0.1 * typical_g);
+      const double v_tol = tol.moment * (std::abs(v) + 0.01 * typical_g * typical_g);
+      const bool ok = std::abs(t.param.get(i) - p) <= p_tol && std::abs(t.m.get(i) - m) <= m_tol &&
+                      std::abs(t.v.get(i) - v) <= v_tol;
+      if (!ok && ++bad <= 5) {
+        ADD_FAILURE() << "tensor " << k << " element " << i << ": param " << t.param.get(i) << " vs "
+                      << p << " (tol " << p_tol << "), m " << t.m.get(i) << " vs " << m << " (tol "
+                      << m_tol << "), v " << t.v.get(i) << " vs " << v << " (tol " << v_tol << ")";
+      }
+      // The copy is the stored fp32 param, rounded to nearest even: bit for bit.
+      if (has_copy) {
+        typed_buffer expect(copy_type, 1);
+        expect.set(0, t.param.get(i));
+        ASSERT_EQ(std::memcmp(static_cast<const char*>(t.copy.data()) + i * size_of(copy_type),
+                              expect.data(), size_of(copy_type)),
+                  0)
+            << "copy of element " << i;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0u);
+}
+
+std::string config_name(const ::testing::TestParamInfo<config>& info) {
+  const auto [isa, mode, grad, state, copy] = info.param;
+  return std::string(to_string(isa)) + "_" + (mode == adam_mode::adam ? "adam" : "adamw") + "_g" +
+         std::string(to_string(grad)) + "_s" + std::string(to_string(state)) + "_c" +
+         (copy < 0 ? std::string("none") : std::string(to_string(static_cast<dtype>(copy))));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllConfigs, AdamReference,
+    ::testing::Combine(::testing::ValuesIn(available_isas()),
+                       ::testing::Values(adam_mode::adam, adam_mode::adamw),
+                       ::testing::Values(dtype::f32, dtype::bf16, dtype::f16),
+                       ::testing::Values(dtype::f32, dtype::bf16), ::testing::Values(-1, 0, 1, 2)),
+    config_name);
+
+// ------------------------------------------------------------------------- one run, replayable
+
+struct run_result {
+  std::vector<tensor_data> tensors;
+};
+
+adam_options small_options(simd_isa isa, dtype state, unsigned threads) {
+  adam_options o;
+  o.lr = 3e-3;
+  o.weight_decay = 0.01;
+  o.isa = isa;
+  o.state_dtype = state;
+  o.threads = threads;
+  return o;
+}
+
+// Steps `from`..`to` (1-based, inclusive) with gradients that depend only on the step number.
+void run_steps(adam_optimizer& adam, std::vector<tensor_data>& tensors, int from, int to, dtype grad_type) {
+  for (int step = from; step <= to; ++step) {
+    auto rng = testing::rng(1000 + step);
+    std::vector<adam_tensor> views;
+    for (auto& t : tensors) {
+      fill_grads(t, rng, 1.0f);
+      views.push_back(t.view());
+    }
+    adam_step_options so;
+    so.grad_dtype = grad_type;
+    ASSERT_TRUE(adam.step(views, so));
+  }
+}
+
+std::vector<tensor_data> make_tensors(const std::vector<std::size_t>& sizes, dtype state, dtype grad,
+                                      bool copy) {
+  auto rng = testing::rng(7);
+  std::vector<tensor_data> tensors;
+  for (std::size_t n : sizes) {
+    tensors.emplace_back(n, state, grad, copy, dtype::bf16);
+    fill_params(tensors.back(), rng);
+  }
+  return tensors;
+}
+
+bool same_state(const std::vector<tensor_data>& a, const std::vector<tensor_data>& b) {
+  for (std::size_t k = 0; k < a.size(); ++k) {
+    if (!a[k].param.same_bytes(b[k].param) || !a[k].m.same_bytes(b[k].m) ||
+        !a[k].v.same_bytes(b[k].v) || !a[k].copy.same_bytes(b[k].copy)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+class AdamPerIsa : public ::testing::TestWithParam<simd_isa> {};
+
+TEST_P(AdamPerIsa, ResumeFromSavedStepCounterIsBitwiseIdentical) {
+  for (dtype state : {dtype::f32, dtype::bf16}) {
+    auto straight = make_tensors({5000, 77}, state, dtype::bf16, true);
+    adam_optimizer a(small_options(GetParam(), state, 2));
+    run_steps(a, straight, 1, 10, dtype::bf16);
+
+    auto resumed = make_tensors({5000, 77}, state, dtype::bf16, true);
+    {
+      adam_optimizer first(small_options(GetParam(), state, 2));
+      run_steps(first, resumed, 1, 4, dtype::bf16);
+      EXPECT_EQ(first.step_count(), 4);
+    }
+    adam_optimizer second(small_options(GetParam(), state, 2));  // a new process, as it were
+    second.set_step_count(4);
+    run_steps(second, resumed, 5, 10, dtype::bf16);
+    EXPECT_EQ(second.step_count(), 10);
+    EXPECT_TRUE(same_state(straight, resumed)) << to_string(state);
+  }
+}
+
+TEST_P(AdamPerIsa, SkippedStepLeavesEveryByteUnchanged) {
+  for (dtype grad : {dtype::f32, dtype::bf16, dtype::f16}) {
+    for (float poison : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                         std::numeric_limits<float>::quiet_NaN()}) {
+      auto tensors = make_tensors({3001, 64}, dtype::f32, grad, true);
+      adam_optimizer adam(small_options(GetParam(), dtype::f32, 2));
+      run_steps(adam, tensors, 1, 3, grad);
+      const auto before = tensors;  // deep copy of every buffer
+      tensors[1].g.set(63, poison);  // the very last element: found after everything else
+      std::vector<adam_tensor> views{tensors[0].view(), tensors[1].view()};
+      adam_step_options so;
+      so.grad_dtype = grad;
+      so.check_finite = true;
+      so.grad_scale = 65536.0f;
+      EXPECT_FALSE(adam.step(views, so));
+      EXPECT_EQ(adam.step_count(), 3);
+      EXPECT_TRUE(same_state(before, tensors)) << to_string(grad) << " " << poison;
+      // The same gradients in front of clipping: the norm pass reports them.
+      EXPECT_FALSE(adam.grad_norm(views, grad).finite);
+    }
+  }
+}
+
+TEST_P(AdamPerIsa, ManySmallTensorsEqualOneFlatBuffer) {
+  // 300 tensors of assorted sizes against one buffer holding them end to end.
+  std::vector<std::size_t> sizes;
+  auto rng = testing::rng(3);
+  std::size_t total = 0;
+  for (int i = 0; i < 300; ++i) {
+    sizes.push_back(1 + rng() % 700);
+    total += sizes.back();
+  }
+  auto many = make_tensors(sizes, dtype::f32, dtype::f32, false);
+  std::vector<tensor_data> flat;
+  flat.emplace_back(total, dtype::f32, dtype::f32, false, dtype::bf16);
+  std::size_t at = 0;
+  for (auto& t : many) {
+    for (std::size_t i = 0; i < t.param.size(); ++i) flat[0].param.set(at + i, t.param.get(i));
+    at += t.param.size();
+  }
+  adam_optimizer a(small_options(GetParam(), dtype::f32, 2));
+  adam_optimizer b(small_options(GetParam(), dtype::f32, 2));
+  for (int step = 1; step <= 3; ++step) {
+    auto g = testing::rng(step);
+    std::normal_distribution<float> normal;
+    std::vector<adam_tensor> views;
+    at = 0;
+    for (auto& t : many) {
+      for (std::size_t i = 0; i < t.g.size(); ++i) {
+        const float x = normal(g);
+        t.g.set(i, x);
+        flat[0].g.set(at + i, x);
+      }
+      at += t.g.size();
+      views.push_back(t.view());
+    }
+    ASSERT_TRUE(a.step(views));
+    const adam_tensor one = flat[0].view();
+    ASSERT_TRUE(b.step(std::span<const adam_tensor>(&one, 1)));
+  }
+  // Elementwise the same math; the SIMD/tail split differs, so compare to float rounding.
+  at = 0;
+  for (auto& t : many) {
+    for (std::size_t i = 0; i < t.param.size(); ++i) {
+      ASSERT_NEAR(t.param.get(i), flat[0].param.get(at + i), 1e-6 * (1 + std::abs(t.param.get(i))));
+    }
+    at += t.param.size();
+  }
+}
+
+TEST_P(AdamPerIsa, GradNormMatchesFloat64) {
+  for (dtype grad : {dtype::f32, dtype::bf16, dtype::f16}) {
+    auto tensors = make_tensors({100001, 5, 70000}, dtype::f32, grad, false);
+    auto rng = testing::rng(11);
+    double sum = 0;
+    std::vector<adam_tensor> views;
+    for (auto& t : tensors) {
+      fill_grads(t, rng, 8.0f);
+      for (std::size_t i = 0; i < t.g.size(); ++i) sum += static_cast<double>(t.g.get(i)) * t.g.get(i);
+      views.push_back(t.view());
+    }
+    adam_optimizer adam(small_options(GetParam(), dtype::f32, 2));
+    const grad_norm_result r = adam.grad_norm(views, grad, 8.0f);
+    EXPECT_TRUE(r.finite);
+    EXPECT_NEAR(r.norm, std::sqrt(sum) / 8.0, 1e-5 * std::sqrt(sum) / 8.0) << to_string(grad);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, AdamPerIsa, ::testing::ValuesIn(available_isas()),
+                         [](const auto& info) { return std::string(to_string(info.param)); });
+
+// ------------------------------------------------------------------------ threads and dispatch
+
+TEST(AdamThreads, ResultsDoNotDependOnTheThreadCount) {
+  // Large enough that 2 and 3 threads really split the work (32Ki elements per thread at least).
+  std::vector<std::vector<tensor_data>> runs;
+  for (unsigned threads : {1u, 2u, 3u}) {
+    auto tensors = make_tensors({150001, 33, 90000}, dtype::bf16, dtype::f16, true);
+    adam_optimizer adam(small_options(simd_isa::automatic, dtype::bf16, threads));
+    EXPECT_EQ(adam.options().threads, threads);
+    run_steps(adam, tensors, 1, 3, dtype::f16);
+    runs.push_back(std::move(tensors));
+  }
+  EXPECT_TRUE(same_state(runs[0], runs[1]));
+  EXPECT_TRUE(same_state(runs[0], runs[2]));
+}
+
+TEST(AdamThreads, DistinctOptimizersStepConcurrently) {
+  std::vector<std::vector<tensor_data>> data(2);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < 2; ++k) {
+    data[k] = make_tensors({70000}, dtype::f32, dtype::f32, false);
+    threads.emplace_back([&, k] {
+      adam_optimizer adam(small_options(simd_isa::automatic, dtype::f32, 2));
+      run_steps(adam, data[k], 1, 3, dtype::f32);
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_TRUE(same_state(data[0], data[1]));
+}
+
+TEST(AdamDispatch, AutomaticPicksTheBestSupported) {
+  adam_options o;
+  const adam_optimizer adam(o);
+  if (const char* env = std::getenv("TERRACE_ADAM_ISA"); env == nullptr || *env == '\0') {
+    EXPECT_EQ(adam.options().isa, best_simd_isa());
+  }
+  EXPECT_GE(adam.options().threads, 1u);
+}
+
+// --------------------------------------------------------------------------------- conversions
+
+TEST(AdamConversions, HalfTypesRoundToNearestEven) {
+  using detail::float_to_bf16;
+  using detail::float_to_f16;
+  EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(float_to_bf16(detail::bits_float(0x3f808000u)), 0x3f80);  // tie to even (down)
+  EXPECT_EQ(float_to_bf16(detail::bits_float(0x3f818000u)), 0x3f82);  // tie to even (up)
+  EXPECT_EQ(float_to_bf16(std::numeric_limits<float>::quiet_NaN()), 0x7fc0);
+  EXPECT_EQ(float_to_bf16(detail::bits_float(0x7fffffffu)), 0x7fc0);  // payload must not round to inf
+  EXPECT_EQ(float_to_f16(1.0f), 0x3c00);
+  EXPECT_EQ(float_to_f16(65504.0f), 0x7bff);
+  EXPECT_EQ(float_to_f16(65519.0f), 0x7bff);
+  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);
+  EXPECT_EQ(float_to_f16(-std::numeric_limits<float>::infinity()), 0xfc00);
+  EXPECT_EQ(float_to_f16(0x1p-24f), 0x0001);        // smallest subnormal
+  EXPECT_EQ(float_to_f16(0x1p-25f), 0x0000);        // tie to even: zero
+  EXPECT_EQ(float_to_f16(0x1.8p-24f), 0x0002);      // tie to even: 2
+  EXPECT_EQ(float_to_f16(0x1p-14f), 0x0400);        // smallest normal
+  EXPECT_EQ(float_to_f16(1.0f + 0x1p-11f), 0x3c00);  // tie to even (down)
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {  // every finite half survives the round trip
+    if ((h & 0x7c00) == 0x7c00) continue;
+    ASSERT_EQ(float_to_f16(detail::f16_to_float(static_cast<std::uint16_t>(h))), h);
+  }
+}
+
+// --------------------------------------------------------------------------------- bad input
+
+TEST(AdamErrors, BadHyperparametersAreRejected) {
+  auto rejects = [](auto change, const char* word) {
+    adam_options o;
+    change(o);
+    try {
+      adam_optimizer adam(o);
+      ADD_FAILURE() << "accepted; expected an error about " << word;
+    } catch (const logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+    }
+  };
+  rejects([](adam_options& o) { o.lr = 0; }, "lr");
+  rejects([](adam_options& o) { o.lr = -1e-3; }, "lr");
+  rejects([](adam_options& o) { o.lr = std::numeric_limits<double>::quiet_NaN(); }, "lr");
+  rejects([](adam_options& o) { o.beta1 = 1.0; }, "beta1");
+  rejects([](adam_options& o) { o.beta1 = -0.1; }, "beta1");
+  rejects([](adam_options& o) { o.beta2 = 1.0; }, "beta2");
+  rejects([](adam_options& o) { o.eps = 0; }, "eps");
+  rejects([](adam_options& o) { o.weight_decay = -1; }, "weight_decay");
+  rejects([](adam_options& o) { o.state_dtype = dtype::f16; }, "state_dtype");
+  adam_optimizer adam(adam_options{});
+  EXPECT_THROW(adam.set_lr(0), logic_error);
+  EXPECT_THROW(adam.set_step_count(-1), logic_error);
+}
+
+TEST(AdamErrors, BadBuffersAreRejectedAndNothingIsWritten) {
+  auto tensors = make_tensors({256, 256}, dtype::f32, dtype::bf16, true);
+  const auto before = tensors;
+  adam_optimizer adam(small_options(simd_isa::automatic, dtype::f32, 2));
+  adam_step_options so;
+  so.grad_dtype = dtype::bf16;
+  auto expect_error = [&](std::vector<adam_tensor> views, const adam_step_options& o, const char* word) {
+    try {
+      adam.step(views, o);
+      ADD_FAILURE() << "accepted; expected an error about " << word;
+    } catch (const logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+    }
+  };
+  auto views = [&] { return std::vector<adam_tensor>{tensors[0].view(), tensors[1].view()}; };
+
+  auto v = views();
+  v[1].param = nullptr;
+  expect_error(v, so, "param is null");
+  v = views();
+  v[1].grad = static_cast<const char*>(v[1].grad) + 1;  // bf16 needs 2-byte alignment
+  expect_error(v, so, "grad is not aligned");
+  v = views();
+  v[0].exp_avg = static_cast<char*>(v[0].exp_avg) + 2;  // f32 needs 4
+  expect_error(v, so, "exp_avg is not aligned");
+  v = views();
+  v[0].param_copy = nullptr;  // a copy on one tensor only
+  expect_error(v, so, "param_copy is set on 1 of 2");
+  auto bad = so;
+  bad.grad_scale = 0;
+  expect_error(views(), bad, "grad_scale");
+  bad = so;
+  bad.clip_coef = std::numeric_limits<float>::infinity();
+  expect_error(views(), bad, "clip_coef");
+  bad = so;
+  bad.grad_dtype = static_cast<dtype>(7);
+  expect_error(views(), bad, "grad dtype");
+
+  // Mismatched lengths through the flat overload.
+  std::vector<float> p(100);
+  std::vector<std::byte> m(400), sq(400), g(200), short_m(396);
+  adam_buffers flat{p, m, sq, g, {}};
+  EXPECT_TRUE(adam.step(flat, so));
+  flat.exp_avg = short_m;
+  try {
+    adam.step(flat, so);
+    ADD_FAILURE() << "mismatched lengths accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("exp_avg holds 396 bytes"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(adam.step_count(), 1);  // only the good flat step counted
+  EXPECT_TRUE(same_state(before, tensors));
+}
+
+}  // namespace
+}  // namespace terrace
