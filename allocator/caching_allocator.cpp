@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "allocator/block.hpp"
+#include "allocator/plan_front.hpp"
 #include "terrace/error.hpp"
 
 namespace terrace {
@@ -732,6 +733,13 @@ class allocator_impl {
     return stats_locked();
   }
 
+  // The three current totals the planned policy combines with its arena; cheap, for every call.
+  fallback_totals totals() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {stats_.reserved_bytes[0].current, stats_.allocated_bytes[0].current,
+            stats_.requested_bytes[0].current};
+  }
+
   void reset_peak_stats() {
     std::lock_guard<std::mutex> lock(mutex_);
 #define TERRACE_RESET_PEAK(field, name) \
@@ -1013,23 +1021,89 @@ class allocator_impl {
 // ---------------------------------------------------------------- the public face
 
 caching_allocator::caching_allocator(device_backend& device, allocator_config config)
-    : impl_(std::make_unique<detail::allocator_impl>(device, std::move(config))) {}
+    : impl_(std::make_unique<detail::allocator_impl>(device, config)) {
+  // The planner sits in front of the caching policy only when asked for: otherwise every call
+  // below costs one null test.
+  const bool planned = config.policy == alloc_policy::planned;
+  if (planned || config.plan_counterfactual) {
+    plan_ = std::make_unique<detail::plan_front>(device, config, planned);
+    plan_->set_release_fallback_cache([impl = impl_.get()] {
+      impl->empty_cache();
+      return impl->totals();
+    });
+  }
+}
 caching_allocator::~caching_allocator() = default;
 
 void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
-  return impl_->allocate(bytes, stream, tag);
+  if (!plan_ || bytes == 0) return impl_->allocate(bytes, stream, tag);
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  if (void* p = plan_->try_allocate(bytes, stream, tag)) return p;
+  void* p = impl_->allocate(bytes, stream, tag);
+  plan_->on_fallback_alloc(p, bytes, stream);
+  plan_->note_totals(impl_->totals());
+  return p;
 }
-void caching_allocator::deallocate(void* p, stream_ref) { impl_->deallocate(p); }
-void caching_allocator::record_stream(void* p, stream_ref stream) { impl_->record_stream(p, stream); }
+void caching_allocator::deallocate(void* p, stream_ref) {
+  if (!plan_ || p == nullptr) return impl_->deallocate(p);
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  if (plan_->on_free(p)) return;
+  impl_->deallocate(p);
+  plan_->note_totals(impl_->totals());
+}
+void caching_allocator::record_stream(void* p, stream_ref stream) {
+  if (plan_) {
+    std::lock_guard<std::mutex> lock(plan_->mutex());
+    if (plan_->record_stream(p, stream)) return;
+  }
+  impl_->record_stream(p, stream);
+}
 void caching_allocator::empty_cache() { impl_->empty_cache(); }
 void caching_allocator::set_memory_fraction(double fraction) { impl_->set_memory_fraction(fraction); }
-allocator_stats caching_allocator::stats() const { return impl_->stats(); }
-void caching_allocator::reset_peak_stats() { impl_->reset_peak_stats(); }
+allocator_stats caching_allocator::stats() const {
+  if (!plan_) return impl_->stats();
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  allocator_stats s = impl_->stats();
+  plan_->merge_into(s);
+  return s;
+}
+void caching_allocator::reset_peak_stats() {
+  if (!plan_) return impl_->reset_peak_stats();
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  impl_->reset_peak_stats();
+  plan_->reset_peaks(impl_->totals());
+}
 void caching_allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
 void caching_allocator::record_trace(bool on) { impl_->set_tracing(on); }
-memory_snapshot caching_allocator::snapshot() const { return impl_->snapshot(); }
-void caching_allocator::check_invariants() const { impl_->check_invariants(); }
+memory_snapshot caching_allocator::snapshot() const {
+  if (!plan_) return impl_->snapshot();
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  memory_snapshot snap = impl_->snapshot();
+  plan_->add_to_snapshot(snap);
+  return snap;
+}
+void caching_allocator::check_invariants() const {
+  if (!plan_) return impl_->check_invariants();
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  impl_->check_invariants();
+  plan_->check_invariants();
+}
 const allocator_config& caching_allocator::config() const noexcept { return impl_->config(); }
+void caching_allocator::begin_iteration() {
+  if (!plan_) return;
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  plan_->begin_iteration();
+}
+void caching_allocator::end_iteration() {
+  if (!plan_) return;
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  plan_->end_iteration();
+}
+planner_stats caching_allocator::plan_stats() const {
+  if (!plan_) return {};
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  return plan_->stats();
+}
 device_backend& caching_allocator::device() noexcept { return impl_->device(); }
 
 }  // namespace terrace

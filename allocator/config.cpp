@@ -288,6 +288,38 @@ constexpr key_rule kRules[] = {
        c.memory_fraction = *r.value;
        return {};
      }},
+    {"policy",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       if (iequals(v, "caching")) {
+         c.policy = alloc_policy::caching;
+         c.expandable_segments = false;
+       } else if (iequals(v, "expandable")) {
+         c.policy = alloc_policy::expandable;
+         c.expandable_segments = true;
+       } else if (iequals(v, "planned")) {
+         c.policy = alloc_policy::planned;
+       } else {
+         return "policy must be caching, expandable or planned, got " + quoted(v);
+       }
+       return {};
+     }},
+    {"plan_counterfactual",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto b = parse_bool(v);
+       if (!b.value) return b.why;
+       c.plan_counterfactual = *b.value;
+       return {};
+     }},
+    {"plan_min_period",
+     [](allocator_config& c, std::string_view v) -> std::string {
+       auto n = parse_unsigned(v);
+       if (!n.value) return n.why;
+       if (*n.value < 16 || *n.value > (1u << 30)) {
+         return "plan_min_period must be in [16, 2^30], got " + quoted(v);
+       }
+       c.plan_min_period = static_cast<std::size_t>(*n.value);
+       return {};
+     }},
     {"record_trace",
      [](allocator_config& c, std::string_view v) -> std::string {
        auto b = parse_bool(v);
@@ -371,6 +403,15 @@ allocator_config parse(std::string_view source, std::string_view text, allocator
 }
 
 }  // namespace
+
+std::string_view to_string(alloc_policy p) noexcept {
+  switch (p) {
+    case alloc_policy::caching: return "caching";
+    case alloc_policy::expandable: return "expandable";
+    case alloc_policy::planned: return "planned";
+  }
+  return "?";
+}
 
 const std::vector<std::string_view>& alloc_conf_keys() {
   static const std::vector<std::string_view> keys = [] {

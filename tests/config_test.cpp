@@ -60,7 +60,7 @@ TEST(AllocConf, KeysAreTheHeadersInDeclarationOrder) {
       "small_size",      "small_segment_size",       "large_segment_size",
       "min_large_alloc", "large_round",              "max_split_size_mb",
       "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments",
-      "memory_fraction", "record_trace",             "trace_max_events"};
+      "memory_fraction", "policy", "plan_counterfactual", "plan_min_period", "record_trace",             "trace_max_events"};
   EXPECT_EQ(alloc_conf_keys(), expected);
 }
 

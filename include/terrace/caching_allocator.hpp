@@ -25,6 +25,7 @@
 
 #include "terrace/config.hpp"
 #include "terrace/device.hpp"
+#include "terrace/planner.hpp"
 #include "terrace/stats.hpp"
 #include "terrace/trace.hpp"
 
@@ -32,6 +33,7 @@ namespace terrace {
 
 namespace detail {
 class allocator_impl;
+class plan_front;
 }
 
 class caching_allocator {
@@ -87,8 +89,21 @@ class caching_allocator {
   const allocator_config& config() const noexcept;
   device_backend& device() noexcept;
 
+  // ------------------------------------------------ lifetime-aware planning (policy `planned`)
+  /// @brief Marks the start of a training iteration. Optional: without it the planner finds the
+  /// repeating iteration itself; once called, only these marks delimit iterations. A no-op unless
+  /// the policy is `planned` or plan_counterfactual is on. Never throws except device_error.
+  void begin_iteration();
+  /// @brief Marks the end of a training iteration (see begin_iteration). Two equal iterations in a
+  /// row are planned. @throws terrace::device_error if reserving the arena fails otherwise than OOM.
+  void end_iteration();
+  /// @brief What the planner did (enabled = false when it is off).
+  planner_stats plan_stats() const;
+
  private:
   std::unique_ptr<detail::allocator_impl> impl_;
+  // Declared after impl_: destroyed first, so its arena goes back before the cached segments.
+  std::unique_ptr<detail::plan_front> plan_;
 };
 
 }  // namespace terrace

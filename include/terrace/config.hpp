@@ -14,6 +14,11 @@
 
 namespace terrace {
 
+enum class alloc_policy { caching, expandable, planned };
+
+/// @brief "caching", "expandable" or "planned".
+std::string_view to_string(alloc_policy p) noexcept;
+
 struct allocator_config {
   // --- device backend (used by the C ABI and the tools; a C++ user passes a backend directly)
   std::string device = "auto";            ///< key `device`: auto | sim | null | cuda | cuda-vmm
@@ -31,6 +36,17 @@ struct allocator_config {
   double garbage_collection_threshold = 0.0;   ///< key `garbage_collection_threshold`: 0 = off, (0,1)
   bool expandable_segments = false;            ///< key `expandable_segments`: needs a VMM backend
   double memory_fraction = 1.0;                ///< key `memory_fraction`: (0,1] of the device capacity
+
+  // --- placement policy (planner.hpp)
+  /// key `policy`: caching | expandable (sets expandable_segments) | planned (lifetime-aware: the
+  /// steady-state iteration is planned into one arena; everything else is cached as usual).
+  alloc_policy policy = alloc_policy::caching;
+  /// key `plan_counterfactual`: under caching/expandable, run the planner beside the live policy and
+  /// only report what it would have saved (caching_allocator::plan_stats()).
+  bool plan_counterfactual = false;
+  /// key `plan_min_period`: the shortest iteration, in allocations plus frees, that the steady-state
+  /// detector accepts (shorter repeats are loops inside an iteration); at least 16.
+  std::size_t plan_min_period = 64;
 
   // --- observability
   bool record_trace = false;                   ///< key `record_trace`

@@ -1,0 +1,557 @@
+// SPDX-License-Identifier: Apache-2.0
+// The planned policy: steady-state detection over the token stream of allocations and frees, the
+// plan (offsets per allocation of one iteration), and its O(1) replay with a safety check that
+// makes correctness independent of the plan being right.
+//
+// Safety argument. The plan's offsets never overlap for slots whose planned lifetimes overlap. While
+// in sync, every allocation matched its slot (same size, stream and tag, in order) and, before slot k
+// is handed out, every slot whose planned free precedes slot k has been freed (checked through the
+// due lists) and every slot of the previous iteration is free (checked at the wrap). The live arena
+// blocks are then a subset of the slots whose planned lifetimes overlap slot k's, so slot k overlaps
+// none of them. Out of sync, nothing new goes to the arena. Each stream has its own arena region, so
+// an address is reused only in its stream's order, as the caching allocator does.
+#include "allocator/plan_front.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <string>
+
+#include "terrace/error.hpp"
+
+namespace terrace::detail {
+
+namespace {
+
+constexpr std::size_t kRound = 512;
+constexpr std::size_t kWindow = 16;                   // tokens in the window that proposes periods
+constexpr std::size_t kMaxRecordTokens = 1u << 22;    // a recording longer than this starts over
+constexpr std::uint64_t kMod = (std::uint64_t{1} << 61) - 1;
+constexpr std::uint64_t kBase = 0x2545f4914f6cdd1dull % kMod;
+
+std::uint64_t mulmod(std::uint64_t a, std::uint64_t b) noexcept {
+  const unsigned __int128 p = static_cast<unsigned __int128>(a) * b;
+  std::uint64_t r = static_cast<std::uint64_t>(p & kMod) + static_cast<std::uint64_t>(p >> 61);
+  if (r >= kMod) r -= kMod;
+  return r;
+}
+
+std::uint64_t mix(std::uint64_t x) noexcept {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  return x ^ (x >> 33);
+}
+
+std::size_t round_up(std::size_t n) noexcept { return (n + kRound - 1) / kRound * kRound; }
+
+}  // namespace
+
+plan_front::plan_front(device_backend& device, const allocator_config& config, bool live)
+    : device_(device), config_(config), live_mode_(live) {
+  stats_.enabled = true;
+  stats_.counterfactual = !live;
+}
+
+plan_front::~plan_front() {
+  // Arena blocks still live are leaked to the device, as the caching allocator leaks its blocks.
+  if (arena_ != nullptr && arena_live_count_ == 0) device_.release(arena_, arena_bytes_);
+}
+
+std::uint64_t plan_front::key_of(std::size_t rounded, std::uintptr_t stream,
+                                 std::string_view tag) const {
+  std::uint64_t k = mix(rounded * 0x9e3779b97f4a7c15ull ^ mix(stream + 1));
+  if (!tag.empty()) k = mix(k ^ std::hash<std::string_view>{}(tag));
+  return k;
+}
+
+std::uint64_t plan_front::range_hash(std::size_t lo, std::size_t hi) const noexcept {
+  const std::uint64_t sub = mulmod(prefix_hash_[lo], pow_[hi - lo]);
+  const std::uint64_t h = prefix_hash_[hi];
+  return h >= sub ? h - sub : h + kMod - sub;
+}
+
+void plan_front::reset_recording() {
+  prefix_hash_.assign(1, 0);
+  pow_.assign(1, 1);
+  prefix_bytes_.assign(1, 0);
+  tokens_.clear();
+  rec_alloc_pos_.clear();
+  rec_free_pos_.clear();
+  rec_size_.clear();
+  rec_stream_.clear();
+  rec_key_.clear();
+  window_seen_.clear();
+  explicit_begin_ = SIZE_MAX;
+  for (auto& [addr, e] : live_) e.rec_id = -1;
+}
+
+void plan_front::push_token(std::uint64_t token, std::int64_t delta) {
+  tokens_.push_back(token);
+  prefix_hash_.push_back((mulmod(prefix_hash_.back(), kBase) + (token % (kMod - 1)) + 1) % kMod);
+  pow_.push_back(mulmod(pow_.back(), kBase));
+  prefix_bytes_.push_back(prefix_bytes_.back() + delta);
+}
+
+// A period P is accepted at token n when the last 2P tokens are two equal halves (by hash), the
+// live bytes are the same P tokens apart (an iteration gives back what it takes), and P is at least
+// plan_min_period. Candidates come from the last earlier occurrence of the current window, so each
+// token costs O(1).
+void plan_front::detect_steady_state() {
+  const std::size_t n = tokens_.size();
+  if (explicit_ || n < kWindow) return;
+  const std::uint64_t w = range_hash(n - kWindow, n);
+  auto [it, inserted] = window_seen_.try_emplace(w, static_cast<std::uint32_t>(n));
+  if (inserted) return;
+  const std::size_t p = n - it->second;
+  it->second = static_cast<std::uint32_t>(n);
+  if (p < std::max<std::size_t>(config_.plan_min_period, kWindow) || n < 2 * p) return;
+  if (prefix_bytes_[n] != prefix_bytes_[n - p]) return;
+  const std::uint64_t h = range_hash(n - p, n);
+  if (h != range_hash(n - 2 * p, n - p)) return;
+  // The boundary: where the recorded live bytes are lowest inside the last period, so that the
+  // fewest blocks cross it.
+  std::size_t m = n - p;
+  for (std::size_t i = n - p; i < n; ++i) {
+    if (prefix_bytes_[i] < prefix_bytes_[m]) m = i;
+  }
+  if (stats_.plans > 0) {
+    // The same period is taken for the same iteration seen at another phase: the anchor resyncs.
+    if (p == plan_period_) return;
+    // A steady state much shorter than the plan is a loop inside the iteration, not a new one.
+    if (p < plan_period_ / 2) return;
+  }
+  replan_pending_ = true;
+  replan_lo_ = m - p;
+  replan_hi_ = m;
+  if (slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
+}
+
+void plan_front::make_plan(std::size_t lo, std::size_t hi) {
+  const auto t0 = std::chrono::steady_clock::now();
+  replan_pending_ = false;
+  const auto first = std::lower_bound(rec_alloc_pos_.begin(), rec_alloc_pos_.end(), lo);
+  const auto last = std::lower_bound(rec_alloc_pos_.begin(), rec_alloc_pos_.end(), hi);
+  const auto i0 = static_cast<std::size_t>(first - rec_alloc_pos_.begin());
+  const auto i1 = static_cast<std::size_t>(last - rec_alloc_pos_.begin());
+  const std::size_t n = i1 - i0;
+
+  std::vector<slot> slots(n);
+  std::vector<std::vector<std::uint32_t>> due(n + 1);
+  std::vector<plan_interval> items;
+  std::vector<std::uint32_t> item_slot;
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t i = i0 + k;
+    slot& s = slots[k];
+    s.key = rec_key_[i];
+    s.size = rec_size_[i];
+    s.stream = rec_stream_[i];
+    const std::uint32_t f = rec_free_pos_[i];
+    s.planned = f != UINT32_MAX && f < hi;
+    if (!s.planned) continue;
+    // The free happens before the first alloc of the window that comes after it.
+    const auto next = std::upper_bound(first, last, f);
+    s.due_at = static_cast<std::uint32_t>(next - first);
+    due[s.due_at].push_back(static_cast<std::uint32_t>(k));
+    items.push_back({s.size, rec_alloc_pos_[i] - lo, f - lo});
+    item_slot.push_back(static_cast<std::uint32_t>(k));
+  }
+
+  // One region per stream: an address is reused only in that stream's order.
+  std::vector<std::uintptr_t> streams;
+  for (std::uint32_t k : item_slot) streams.push_back(slots[k].stream);
+  std::sort(streams.begin(), streams.end());
+  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
+  placement_plan whole;
+  whole.offsets.assign(items.size(), 0);
+  std::string heuristic;
+  for (std::uintptr_t st : streams) {
+    std::vector<plan_interval> group;
+    std::vector<std::size_t> index;
+    for (std::size_t j = 0; j < items.size(); ++j) {
+      if (slots[item_slot[j]].stream == st) {
+        group.push_back(items[j]);
+        index.push_back(j);
+      }
+    }
+    const placement_plan part = plan_placement(group, kRound);
+    for (std::size_t g = 0; g < group.size(); ++g) {
+      whole.offsets[index[g]] = whole.arena_bytes + part.offsets[g];
+    }
+    whole.arena_bytes += part.arena_bytes;
+    if (heuristic.find(part.heuristic) == std::string::npos) {
+      heuristic += heuristic.empty() ? part.heuristic : "+" + part.heuristic;
+    }
+  }
+  whole.lower_bound = items.empty() ? 0 : max_live_bytes(items, kRound);
+  for (std::size_t j = 0; j < items.size(); ++j) slots[item_slot[j]].offset = whole.offsets[j];
+
+  // The old arena is empty here (plans are made only when no slot is live). The new one is
+  // reserved at the first planned iteration's start, when the fallback's transient blocks are free.
+  if (live_mode_ && arena_ != nullptr) {
+    device_.release(arena_, arena_bytes_);
+    arena_ = nullptr;
+  }
+  arena_bytes_ = live_mode_ ? 0 : whole.arena_bytes;
+
+  if (stats_.plans > 0) ++stats_.replans;
+  ++stats_.plans;
+  slots_ = std::move(slots);
+  due_before_ = std::move(due);
+  plan_items_ = std::move(items);
+  plan_item_slot_ = std::move(item_slot);
+  plan_ = std::move(whole);
+  freed_gen_.assign(slots_.size(), 0);
+  plan_hash_ = range_hash(lo, hi);
+  plan_period_ = hi - lo;
+  anchor_hash_ = range_hash(hi - std::min(kWindow, hi - lo), hi);
+  mode_ = mode::seeking;
+  stats_.active = !slots_.empty();
+  stats_.period_allocs = static_cast<std::int64_t>(slots_.size());
+  stats_.planned_slots = static_cast<std::int64_t>(plan_items_.size());
+  stats_.arena_bytes = static_cast<std::int64_t>(plan_.arena_bytes);
+  stats_.lower_bound_bytes = static_cast<std::int64_t>(plan_.lower_bound);
+  stats_.heuristic = heuristic;
+  stats_.plan_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  note_totals(last_totals_);
+}
+
+bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
+  if (slots_.empty() || slot_live_ != 0 || replan_pending_ || key != slots_[0].key) return false;
+  const std::size_t w = std::min(kWindow, plan_period_);
+  const std::size_t n = tokens_.size();
+  return n >= w && range_hash(n - w, n) == anchor_hash_;
+}
+
+bool plan_front::ensure_arena() {
+  if (!live_mode_ || arena_ != nullptr || plan_.arena_bytes == 0) return true;
+  // The cached free segments of the iterations before the plan are what the arena replaces.
+  if (release_fallback_cache_) last_totals_ = release_fallback_cache_();
+  try {
+    arena_ = device_.reserve(plan_.arena_bytes);
+  } catch (const out_of_memory&) {
+    return false;  // no room: keep serving from the caching allocator; try at the next boundary
+  }
+  arena_bytes_ = plan_.arena_bytes;
+  ++arena_reservations_;
+  note_totals(last_totals_);
+  return true;
+}
+
+void plan_front::start_iteration() {
+  if (!ensure_arena()) {
+    mode_ = mode::seeking;
+    return;
+  }
+  mode_ = mode::in_sync;
+  cursor_ = 0;
+  ++gen_;
+  iteration_deviated_ = false;
+  ++stats_.iterations;
+  // In sync nothing is recorded: the recording restarts at the next deviation.
+  reset_recording();
+}
+
+void plan_front::deviate() {
+  if (!iteration_deviated_) ++stats_.deviating_iterations;
+  iteration_deviated_ = true;
+  mode_ = mode::seeking;
+  reset_recording();
+}
+
+void plan_front::track_unplanned(std::int64_t delta) noexcept {
+  unplanned_live_ += delta;
+  if (stats_.plans > 0) stats_.unplanned_live_peak = std::max(stats_.unplanned_live_peak, unplanned_live_);
+}
+
+void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
+  pending_slot_ = -1;
+  const std::size_t rounded = round_up(bytes);
+  const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
+  const std::uint64_t key = key_of(rounded, st, tag);
+  if (mode_ == mode::seeking && !explicit_ && boundary_anchor_matches(key)) start_iteration();
+  // Counted from the first planned iteration on: the allocations before it were learning.
+  if (!slots_.empty() && stats_.iterations > 0) ++stats_.allocs_under_plan;
+  if (mode_ == mode::in_sync && cursor_ == slots_.size() && !explicit_) {
+    // The previous iteration's allocations are done: this one starts the next, if every slot of
+    // the last one has been freed.
+    if (slot_live_ == 0) {
+      start_iteration();
+    } else {
+      deviate();
+    }
+  }
+  if (mode_ == mode::in_sync) {
+    bool ok = cursor_ < slots_.size() && slots_[cursor_].key == key;
+    if (ok) {
+      for (std::uint32_t j : due_before_[cursor_]) {
+        if (freed_gen_[j] != gen_) {
+          ok = false;  // a block the plan freed by now is still live: its space is not free
+          break;
+        }
+      }
+    }
+    if (ok) {
+      const slot& s = slots_[cursor_];
+      const auto k = static_cast<std::int32_t>(cursor_++);
+      if (!s.planned) {
+        ++stats_.unplanned_allocs;
+        return nullptr;
+      }
+      ++stats_.planned_hits;
+      if (!live_mode_) {
+        pending_slot_ = k;  // counterfactual: served by the fallback, tracked as the slot
+        return nullptr;
+      }
+      auto* p = static_cast<char*>(arena_) + s.offset;
+      live_entry e;
+      e.key = key;
+      e.size = rounded;
+      e.requested = bytes;
+      e.stream = st;
+      e.slot = k;
+      e.gen = gen_;
+      e.in_arena = true;
+      live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
+      ++slot_live_;
+      ++arena_live_count_;
+      arena_live_bytes_ += rounded;
+      arena_live_requested_ += bytes;
+      note_totals(last_totals_);
+      return p;
+    }
+    deviate();
+  }
+
+  // Learning or seeking: record the token; the fallback serves it.
+  if (tokens_.size() >= kMaxRecordTokens) reset_recording();
+  pending_slot_ = -1;
+  rec_alloc_pos_.push_back(static_cast<std::uint32_t>(tokens_.size()));
+  rec_free_pos_.push_back(UINT32_MAX);
+  rec_size_.push_back(rounded);
+  rec_stream_.push_back(st);
+  rec_key_.push_back(key);
+  push_token(key, static_cast<std::int64_t>(rounded));
+  detect_steady_state();
+  return nullptr;
+}
+
+void plan_front::on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream) {
+  live_entry e;
+  e.size = round_up(bytes);
+  e.requested = bytes;
+  e.stream = reinterpret_cast<std::uintptr_t>(stream.native);
+  if (pending_slot_ >= 0) {
+    e.slot = static_cast<std::int32_t>(pending_slot_);
+    e.gen = gen_;
+    ++slot_live_;
+  } else {
+    track_unplanned(static_cast<std::int64_t>(e.size));
+    // The alloc was recorded last (learning / seeking) unless it was an unplanned slot in sync.
+    if (mode_ != mode::in_sync && !rec_alloc_pos_.empty()) {
+      e.rec_id = static_cast<std::int64_t>(rec_alloc_pos_.size() - 1);
+    }
+  }
+  pending_slot_ = -1;
+  live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
+}
+
+bool plan_front::on_free(void* p) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  auto it = live_.find(addr);
+  if (it == live_.end()) return false;
+  const live_entry e = it->second;
+  live_.erase(it);
+  if (mode_ != mode::in_sync) {
+    if (tokens_.size() >= kMaxRecordTokens) reset_recording();
+    if (e.rec_id >= 0 && static_cast<std::size_t>(e.rec_id) < rec_free_pos_.size()) {
+      rec_free_pos_[static_cast<std::size_t>(e.rec_id)] = static_cast<std::uint32_t>(tokens_.size());
+    }
+    push_token(mix(e.key ^ 0x5bd1e995ull) ^ e.size, -static_cast<std::int64_t>(e.size));
+    detect_steady_state();
+  }
+  if (e.slot >= 0) {
+    if (e.gen == gen_) freed_gen_[static_cast<std::size_t>(e.slot)] = gen_;
+    --slot_live_;
+  } else {
+    track_unplanned(-static_cast<std::int64_t>(e.size));
+  }
+  if (!e.in_arena) {
+    if (replan_pending_ && slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
+    return false;
+  }
+  if (e.synced_streams) {
+    // Another stream used the block: its queued work must finish before the space is reused.
+    if (auto s = arena_streams_.find(addr); s != arena_streams_.end()) {
+      for (std::uintptr_t other : s->second) {
+        device_.synchronize(stream_ref{reinterpret_cast<void*>(other)});
+      }
+      arena_streams_.erase(s);
+    }
+  }
+  --arena_live_count_;
+  arena_live_bytes_ -= e.size;
+  arena_live_requested_ -= e.requested;
+  if (replan_pending_ && slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
+  return true;
+}
+
+bool plan_front::record_stream(void* p, stream_ref stream) {
+  auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+  if (it == live_.end() || !it->second.in_arena) return false;
+  const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
+  if (st != it->second.stream) {
+    it->second.synced_streams = true;
+    arena_streams_[it->first].push_back(st);
+  }
+  return true;
+}
+
+void plan_front::begin_iteration() {
+  explicit_ = true;
+  if (!slots_.empty() && !replan_pending_) {
+    if (mode_ == mode::in_sync && cursor_ != slots_.size()) deviate();
+    if (slot_live_ == 0) {
+      start_iteration();
+      explicit_begin_ = 0;  // start_iteration reset the recording
+      return;
+    }
+    deviate();
+  }
+  if (mode_ != mode::in_sync) {
+    reset_recording();
+    explicit_begin_ = 0;
+  }
+}
+
+void plan_front::end_iteration() {
+  explicit_ = true;
+  if (mode_ == mode::in_sync) {
+    if (cursor_ != slots_.size()) deviate();
+    return;
+  }
+  if (explicit_begin_ == SIZE_MAX) return;  // the recording does not cover a whole iteration
+  const std::size_t lo = explicit_begin_, hi = tokens_.size();
+  if (hi == lo) return;
+  const std::uint64_t h = range_hash(lo, hi);
+  const bool repeated = h == last_explicit_hash_ && hi - lo == last_explicit_len_;
+  last_explicit_hash_ = h;
+  last_explicit_len_ = hi - lo;
+  if (!repeated || (!slots_.empty() && h == plan_hash_)) return;
+  replan_pending_ = true;
+  replan_lo_ = lo;
+  replan_hi_ = hi;
+  if (slot_live_ == 0) make_plan(lo, hi);
+}
+
+void plan_front::note_totals(const fallback_totals& t) noexcept {
+  last_totals_ = t;
+  const auto arena = live_mode_ ? static_cast<std::int64_t>(arena_bytes_) : 0;
+  peak_reserved_ = std::max(peak_reserved_, t.reserved + arena);
+  peak_allocated_ =
+      std::max(peak_allocated_, t.allocated + static_cast<std::int64_t>(arena_live_bytes_));
+  peak_requested_ =
+      std::max(peak_requested_, t.requested + static_cast<std::int64_t>(arena_live_requested_));
+}
+
+void plan_front::reset_peaks(const fallback_totals& t) noexcept {
+  peak_reserved_ = peak_allocated_ = peak_requested_ = 0;
+  note_totals(t);
+}
+
+void plan_front::merge_into(allocator_stats& s) const {
+  if (live_mode_ && arena_ != nullptr) {
+    for (int i : {0, 2}) {
+      s.segment[i].current += 1;
+      s.reserved_bytes[i].current += static_cast<std::int64_t>(arena_bytes_);
+      s.allocation[i].current += static_cast<std::int64_t>(arena_live_count_);
+      s.active[i].current += static_cast<std::int64_t>(arena_live_count_);
+      s.allocated_bytes[i].current += static_cast<std::int64_t>(arena_live_bytes_);
+      s.active_bytes[i].current += static_cast<std::int64_t>(arena_live_bytes_);
+      s.requested_bytes[i].current += static_cast<std::int64_t>(arena_live_requested_);
+    }
+  }
+  if (live_mode_) {
+    s.num_device_alloc += arena_reservations_;
+    s.reserved_bytes[0].peak = std::max(s.reserved_bytes[0].peak, peak_reserved_);
+    s.allocated_bytes[0].peak = std::max(s.allocated_bytes[0].peak, peak_allocated_);
+    s.active_bytes[0].peak = std::max(s.active_bytes[0].peak, peak_allocated_);
+    s.requested_bytes[0].peak = std::max(s.requested_bytes[0].peak, peak_requested_);
+    for (int i : {0, 2}) {
+      for (stat* st : {&s.segment[i], &s.reserved_bytes[i], &s.allocation[i], &s.active[i],
+                       &s.allocated_bytes[i], &s.active_bytes[i], &s.requested_bytes[i]}) {
+        st->peak = std::max(st->peak, st->current);
+      }
+    }
+    const auto& rb = s.reserved_bytes[0];
+    const auto& ab = s.active_bytes[0];
+    s.cached_free_bytes = rb.current - ab.current;
+    s.fragmentation = rb.current > 0 ? 1.0 - static_cast<double>(ab.current) /
+                                                 static_cast<double>(rb.current)
+                                     : 0.0;
+    s.peak_fragmentation =
+        rb.peak > 0 ? 1.0 - static_cast<double>(ab.peak) / static_cast<double>(rb.peak) : 0.0;
+  }
+}
+
+void plan_front::add_to_snapshot(memory_snapshot& snap) const {
+  if (!live_mode_ || arena_ == nullptr) return;
+  snapshot_segment seg;
+  seg.addr = reinterpret_cast<std::uintptr_t>(arena_);
+  seg.total_size = arena_bytes_;
+  std::vector<std::pair<std::uintptr_t, const live_entry*>> blocks;
+  for (const auto& [addr, e] : live_) {
+    if (e.in_arena) blocks.emplace_back(addr, &e);
+  }
+  std::sort(blocks.begin(), blocks.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::uintptr_t cursor = seg.addr;
+  for (const auto& [addr, e] : blocks) {
+    if (addr > cursor) seg.blocks.push_back({cursor, addr - cursor, 0, "inactive", {}});
+    seg.blocks.push_back({addr, e->size, e->requested, "active_allocated", "planned"});
+    seg.allocated_size += e->size;
+    seg.active_size += e->size;
+    seg.requested_size += e->requested;
+    cursor = addr + e->size;
+  }
+  const std::uintptr_t end = seg.addr + arena_bytes_;
+  if (cursor < end) seg.blocks.push_back({cursor, end - cursor, 0, "inactive", {}});
+  snap.segments.push_back(std::move(seg));
+}
+
+void plan_front::check_invariants() const {
+  if (!plan_items_.empty()) check_placement(plan_items_, plan_, kRound);
+  std::vector<std::pair<std::uintptr_t, std::size_t>> arena;
+  std::size_t bytes = 0, slot_holders = 0;
+  for (const auto& [addr, e] : live_) {
+    if (e.slot >= 0) ++slot_holders;
+    if (!e.in_arena) continue;
+    arena.emplace_back(addr, e.size);
+    bytes += e.size;
+  }
+  auto fail = [](const std::string& what) {
+    throw logic_error("terrace: planned policy invariant: " + what);
+  };
+  if (slot_holders != slot_live_) fail("slot-holding block count drifted");
+  if (arena.size() != arena_live_count_ || bytes != arena_live_bytes_) fail("arena counts drifted");
+  std::sort(arena.begin(), arena.end());
+  const auto lo = reinterpret_cast<std::uintptr_t>(arena_);
+  for (std::size_t i = 0; i < arena.size(); ++i) {
+    if (arena[i].first < lo || arena[i].first + arena[i].second > lo + arena_bytes_) {
+      fail("a live block lies outside the arena");
+    }
+    if (i > 0 && arena[i - 1].first + arena[i - 1].second > arena[i].first) {
+      fail("two live arena blocks overlap");
+    }
+  }
+}
+
+planner_stats plan_front::stats() const {
+  planner_stats s = stats_;
+  s.deviations = s.allocs_under_plan - s.planned_hits - s.unplanned_allocs;
+  return s;
+}
+
+}  // namespace terrace::detail

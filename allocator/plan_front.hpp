@@ -1,0 +1,162 @@
+// SPDX-License-Identifier: Apache-2.0
+// The planned policy's front: detects the steady-state iteration, plans it (planner.hpp), and serves
+// matching allocations from one arena in O(1); everything else falls back to the caching allocator,
+// which the owner (caching_allocator) calls. Internal to allocator/.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "terrace/config.hpp"
+#include "terrace/device.hpp"
+#include "terrace/planner.hpp"
+#include "terrace/stats.hpp"
+#include "terrace/trace.hpp"
+
+namespace terrace::detail {
+
+/// The fallback allocator's current totals, read after each call to keep combined peaks exact.
+struct fallback_totals {
+  std::int64_t reserved = 0;
+  std::int64_t allocated = 0;
+  std::int64_t requested = 0;
+};
+
+class plan_front {
+ public:
+  /// `live` = policy planned (arena blocks are handed out); otherwise counterfactual.
+  plan_front(device_backend& device, const allocator_config& config, bool live);
+  ~plan_front();
+  plan_front(const plan_front&) = delete;
+  plan_front& operator=(const plan_front&) = delete;
+
+  /// Every call below requires mutex() held by the caller, which also serialises the fallback.
+  std::mutex& mutex() noexcept { return mutex_; }
+
+  /// An arena address for this request, or nullptr: then the caller allocates from the fallback
+  /// and reports it with on_fallback_alloc (or, if that throws, with nothing).
+  void* try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag);
+  void on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream);
+  /// Records the free. True when `p` was an arena block (now free); false when the caller must
+  /// free it in the fallback (also for pointers this front never saw).
+  bool on_free(void* p);
+  /// True when `p` is an arena block (its free will then synchronise `stream`).
+  bool record_stream(void* p, stream_ref stream);
+
+  void begin_iteration();
+  void end_iteration();
+  /// Called (under mutex()) just before the arena is reserved: the owner empties the fallback's
+  /// cache there, so that the arena replaces the learning iterations' cached segments.
+  /// `fn` returns the fallback's totals afterwards.
+  void set_release_fallback_cache(std::function<fallback_totals()> fn) {
+    release_fallback_cache_ = std::move(fn);
+  }
+
+  void note_totals(const fallback_totals& t) noexcept;
+  void reset_peaks(const fallback_totals& t) noexcept;
+  /// Adds the arena (a segment) and its live blocks to the fallback's stats; combined peaks.
+  void merge_into(allocator_stats& s) const;
+  void add_to_snapshot(memory_snapshot& snap) const;
+  /// @throws terrace::logic_error: live arena blocks overlap or leave the arena, or counts drift.
+  void check_invariants() const;
+  planner_stats stats() const;
+
+ private:
+  struct slot {
+    std::uint64_t key = 0;
+    std::size_t size = 0;       // rounded
+    std::uintptr_t stream = 0;
+    bool planned = false;       // freed inside the iteration: placed in the arena
+    std::size_t offset = 0;
+    std::uint32_t due_at = 0;   // the alloc index before which its planned free happens
+  };
+  struct live_entry {
+    std::uint64_t key = 0;
+    std::size_t size = 0;
+    std::size_t requested = 0;
+    std::uintptr_t stream = 0;
+    std::int64_t rec_id = -1;   // alloc index in the current recording, -1 if none
+    std::int32_t slot = -1;     // plan slot (arena or counterfactual), -1 if none
+    std::uint32_t gen = 0;      // the planned iteration it belongs to
+    bool in_arena = false;
+    bool synced_streams = false;  // record_stream named other streams
+  };
+  enum class mode { learning, in_sync, seeking };
+
+  std::uint64_t key_of(std::size_t rounded, std::uintptr_t stream, std::string_view tag) const;
+  void push_token(std::uint64_t token, std::int64_t delta);
+  std::uint64_t range_hash(std::size_t lo, std::size_t hi) const noexcept;
+  void reset_recording();
+  void detect_steady_state();
+  void make_plan(std::size_t lo, std::size_t hi);
+  void deviate();
+  void start_iteration();
+  bool ensure_arena();
+  bool boundary_anchor_matches(std::uint64_t key) const noexcept;
+  void track_unplanned(std::int64_t delta) noexcept;
+
+  device_backend& device_;
+  allocator_config config_;
+  const bool live_mode_;
+  std::mutex mutex_;
+  mode mode_ = mode::learning;
+  bool explicit_ = false;  // begin_iteration() was called: boundaries come from the caller
+
+  // --- recording: tokens (allocs and frees), prefix hashes and prefix live bytes
+  std::vector<std::uint64_t> prefix_hash_{0};
+  std::vector<std::uint64_t> pow_{1};
+  std::vector<std::int64_t> prefix_bytes_{0};
+  std::vector<std::uint64_t> tokens_;
+  std::vector<std::uint32_t> rec_alloc_pos_;   // token position of recorded alloc i
+  std::vector<std::uint32_t> rec_free_pos_;    // token position of its free, or UINT32_MAX
+  std::vector<std::size_t> rec_size_;
+  std::vector<std::uintptr_t> rec_stream_;
+  std::vector<std::uint64_t> rec_key_;
+  std::unordered_map<std::uint64_t, std::uint32_t> window_seen_;
+  std::size_t explicit_begin_ = 0;             // token position of begin_iteration()
+  std::uint64_t last_explicit_hash_ = 0;
+  std::size_t last_explicit_len_ = 0;
+
+  // --- the plan
+  std::vector<slot> slots_;
+  std::vector<plan_interval> plan_items_;  // the planned slots' intervals, for check_invariants
+  placement_plan plan_;
+  std::vector<std::uint32_t> plan_item_slot_;  // plan_items_[i] is slots_[plan_item_slot_[i]]
+  std::unordered_map<std::uintptr_t, std::vector<std::uintptr_t>> arena_streams_;  // record_stream
+  std::vector<std::vector<std::uint32_t>> due_before_;  // per alloc index (+1 for the end)
+  std::uint64_t plan_hash_ = 0;          // hash of the planned iteration's tokens
+  std::uint64_t anchor_hash_ = 0;        // hash of the tokens just before its boundary
+  std::size_t plan_period_ = 0;          // tokens per iteration
+  void* arena_ = nullptr;
+  std::size_t arena_bytes_ = 0;
+  std::int64_t arena_reservations_ = 0;
+  std::function<fallback_totals()> release_fallback_cache_;
+  bool replan_pending_ = false;
+  std::size_t replan_lo_ = 0, replan_hi_ = 0;
+
+  // --- replay of the plan
+  std::uint32_t cursor_ = 0;
+  std::uint32_t gen_ = 0;
+  bool iteration_deviated_ = false;
+  std::vector<std::uint32_t> freed_gen_;  // per slot: the generation in which it was freed
+  std::size_t slot_live_ = 0;             // live blocks holding a plan slot (arena or virtual)
+  std::size_t arena_live_bytes_ = 0;
+  std::size_t arena_live_requested_ = 0;
+  std::size_t arena_live_count_ = 0;
+  std::int64_t pending_slot_ = -1;        // the slot try_allocate chose for the fallback call
+
+  std::unordered_map<std::uintptr_t, live_entry> live_;
+
+  // --- accounting
+  planner_stats stats_;
+  std::int64_t unplanned_live_ = 0;
+  fallback_totals last_totals_{};
+  std::int64_t peak_reserved_ = 0, peak_allocated_ = 0, peak_requested_ = 0;
+};
+
+}  // namespace terrace::detail

@@ -1,0 +1,220 @@
+// SPDX-License-Identifier: Apache-2.0
+// Offline placement of a recorded iteration (dynamic storage allocation): two greedy heuristics with
+// best-fit gap search, the max-live lower bound, and an overlap checker that does not trust either.
+#include "terrace/planner.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <utility>
+
+#include "terrace/error.hpp"
+
+namespace terrace {
+
+namespace {
+
+std::size_t align_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) & ~(a - 1); }
+
+void check_inputs(const std::vector<plan_interval>& items, std::size_t alignment) {
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
+    throw logic_error("terrace: plan alignment " + std::to_string(alignment) +
+                      " is not a power of two");
+  }
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (items[i].end <= items[i].begin) {
+      throw logic_error("terrace: plan interval " + std::to_string(i) + " ends (" +
+                        std::to_string(items[i].end) + ") before it begins (" +
+                        std::to_string(items[i].begin) + ")");
+    }
+  }
+}
+
+// The placed blocks as parallel arrays: the overlap scan is the hot loop, and contiguous arrays of
+// plain integers let the compiler vectorise it.
+struct placed_set {
+  std::vector<std::uint64_t> begin, end;
+  std::vector<std::size_t> lo, hi;
+  void add(std::uint64_t b, std::uint64_t e, std::size_t l, std::size_t h) {
+    begin.push_back(b);
+    end.push_back(e);
+    lo.push_back(l);
+    hi.push_back(h);
+  }
+  void remove_at(std::size_t k) {  // order does not matter: swap with the last
+    begin[k] = begin.back(), end[k] = end.back(), lo[k] = lo.back(), hi[k] = hi.back();
+    begin.pop_back(), end.pop_back(), lo.pop_back(), hi.pop_back();
+  }
+};
+
+// Places the items in `order`, each at the best-fitting gap among placed blocks live at the same
+// time (smallest gap that holds it; lowest offset on ties), or above all of them. With
+// `prune_ended`, the order must be by begin time: a placed block that ended before the current
+// item began can never overlap a later one and is dropped from the scan.
+placement_plan place(const std::vector<plan_interval>& items, const std::vector<std::size_t>& order,
+                     std::size_t alignment, bool prune_ended) {
+  placement_plan plan;
+  plan.offsets.assign(items.size(), 0);
+  placed_set placed;
+  std::vector<std::pair<std::size_t, std::size_t>> busy;  // [lo, hi) of overlapping blocks
+  for (std::size_t idx : order) {
+    const plan_interval& it = items[idx];
+    const std::size_t size = align_up(it.size, alignment);
+    busy.clear();
+    for (std::size_t k = 0; k < placed.begin.size();) {
+      if (prune_ended && placed.end[k] <= it.begin) {
+        placed.remove_at(k);
+        continue;
+      }
+      if (placed.begin[k] < it.end && it.begin < placed.end[k]) {
+        busy.emplace_back(placed.lo[k], placed.hi[k]);
+      }
+      ++k;
+    }
+    std::sort(busy.begin(), busy.end());
+    std::size_t cursor = 0;
+    std::size_t best = std::numeric_limits<std::size_t>::max();
+    std::size_t best_gap = std::numeric_limits<std::size_t>::max();
+    for (const auto& [lo, hi] : busy) {
+      if (lo > cursor) {
+        const std::size_t gap = lo - cursor;
+        if (gap >= size && gap < best_gap) {
+          best_gap = gap;
+          best = cursor;
+        }
+      }
+      cursor = std::max(cursor, hi);
+    }
+    const std::size_t offset = best != std::numeric_limits<std::size_t>::max() ? best : cursor;
+    plan.offsets[idx] = offset;
+    plan.arena_bytes = std::max(plan.arena_bytes, offset + size);
+    placed.add(it.begin, it.end, offset, offset + size);
+  }
+  return plan;
+}
+
+}  // namespace
+
+std::size_t max_live_bytes(const std::vector<plan_interval>& items, std::size_t alignment) {
+  check_inputs(items, alignment);
+  // Sweep: at equal times frees come first, since [begin, end) is half-open.
+  std::vector<std::pair<std::uint64_t, std::int64_t>> edges;
+  edges.reserve(items.size() * 2);
+  for (const auto& it : items) {
+    const auto size = static_cast<std::int64_t>(align_up(it.size, alignment));
+    edges.emplace_back(it.begin, size);
+    edges.emplace_back(it.end, -size);
+  }
+  std::sort(edges.begin(), edges.end());
+  std::int64_t live = 0, peak = 0;
+  for (const auto& [t, d] : edges) {
+    live += d;
+    peak = std::max(peak, live);
+  }
+  return static_cast<std::size_t>(peak);
+}
+
+placement_plan plan_placement(const std::vector<plan_interval>& items, std::size_t alignment) {
+  check_inputs(items, alignment);
+  std::vector<std::size_t> by_size(items.size());
+  std::iota(by_size.begin(), by_size.end(), std::size_t{0});
+  // Largest first; among equals the longest-lived, then the earliest, for a deterministic plan.
+  std::stable_sort(by_size.begin(), by_size.end(), [&](std::size_t a, std::size_t b) {
+    const auto& x = items[a];
+    const auto& y = items[b];
+    if (x.size != y.size) return x.size > y.size;
+    const auto lx = x.end - x.begin, ly = y.end - y.begin;
+    if (lx != ly) return lx > ly;
+    return x.begin < y.begin;
+  });
+  std::vector<std::size_t> by_start(items.size());
+  std::iota(by_start.begin(), by_start.end(), std::size_t{0});
+  std::stable_sort(by_start.begin(), by_start.end(),
+                   [&](std::size_t a, std::size_t b) { return items[a].begin < items[b].begin; });
+
+  placement_plan b = place(items, by_start, alignment, true);
+  b.heuristic = "greedy-by-start";
+  // Greedy by size scans every placed block per item (O(n^2)); above this size it costs more than
+  // a second, so only the pruned greedy-by-start runs.
+  constexpr std::size_t kMaxGreedyBySize = 4096;
+  placement_plan a;
+  if (items.size() <= kMaxGreedyBySize) {
+    a = place(items, by_size, alignment, false);
+    a.heuristic = "greedy-by-size";
+  }
+  placement_plan& best = a.heuristic.empty() || b.arena_bytes < a.arena_bytes ? b : a;
+  best.lower_bound = max_live_bytes(items, alignment);
+  return std::move(best);
+}
+
+void check_placement(const std::vector<plan_interval>& items, const placement_plan& plan,
+                     std::size_t alignment) {
+  check_inputs(items, alignment);
+  if (plan.offsets.size() != items.size()) {
+    throw logic_error("terrace: plan has " + std::to_string(plan.offsets.size()) +
+                      " offsets for " + std::to_string(items.size()) + " intervals");
+  }
+  // Sweep over time keeping the live set ordered by offset: a new block must not overlap its
+  // neighbours there. Frees before allocations at equal times (half-open intervals).
+  std::vector<std::size_t> order(items.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::vector<std::pair<std::uint64_t, std::size_t>> edges;  // (time*2 + is_alloc, index)
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::size_t size = align_up(items[i].size, alignment);
+    if (plan.offsets[i] % alignment != 0 || plan.offsets[i] + size > plan.arena_bytes) {
+      throw logic_error("terrace: plan places interval " + std::to_string(i) +
+                        " outside the arena or misaligned");
+    }
+    edges.emplace_back(items[i].begin * 2 + 1, i);
+    edges.emplace_back(items[i].end * 2, i);
+  }
+  std::sort(edges.begin(), edges.end());
+  std::vector<std::pair<std::size_t, std::size_t>> live;  // sorted (offset, index)
+  for (const auto& [key, i] : edges) {
+    const std::pair<std::size_t, std::size_t> entry{plan.offsets[i], i};
+    if ((key & 1) == 0) {
+      live.erase(std::lower_bound(live.begin(), live.end(), entry));
+      continue;
+    }
+    auto pos = std::lower_bound(live.begin(), live.end(), entry);
+    const std::size_t lo = plan.offsets[i];
+    const std::size_t hi = lo + align_up(items[i].size, alignment);
+    auto clash = [&](std::size_t j) {
+      throw logic_error("terrace: plan overlaps intervals " + std::to_string(j) + " and " +
+                        std::to_string(i) + " in time and space");
+    };
+    if (pos != live.end() && pos->first < hi) clash(pos->second);
+    if (pos != live.begin()) {
+      const auto& prev = *std::prev(pos);
+      if (prev.first + align_up(items[prev.second].size, alignment) > lo) clash(prev.second);
+    }
+    live.insert(pos, entry);
+  }
+}
+
+std::string to_json(const planner_stats& s) {
+  char buf[1536];
+  std::snprintf(
+      buf, sizeof buf,
+      "{\"plan.enabled\":%s,\"plan.counterfactual\":%s,\"plan.active\":%s,\"plan.plans\":%lld,"
+      "\"plan.replans\":%lld,\"plan.iterations\":%lld,\"plan.deviating_iterations\":%lld,"
+      "\"plan.allocs_under_plan\":%lld,\"plan.hits\":%lld,\"plan.unplanned_allocs\":%lld,"
+      "\"plan.deviations\":%lld,\"plan.period_allocs\":%lld,\"plan.planned_slots\":%lld,"
+      "\"plan.arena_bytes\":%lld,\"plan.lower_bound_bytes\":%lld,"
+      "\"plan.unplanned_live_peak\":%lld,\"plan.hit_rate\":%.6f,\"plan.plan_seconds\":%.6f,"
+      "\"plan.heuristic\":\"%s\"}",
+      s.enabled ? "true" : "false", s.counterfactual ? "true" : "false",
+      s.active ? "true" : "false", static_cast<long long>(s.plans),
+      static_cast<long long>(s.replans), static_cast<long long>(s.iterations),
+      static_cast<long long>(s.deviating_iterations), static_cast<long long>(s.allocs_under_plan),
+      static_cast<long long>(s.planned_hits), static_cast<long long>(s.unplanned_allocs),
+      static_cast<long long>(s.deviations), static_cast<long long>(s.period_allocs),
+      static_cast<long long>(s.planned_slots), static_cast<long long>(s.arena_bytes),
+      static_cast<long long>(s.lower_bound_bytes), static_cast<long long>(s.unplanned_live_peak),
+      s.hit_rate(), s.plan_seconds, s.heuristic.c_str());
+  return buf;
+}
+
+}  // namespace terrace

@@ -1,0 +1,84 @@
+// SPDX-License-Identifier: Apache-2.0
+/// @file planner.hpp
+/// @brief Lifetime-aware placement: offsets for a recorded iteration's allocations in one arena.
+///
+/// Placing blocks whose lifetimes (intervals of logical time) and sizes are known in advance so that
+/// the arena is as small as possible is the dynamic storage allocation problem (NP-hard). The lower
+/// bound is the largest sum of sizes live at one instant; plan_placement() runs two greedy
+/// heuristics and keeps the better:
+///   - greedy by size: largest block first, each into the best-fitting gap among the already placed
+///     blocks whose lifetimes overlap its own (else on top of them);
+///   - greedy by start: blocks in allocation order, same best-fit rule (what an ideal online
+///     best-fit allocator with perfect merging would do).
+/// Greedy by start is O(n * k) for n blocks of which at most k overlap in time; greedy by size is
+/// O(n^2) and runs only up to 4096 blocks.
+///
+/// planner_stats is what the planned policy (and its counterfactual mode) reports.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace terrace {
+
+/// @brief One block to place: `size` bytes live during the logical times [begin, end).
+struct plan_interval {
+  std::size_t size = 0;
+  std::uint64_t begin = 0;
+  std::uint64_t end = 0;  ///< > begin
+};
+
+struct placement_plan {
+  std::vector<std::size_t> offsets;  ///< offsets[i] for interval i, multiples of the alignment
+  std::size_t arena_bytes = 0;       ///< max(offset + aligned size)
+  std::size_t lower_bound = 0;       ///< max live aligned bytes at any instant
+  std::string heuristic;             ///< "greedy-by-size" or "greedy-by-start"
+};
+
+/// @brief Plans offsets for `items` in one arena. Sizes round up to `alignment` (a power of two).
+/// @throws terrace::logic_error for an interval with end <= begin or a bad alignment.
+placement_plan plan_placement(const std::vector<plan_interval>& items, std::size_t alignment = 512);
+
+/// @brief The lower bound: the largest sum of (aligned) sizes live at one logical time.
+std::size_t max_live_bytes(const std::vector<plan_interval>& items, std::size_t alignment = 512);
+
+/// @brief Checks that no two intervals overlapping in time overlap in the arena and that every block
+/// lies inside arena_bytes. @throws terrace::logic_error naming the first offending pair.
+void check_placement(const std::vector<plan_interval>& items, const placement_plan& plan,
+                     std::size_t alignment = 512);
+
+/// @brief What the planned policy (or its counterfactual mode) did. Counters only grow.
+struct planner_stats {
+  bool enabled = false;          ///< policy `planned` or plan_counterfactual
+  bool counterfactual = false;   ///< plans are made and matched but never handed out
+  bool active = false;           ///< a plan exists now
+  std::int64_t plans = 0;        ///< plans made (the first + re-plans)
+  std::int64_t replans = 0;      ///< plans made because the old one kept deviating
+  std::int64_t iterations = 0;   ///< iterations run under a plan
+  std::int64_t deviating_iterations = 0;  ///< of those, iterations with at least one deviation
+  std::int64_t allocs_under_plan = 0;     ///< allocations while a plan was active
+  std::int64_t planned_hits = 0;          ///< of those, served (or, counterfactually, servable) by the plan
+  std::int64_t unplanned_allocs = 0;      ///< outside the plan by design: cross-iteration / long-lived
+  std::int64_t deviations = 0;            ///< allocations that left the plan (size, order, late free)
+  std::int64_t period_allocs = 0;         ///< allocations per planned iteration
+  std::int64_t planned_slots = 0;         ///< of those, placed in the arena
+  std::int64_t arena_bytes = 0;           ///< the plan's arena
+  std::int64_t lower_bound_bytes = 0;     ///< max live bytes of the planned slots
+  std::int64_t unplanned_live_peak = 0;   ///< peak live bytes outside the arena since the plan
+  double plan_seconds = 0.0;              ///< time spent planning, all plans
+  std::string heuristic;                  ///< the last plan's winning heuristic
+
+  /// planned_hits / allocs_under_plan (0 when no plan ran).
+  double hit_rate() const noexcept {
+    return allocs_under_plan > 0 ? static_cast<double>(planned_hits) /
+                                       static_cast<double>(allocs_under_plan)
+                                 : 0.0;
+  }
+};
+
+/// @brief The planner stats as one flat JSON object ("plan.hits", ...).
+std::string to_json(const planner_stats& s);
+
+}  // namespace terrace
