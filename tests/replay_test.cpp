@@ -351,6 +351,7 @@ TEST(Replay, FreesOfBlocksAllocatedBeforeTheWindowAreCountedAndSkipped) {
   ASSERT_GT(c.preexisting_frees, 10u);
   tr::replay_options opts;
   opts.check_invariants_every = 211;
+  opts.account_preexisting = false;
   const auto r = tr::replay(window, opts);
   EXPECT_EQ(r.preexisting_frees, c.preexisting_frees);
   EXPECT_EQ(r.frees, c.frees);
@@ -376,6 +377,7 @@ TEST(Replay, OutOfMemoryIsCountedAndTheReplayGoesOn) {
     tr::replay_options opts;
     opts.device = device;
     opts.config.device_capacity = 64 * MiB;
+    opts.account_preexisting = false;
     const auto r = tr::replay(events, opts);
     EXPECT_EQ(r.ooms, 1u) << device;
     EXPECT_EQ(r.stats.num_ooms, 1) << device;

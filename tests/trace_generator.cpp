@@ -5,6 +5,7 @@
 #include "trace_generator.hpp"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -184,10 +185,14 @@ class training_job {
   void free(const block& b) { rec_.free(b); }
 
   // Kernels' small workspaces: reductions, index buffers, cuBLAS scratch.
+  // With shape_determined_scratch, the workspace depends only on the call site and the shapes,
+  // as a real kernel's does: every iteration of the same shape then repeats it exactly.
   void small_scratch(const std::string& where) {
-    const auto n = rng_.between(1, 3);
+    rng site(o_.seed ^ std::hash<std::string>{}(where) ^ (seq_ * 0x9e3779b97f4a7c15ull));
+    rng& r = o_.shape_determined_scratch ? site : rng_;
+    const auto n = r.between(1, 3);
     for (std::uint64_t i = 0; i < n; ++i) {
-      rec_.scratch(rng_.between(64, 64 << 10), o_.compute_stream, where + ".scratch");
+      rec_.scratch(r.between(64, 64 << 10), o_.compute_stream, where + ".scratch");
     }
   }
 

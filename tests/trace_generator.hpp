@@ -42,6 +42,9 @@ struct training_trace_options {
   std::size_t element_size = 2;    ///< bytes per activation / parameter element (bf16)
   std::size_t bucket_bytes = 25u << 20;  ///< gradient bucket capacity (DDP's default 25 MiB)
   bool emit_free_completed = true; ///< follow each free_requested with a free_completed
+  /// Kernel scratch sizes and counts depend only on the call site and shapes (as in a real job),
+  /// so that iterations of the same shape repeat exactly; false draws them afresh on every call.
+  bool shape_determined_scratch = false;
   std::uintptr_t compute_stream = 0;
   std::uintptr_t comm_stream = 0x5c0;  ///< all-reduce scratch lives here
 };

@@ -30,6 +30,9 @@ int main(int argc, char** argv) {
   app.add_option("--heads", o.heads, "attention heads (0 = hidden / 64)")->capture_default_str();
   app.add_option("--vocab", o.vocab, "vocabulary size")->capture_default_str();
   app.add_option("--iterations", o.iterations, "training iterations")->capture_default_str();
+  app.add_flag("--steady", o.shape_determined_scratch,
+               "kernel scratch depends only on call site and shape, so equal iterations repeat "
+               "exactly (as in a real job); the default draws it afresh on every call");
   app.add_option("--dynamic", o.dynamic_iterations,
                  "iterations after the first that use another sequence length")
       ->capture_default_str();

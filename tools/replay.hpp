@@ -12,7 +12,10 @@
 ///     event's address. Every other action (free_completed, segment_*, oom, snapshot) describes what
 ///     the recording allocator did, not what the program asked for, and is skipped.
 ///   - A trace is a window into a running job: a free of an address that was not allocated inside
-///     the window is counted in `preexisting_frees` and skipped.
+///     the window is counted in `preexisting_frees`. With `account_preexisting` (the default) such
+///     a block is allocated, with the size the free gives, before the first event and freed at its
+///     free, so that the memory it held counts; otherwise the free is skipped.
+///   - The policy is `config.policy`; event tags are passed to the allocator (the planner uses them).
 ///   - Trace streams map to backend streams created on first use; stream 0 is the default stream.
 ///   - An allocation that fails with out_of_memory is counted in `ooms`; the replay goes on and the
 ///     matching free is skipped (counted in `failed_alloc_frees`).
@@ -20,10 +23,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "terrace/config.hpp"
+#include "terrace/planner.hpp"
 #include "terrace/stats.hpp"
 #include "terrace/trace.hpp"
 
@@ -38,6 +43,24 @@ struct replay_options {
   /// Calls caching_allocator::check_invariants() after every this many replayed events and at the
   /// end; 0 = never. Slow: for tests and for debugging a policy.
   std::size_t check_invariants_every = 0;
+  /// Allocate blocks freed but never allocated inside the window before the first event.
+  bool account_preexisting = true;
+  /// About this many (event, live, reserved) samples in replay_result::timeline; 0 = none.
+  std::size_t timeline_points = 0;
+  /// Stop after this many events (a snapshot of that moment is then in `snapshot_at_stop`);
+  /// SIZE_MAX = replay everything.
+  std::size_t stop_after_event = SIZE_MAX;
+  /// Where the steady state starts, for the steady_* figures. SIZE_MAX = for the planned policy,
+  /// the first planned iteration's first event; for the others, the whole trace. Pass the planned
+  /// run's steady_from_event to the others to compare the same window.
+  std::size_t steady_from_event = SIZE_MAX;
+};
+
+/// @brief One sample of the replay's memory over time.
+struct timeline_point {
+  std::size_t event = 0;          ///< index of the trace event just replayed
+  std::int64_t live_bytes = 0;    ///< live blocks, rounded to 512 B (the allocator's view)
+  std::int64_t reserved_bytes = 0;///< what the backend holds for the allocator
 };
 
 struct replay_result {
@@ -61,6 +84,18 @@ struct replay_result {
   double seconds = 0.0;                  ///< wall time of the replay loop alone
   double events_per_second = 0.0;        ///< events_replayed / seconds
   allocator_stats stats{};               ///< the allocator's stats after the last event
+  std::size_t preexisting_allocs = 0;    ///< blocks allocated up front for pre-existing frees
+  std::string policy;                    ///< "caching", "expandable" or "planned"
+  planner_stats plan{};                  ///< the planner's stats (enabled = false when off)
+  std::vector<timeline_point> timeline;  ///< when options.timeline_points > 0
+  std::size_t peak_live_event = 0;       ///< event index where live bytes peaked
+  /// From steady_from_event on (the whole trace when there is none): peak live bytes (rounded to
+  /// 512 B), peak bytes held from the backend, and 1 - the first / the second.
+  std::size_t steady_from_event = 0;
+  std::int64_t steady_peak_live_bytes = 0;
+  std::int64_t steady_peak_reserved_bytes = 0;
+  double steady_fragmentation = 0.0;
+  std::optional<memory_snapshot> snapshot_at_stop;  ///< when options.stop_after_event was reached
 };
 
 /// @brief Replays `events` (oldest first) through a fresh caching_allocator over a fresh backend.

@@ -45,6 +45,19 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
   line("device allocations", fmt::format("{}", r.device_allocs));
   line("OOMs", fmt::format("{}", r.ooms));
   line("live at end", fmt::format("{} blocks", r.live_at_end));
+  line("policy", r.policy);
+  if (r.plan.enabled) {
+    line("planned hit rate",
+         fmt::format("{:.2f} % ({} of {} allocations under a plan; {} plans, arena {} for a lower "
+                     "bound of {})",
+                     100.0 * r.plan.hit_rate(), r.plan.planned_hits, r.plan.allocs_under_plan,
+                     r.plan.plans, format_bytes(r.plan.arena_bytes),
+                     format_bytes(r.plan.lower_bound_bytes)));
+  }
+  line("steady state", fmt::format("from event {}: peak live {}, peak reserved {}, {:.2f} % unused",
+                                   r.steady_from_event, format_bytes(r.steady_peak_live_bytes),
+                                   format_bytes(r.steady_peak_reserved_bytes),
+                                   100.0 * r.steady_fragmentation));
   line("replay time", fmt::format("{:.4f} s, {:.0f} events/s", r.seconds, r.events_per_second));
   out += '\n';
   out += to_text(r.stats);
@@ -74,7 +87,15 @@ std::string format_replay_json(const replay_result& r, const replay_context& c) 
   j["ooms"] = r.ooms;
   j["seconds"] = r.seconds;
   j["events_per_second"] = r.events_per_second;
+  j["policy"] = r.policy;
+  j["preexisting_allocs"] = r.preexisting_allocs;
+  j["planned_hit_rate"] = r.plan.hit_rate();
+  j["steady_from_event"] = r.steady_from_event;
+  j["steady_peak_live_bytes"] = r.steady_peak_live_bytes;
+  j["steady_peak_reserved_bytes"] = r.steady_peak_reserved_bytes;
+  j["steady_fragmentation"] = r.steady_fragmentation;
   j["stats"] = nlohmann::ordered_json::parse(to_json(r.stats));
+  j["plan"] = nlohmann::ordered_json::parse(to_json(r.plan));
   return j.dump();
 }
 

@@ -13,8 +13,13 @@
 
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
+#include <fstream>
+#include <vector>
+
+#include "tools/html_report.hpp"
 #include "tools/replay.hpp"
 #include "tools/replay_format.hpp"
+#include "tools/trace_import.hpp"
 
 namespace {
 
@@ -29,8 +34,15 @@ struct replay_args {
   bool expandable = false;
   std::string conf;
   bool json = false;
+  std::string policy;
+  std::string format = "auto";
   CLI::Option* device_option = nullptr;
 };
+
+constexpr const char* kFormatHelp =
+    "input format: auto (by extension, then content), jsonl (terrace), pickle (PyTorch "
+    "_dump_snapshot, read without running code), snapshot-json, kineto (profiler JSON with "
+    "[memory] events), rmm (RMM logging CSV)";
 
 CLI::App* setup_replay(CLI::App& app, replay_args& args) {
   CLI::App* cmd = app.add_subcommand(
@@ -50,7 +62,22 @@ CLI::App* setup_replay(CLI::App& app, replay_args& args) {
                   "allocator options as in TERRACE_ALLOC_CONF, e.g. "
                   "max_split_size_mb:64,roundup_power2_divisions:4,device_capacity:80GiB");
   cmd->add_flag("--json", args.json, "print one JSON object instead of the text report");
+  cmd->add_option("--policy", args.policy,
+                  "caching, expandable or planned (overrides `policy` in --conf); all = each in "
+                  "turn (a JSON array with --json)")
+      ->check(CLI::IsMember({"caching", "expandable", "planned", "all"}));
+  cmd->add_option("--format", args.format, kFormatHelp)
+      ->check(CLI::IsMember({"auto", "jsonl", "pickle", "snapshot-json", "kineto", "rmm"}))
+      ->capture_default_str();
   return cmd;
+}
+
+terrace::tools::replay_options options_for(const std::string& conf, const std::string& policy) {
+  terrace::tools::replay_options o;
+  o.config = terrace::parse_alloc_conf(conf.empty() ? "" : conf);
+  if (!policy.empty()) o.config = terrace::parse_alloc_conf("policy:" + policy, o.config);
+  o.device = o.config.device == "auto" ? "null" : o.config.device;
+  return o;
 }
 
 int run_replay(replay_args& args) {
@@ -63,8 +90,29 @@ int run_replay(replay_args& args) {
     options.device = options.config.device;
   }
   if (args.expandable) options.config.expandable_segments = true;
-
-  const auto events = terrace::tools::load_trace(args.trace);
+  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto& events = imported.events;
+  if (args.policy == "all") {
+    std::vector<std::string> outputs;
+    for (const char* p : {"caching", "expandable", "planned"}) {
+      auto o = options;
+      o.config = terrace::parse_alloc_conf(std::string("policy:") + p, options.config);
+      const auto r = terrace::tools::replay(events, o);
+      const terrace::tools::replay_context ctx{args.trace, o.config.expandable_segments, args.conf};
+      outputs.push_back(args.json ? terrace::tools::format_replay_json(r, ctx)
+                                  : fmt::format("== policy {}\n{}", p,
+                                                terrace::tools::format_replay_text(r, ctx)));
+    }
+    if (args.json) {
+      fmt::print("[{}]\n", fmt::join(outputs, ","));
+    } else {
+      fmt::print("{}", fmt::join(outputs, "\n"));
+    }
+    return 0;
+  }
+  if (!args.policy.empty()) {
+    options.config = terrace::parse_alloc_conf("policy:" + args.policy, options.config);
+  }
   const auto result = terrace::tools::replay(events, options);
 
   const terrace::tools::replay_context context{args.trace, options.config.expandable_segments,
@@ -77,6 +125,150 @@ int run_replay(replay_args& args) {
   return 0;
 }
 
+// ------------------------------------------------------------------- compare and report
+
+struct compare_args {
+  std::string trace;
+  std::string conf;
+  std::string format = "auto";
+  bool json = false;
+  std::string output;  // report only
+};
+
+void add_common(CLI::App* cmd, compare_args& args) {
+  cmd->add_option("TRACE", args.trace, "the trace (see --format)")->required();
+  cmd->add_option("--conf", args.conf,
+                  "allocator options as in TERRACE_ALLOC_CONF, applied to every policy");
+  cmd->add_option("--format", args.format, kFormatHelp)
+      ->check(CLI::IsMember({"auto", "jsonl", "pickle", "snapshot-json", "kineto", "rmm"}))
+      ->capture_default_str();
+}
+
+// Planned first: its first planned iteration marks the steady state, which the other policies
+// are then measured over too, so the steady-state columns compare the same window.
+std::vector<std::pair<std::string, terrace::tools::replay_result>> run_policies(
+    const std::vector<terrace::trace_event>& events, const std::string& conf,
+    std::size_t timeline_points) {
+  std::vector<std::pair<std::string, terrace::tools::replay_result>> runs;
+  auto planned = options_for(conf, "planned");
+  planned.timeline_points = timeline_points;
+  auto rp = terrace::tools::replay(events, planned);
+  const std::size_t steady = rp.steady_from_event < events.size() ? rp.steady_from_event : 0;
+  for (const char* p : {"caching", "expandable"}) {
+    auto o = options_for(conf, p);
+    o.timeline_points = timeline_points;
+    o.steady_from_event = steady;
+    runs.emplace_back(p, terrace::tools::replay(events, o));
+  }
+  runs.emplace_back("planned", std::move(rp));
+  return runs;
+}
+
+CLI::App* setup_compare(CLI::App& app, compare_args& args) {
+  CLI::App* cmd = app.add_subcommand(
+      "compare",
+      "Replay a trace over the null backend under each policy (caching, expandable, planned) and "
+      "put peak live, peak reserved, fragmentation, device allocations, the planned hit rate and "
+      "events/s side by side, with what PyTorch itself reserved when the trace is a snapshot.");
+  add_common(cmd, args);
+  cmd->add_flag("--json", args.json, "print one JSON object");
+  return cmd;
+}
+
+int run_compare(const compare_args& args) {
+  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto runs = run_policies(imported.events, args.conf, 0);
+  using terrace::tools::format_bytes;
+  if (args.json) {
+    std::string body;
+    for (const auto& [name, r] : runs) {
+      if (!body.empty()) body += ",";
+      body += fmt::format("\"{}\":{}", name,
+                          terrace::tools::format_replay_json(r, {args.trace, name == "expandable", args.conf}));
+    }
+    fmt::print("{{\"trace\":\"{}\",\"format\":\"{}\",\"torch_reserved_peak\":{},\"policies\":{{{}}}}}\n",
+               args.trace, imported.format,
+               imported.torch_reserved_peak ? std::to_string(*imported.torch_reserved_peak) : "null",
+               body);
+    return 0;
+  }
+  fmt::print("trace {} ({}, {} events)\n\n", args.trace, imported.format, imported.events.size());
+  fmt::print("{:<28}", "");
+  for (const auto& [name, r] : runs) fmt::print("{:>16}", name);
+  if (imported.torch_reserved_peak) fmt::print("{:>16}", "pytorch");
+  fmt::print("\n");
+  auto row = [&](const char* label, auto cell, const std::string& torch = {}) {
+    fmt::print("{:<28}", label);
+    for (const auto& [name, r] : runs) fmt::print("{:>16}", cell(r));
+    if (imported.torch_reserved_peak) fmt::print("{:>16}", torch);
+    fmt::print("\n");
+  };
+  using R = terrace::tools::replay_result;
+  row("peak live", [](const R& r) { return format_bytes(r.peak_allocated_bytes); });
+  row("peak reserved", [](const R& r) { return format_bytes(r.peak_reserved_bytes); },
+      imported.torch_reserved_peak ? format_bytes(*imported.torch_reserved_peak) : "");
+  row("fragmentation", [](const R& r) { return fmt::format("{:.1f}%", 100 * r.fragmentation); },
+      imported.torch_reserved_peak && *imported.torch_reserved_peak > 0
+          ? fmt::format("{:.1f}%", 100 * (1.0 - static_cast<double>(runs[0].second.peak_allocated_bytes) /
+                                                    static_cast<double>(*imported.torch_reserved_peak)))
+          : "");
+  row("steady-state peak live", [](const R& r) { return format_bytes(r.steady_peak_live_bytes); });
+  row("steady-state peak reserved", [](const R& r) { return format_bytes(r.steady_peak_reserved_bytes); });
+  row("steady-state fragmentation",
+      [](const R& r) { return fmt::format("{:.1f}%", 100 * r.steady_fragmentation); });
+  row("device allocations", [](const R& r) { return std::to_string(r.device_allocs); });
+  row("planned hit rate", [](const R& r) {
+    return r.plan.enabled ? fmt::format("{:.1f}%", 100 * r.plan.hit_rate()) : std::string("-");
+  });
+  row("plan arena / lower bound", [](const R& r) {
+    return r.plan.enabled && r.plan.lower_bound_bytes > 0
+               ? fmt::format("{:.2f}x", static_cast<double>(r.plan.arena_bytes) /
+                                            static_cast<double>(r.plan.lower_bound_bytes))
+               : std::string("-");
+  });
+  row("pre-existing blocks", [](const R& r) { return std::to_string(r.preexisting_allocs); });
+  row("OOMs", [](const R& r) { return std::to_string(r.ooms); });
+  row("events/s", [](const R& r) { return fmt::format("{:.3g}", r.events_per_second); });
+  fmt::print("\nfragmentation = 1 - peak live / peak reserved (GMLake); steady state = from the "
+             "planned policy's first planned iteration (event {}).\n",
+             runs.back().second.steady_from_event);
+  return 0;
+}
+
+CLI::App* setup_report(CLI::App& app, compare_args& args) {
+  CLI::App* cmd = app.add_subcommand(
+      "report",
+      "Write one self-contained HTML page (no scripts, no external assets): live vs reserved per "
+      "policy over time, fragmentation over time, the segment map and the largest holders at the "
+      "peak, and a plain-text summary.");
+  add_common(cmd, args);
+  cmd->add_option("-o,--output", args.output, "the HTML file to write")->required();
+  return cmd;
+}
+
+int run_report(const compare_args& args) {
+  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  terrace::tools::report_input in;
+  in.trace_path = args.trace;
+  in.format = imported.format;
+  in.torch_reserved_peak = imported.torch_reserved_peak;
+  in.runs = run_policies(imported.events, args.conf, 400);
+  const auto& caching = in.runs.front().second;
+  // The segment map: the caching policy replayed up to just after its peak-live event.
+  auto o = options_for(args.conf, "caching");
+  o.stop_after_event = caching.peak_live_event + 1;
+  auto at_peak = terrace::tools::replay(imported.events, o);
+  if (at_peak.snapshot_at_stop) in.segments_at_peak = std::move(*at_peak.snapshot_at_stop);
+  in.holders = terrace::tools::largest_holders(imported.events, caching.peak_live_event, 20);
+  std::ofstream out(args.output, std::ios::binary);
+  if (!out) throw std::runtime_error("cannot write '" + args.output + "'");
+  out << terrace::tools::render_html_report(in);
+  out.close();
+  if (!out) throw std::runtime_error("cannot write '" + args.output + "'");
+  fmt::print("{}wrote {}\n", terrace::tools::report_summary(in), args.output);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,6 +277,9 @@ int main(int argc, char** argv) {
 
   replay_args replay;
   CLI::App* replay_cmd = setup_replay(app, replay);
+  compare_args compare, report;
+  CLI::App* compare_cmd = setup_compare(app, compare);
+  CLI::App* report_cmd = setup_report(app, report);
 
   try {
     app.parse(argc, argv);
@@ -98,6 +293,14 @@ int main(int argc, char** argv) {
     if (replay_cmd->parsed()) {
       command = "terrace replay";
       return run_replay(replay);
+    }
+    if (compare_cmd->parsed()) {
+      command = "terrace compare";
+      return run_compare(compare);
+    }
+    if (report_cmd->parsed()) {
+      command = "terrace report";
+      return run_report(report);
     }
   } catch (const terrace::logic_error& e) {
     fmt::print(stderr, "{}: error: {}\n", command, e.what());

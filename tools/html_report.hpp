@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+/// @file html_report.hpp
+/// @brief The fragmentation report: one self-contained HTML page (inline SVG and CSS, no scripts,
+/// no external assets) that opens offline.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "terrace/trace.hpp"
+#include "tools/replay.hpp"
+
+namespace terrace::tools {
+
+/// @brief A block live at the peak, for the "largest holders" table.
+struct holder {
+  std::uintptr_t addr = 0;
+  std::uint64_t bytes = 0;
+  std::string tag;  ///< the trace's tag or stack frames
+};
+
+struct report_input {
+  std::string trace_path;
+  std::string format;
+  std::vector<std::pair<std::string, replay_result>> runs;  ///< per policy, with timelines
+  std::optional<std::int64_t> torch_reserved_peak;          ///< PyTorch's own figure, if known
+  memory_snapshot segments_at_peak;                         ///< the caching policy at peak live
+  std::vector<holder> holders;                              ///< largest live blocks at the peak
+};
+
+/// @brief The blocks live just after event `event` (inclusive), largest first, at most `n`.
+std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t event,
+                                    std::size_t n);
+
+/// @brief The whole page.
+std::string render_html_report(const report_input& in);
+
+/// @brief The plain-text summary that heads the page (also printed by `terrace report`).
+std::string report_summary(const report_input& in);
+
+}  // namespace terrace::tools

@@ -1,0 +1,330 @@
+// SPDX-License-Identifier: Apache-2.0
+// Format readers. Each maps its input to trace_events and states where PyTorch's own reserved
+// figure comes from. Errors name the file and the line (text formats) or byte (pickle).
+#include "tools/trace_import.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "terrace/error.hpp"
+#include "tools/pickle_reader.hpp"
+#include "tools/replay.hpp"
+
+namespace terrace::tools {
+
+namespace {
+
+using json = nlohmann::json;
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw logic_error("cannot open trace '" + path + "': " + std::strerror(errno));
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+std::uint64_t as_u64(const json& v, const std::string& where) {
+  if (v.is_number_unsigned()) return v.get<std::uint64_t>();
+  if (v.is_number_integer()) return static_cast<std::uint64_t>(v.get<std::int64_t>());
+  if (v.is_number_float()) return static_cast<std::uint64_t>(v.get<double>());
+  if (v.is_string()) {  // Kineto and some exporters write addresses as strings
+    const std::string s = v.get<std::string>();
+    try {
+      std::size_t used = 0;
+      const auto x = std::stoull(s, &used, 0);
+      if (used == s.size()) return x;
+    } catch (const std::exception&) {
+    }
+  }
+  throw logic_error(where + ": expected a number, got " + v.dump());
+}
+
+// ------------------------------------------------------------------ PyTorch snapshots
+
+std::string frames_text(const json& frames) {
+  // The innermost frames that are not PyTorch's own are the useful ones; keep the first two.
+  std::string out;
+  int kept = 0;
+  for (const auto& f : frames) {
+    if (!f.is_object()) continue;
+    const std::string file = f.value("filename", "");
+    if (file.find("torch/") != std::string::npos && kept == 0 && frames.size() > 1) continue;
+    if (!out.empty()) out += " < ";
+    out += f.value("name", "?") + " " + file + ":" + std::to_string(f.value("line", 0));
+    if (++kept == 2) break;
+  }
+  return out;
+}
+
+imported_trace from_snapshot(const json& snap, const std::string& source, std::string format) {
+  imported_trace t;
+  t.format = std::move(format);
+  if (!snap.is_object()) throw logic_error(source + ": a snapshot is a dict/object");
+  const json* traces = snap.contains("device_traces") ? &snap.at("device_traces") : nullptr;
+  // The device whose trace is longest: snapshots list one (possibly empty) trace per device.
+  const json* trace = nullptr;
+  int device = 0;
+  if (traces != nullptr) {
+    if (!traces->is_array()) throw logic_error(source + ": device_traces is not a list");
+    for (std::size_t d = 0; d < traces->size(); ++d) {
+      const json& tr = (*traces)[d];
+      if (!tr.is_array()) throw logic_error(source + ": device_traces[" + std::to_string(d) + "] is not a list");
+      if (trace == nullptr || tr.size() > trace->size()) {
+        trace = &tr;
+        device = static_cast<int>(d);
+      }
+    }
+  }
+  std::int64_t seg_delta = 0, seg_running = 0, seg_peak_rel = 0;
+  if (trace != nullptr) {
+    for (std::size_t i = 0; i < trace->size(); ++i) {
+      const json& e = (*trace)[i];
+      const std::string where = source + ": device_traces[" + std::to_string(device) + "][" +
+                                std::to_string(i) + "]";
+      if (!e.is_object() || !e.contains("action")) throw logic_error(where + ": no action");
+      const auto action = parse_trace_action(e.at("action").get<std::string>());
+      if (!action) {
+        throw logic_error(where + ": unknown action " + e.at("action").dump());
+      }
+      trace_event ev;
+      ev.action = *action;
+      ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
+      ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size") : 0;
+      ev.requested = ev.size;
+      ev.stream = e.contains("stream") ? as_u64(e.at("stream"), where + " stream") : 0;
+      if (e.contains("time_us")) ev.time_ns = as_u64(e.at("time_us"), where + " time_us") * 1000;
+      if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
+      if (ev.tag.empty() && e.contains("frames")) ev.tag = frames_text(e.at("frames"));
+      const auto size = static_cast<std::int64_t>(ev.size);
+      if (ev.action == trace_action::segment_alloc || ev.action == trace_action::segment_map) {
+        seg_running += size;
+      } else if (ev.action == trace_action::segment_free ||
+                 ev.action == trace_action::segment_unmap) {
+        seg_running -= size;
+      }
+      seg_peak_rel = std::max(seg_peak_rel, seg_running);
+      t.events.push_back(std::move(ev));
+    }
+    seg_delta = seg_running;
+  }
+  if (snap.contains("segments")) {
+    const json& segs = snap.at("segments");
+    if (!segs.is_array()) throw logic_error(source + ": segments is not a list");
+    std::int64_t now = 0;
+    for (std::size_t i = 0; i < segs.size(); ++i) {
+      const json& s = segs[i];
+      if (!s.is_object() || !s.contains("total_size")) {
+        throw logic_error(source + ": segments[" + std::to_string(i) + "] has no total_size");
+      }
+      now += static_cast<std::int64_t>(as_u64(s.at("total_size"), source + ": segments total_size"));
+    }
+    t.torch_reserved_now = now;
+    // Reserved at the window's start was `now` minus what the trace's segment events added.
+    t.torch_reserved_peak = std::max(now, now - seg_delta + seg_peak_rel);
+  }
+  return t;
+}
+
+}  // namespace
+
+imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::string& source) {
+  return from_snapshot(read_pickle(bytes, source), source, "torch-snapshot-pickle");
+}
+
+imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw logic_error(source + ": malformed JSON: " + e.what());
+  }
+  return from_snapshot(j, source, "torch-snapshot-json");
+}
+
+// ------------------------------------------------------------------ Kineto
+
+imported_trace parse_kineto_json(std::string_view text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw logic_error(source + ": malformed JSON: " + e.what());
+  }
+  const json* events = nullptr;
+  if (j.is_object() && j.contains("traceEvents")) events = &j.at("traceEvents");
+  if (j.is_array()) events = &j;
+  if (events == nullptr || !events->is_array()) {
+    throw logic_error(source + ": not a Kineto trace (no traceEvents list)");
+  }
+  imported_trace t;
+  t.format = "kineto";
+  std::int64_t peak = -1;
+  for (std::size_t i = 0; i < events->size(); ++i) {
+    const json& e = (*events)[i];
+    if (!e.is_object() || e.value("name", "") != "[memory]") continue;
+    const std::string where = source + ": traceEvents[" + std::to_string(i) + "]";
+    if (!e.contains("args") || !e.at("args").is_object()) throw logic_error(where + ": no args");
+    const json& a = e.at("args");
+    // Device Type 0 is host memory; only device memory is replayed.
+    if (a.contains("Device Type") && as_u64(a.at("Device Type"), where) == 0) continue;
+    if (!a.contains("Addr") || !a.contains("Bytes")) throw logic_error(where + ": needs Addr and Bytes");
+    const json& b = a.at("Bytes");
+    if (!b.is_number()) throw logic_error(where + ": Bytes is not a number");
+    const auto bytes = b.get<std::int64_t>();
+    trace_event ev;
+    ev.action = bytes >= 0 ? trace_action::alloc : trace_action::free_requested;
+    ev.addr = as_u64(a.at("Addr"), where + " Addr");
+    ev.size = ev.requested = static_cast<std::uint64_t>(bytes >= 0 ? bytes : -bytes);
+    if (e.contains("ts") && e.at("ts").is_number()) {
+      ev.time_ns = static_cast<std::uint64_t>(e.at("ts").get<double>() * 1000.0);
+    }
+    if (a.contains("Total Reserved") && a.at("Total Reserved").is_number()) {
+      peak = std::max(peak, a.at("Total Reserved").get<std::int64_t>());
+    }
+    if (ev.size == 0) continue;
+    t.events.push_back(std::move(ev));
+  }
+  std::stable_sort(t.events.begin(), t.events.end(),
+                   [](const trace_event& x, const trace_event& y) { return x.time_ns < y.time_ns; });
+  if (peak >= 0) t.torch_reserved_peak = peak;
+  return t;
+}
+
+// ------------------------------------------------------------------ RMM CSV
+
+imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
+  imported_trace t;
+  t.format = "rmm-csv";
+  std::size_t pos = 0, line_no = 0;
+  int col_action = -1, col_ptr = -1, col_size = -1, col_stream = -1;
+  auto split = [](std::string_view line) {
+    std::vector<std::string_view> f;
+    std::size_t p = 0;
+    while (true) {
+      const std::size_t c = line.find(',', p);
+      std::string_view x = line.substr(p, c == std::string_view::npos ? line.size() - p : c - p);
+      while (!x.empty() && (x.front() == ' ' || x.front() == '"')) x.remove_prefix(1);
+      while (!x.empty() && (x.back() == ' ' || x.back() == '"' || x.back() == '\r')) x.remove_suffix(1);
+      f.push_back(x);
+      if (c == std::string_view::npos) break;
+      p = c + 1;
+    }
+    return f;
+  };
+  auto number = [&](std::string_view s, const char* what) -> std::uint64_t {
+    try {
+      std::size_t used = 0;
+      const std::string str(s);
+      const auto v = std::stoull(str, &used, 0);
+      if (used == str.size() && !str.empty()) return v;
+    } catch (const std::exception&) {
+    }
+    throw logic_error(source + ":" + std::to_string(line_no) + ": bad " + what + " '" +
+                      std::string(s) + "'");
+  };
+  while (pos < text.size()) {
+    const std::size_t nl = text.find('\n', pos);
+    std::string_view line = text.substr(pos, nl == std::string_view::npos ? text.size() - pos : nl - pos);
+    pos = nl == std::string_view::npos ? text.size() : nl + 1;
+    ++line_no;
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    if (line.empty()) continue;
+    const auto f = split(line);
+    if (col_action < 0) {
+      for (std::size_t k = 0; k < f.size(); ++k) {
+        if (f[k] == "Action") col_action = static_cast<int>(k);
+        if (f[k] == "Pointer") col_ptr = static_cast<int>(k);
+        if (f[k] == "Size") col_size = static_cast<int>(k);
+        if (f[k] == "Stream") col_stream = static_cast<int>(k);
+      }
+      if (col_action < 0 || col_ptr < 0 || col_size < 0) {
+        throw logic_error(source + ":" + std::to_string(line_no) +
+                          ": expected the header Thread,Time,Action,Pointer,Size,Stream");
+      }
+      continue;
+    }
+    const int need = std::max({col_action, col_ptr, col_size, col_stream});
+    if (static_cast<int>(f.size()) <= need) {
+      throw logic_error(source + ":" + std::to_string(line_no) + ": expected " +
+                        std::to_string(need + 1) + " fields, got " + std::to_string(f.size()));
+    }
+    const std::string_view action = f[static_cast<std::size_t>(col_action)];
+    trace_event ev;
+    if (action == "allocate") {
+      ev.action = trace_action::alloc;
+    } else if (action == "free") {
+      ev.action = trace_action::free_requested;
+    } else if (action == "allocate failure") {
+      continue;  // nothing was allocated
+    } else {
+      throw logic_error(source + ":" + std::to_string(line_no) + ": unknown action '" +
+                        std::string(action) + "' (expected allocate, free, allocate failure)");
+    }
+    ev.addr = number(f[static_cast<std::size_t>(col_ptr)], "pointer");
+    ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size");
+    if (col_stream >= 0) ev.stream = number(f[static_cast<std::size_t>(col_stream)], "stream");
+    ev.time_ns = t.events.size();
+    t.events.push_back(ev);
+  }
+  if (col_action < 0) throw logic_error(source + ": empty file (no CSV header)");
+  return t;
+}
+
+imported_trace import_trace(const std::string& path, std::string_view format) {
+  std::string fmt(format);
+  if (fmt.empty() || fmt == "auto") {
+    if (ends_with(path, ".jsonl")) fmt = "jsonl";
+    else if (ends_with(path, ".pickle") || ends_with(path, ".pkl")) fmt = "pickle";
+    else if (ends_with(path, ".csv")) fmt = "rmm";
+    else if (ends_with(path, ".json")) fmt = "json";
+  }
+  if (fmt == "jsonl") {
+    imported_trace t;
+    t.format = "terrace-jsonl";
+    t.events = load_trace(path);
+    return t;
+  }
+  const std::string data = read_file(path);
+  if (fmt.empty() || fmt == "auto") {
+    if (!data.empty() && static_cast<unsigned char>(data[0]) == 0x80) fmt = "pickle";
+    else if (data.rfind("Thread,", 0) == 0) fmt = "rmm";
+    else if (!data.empty() && data[0] == '{' && data.find('\n') < data.size() - 1 &&
+             data.find("\"action\"") < data.find('\n')) {
+      std::istringstream in(data);
+      imported_trace t;
+      t.format = "terrace-jsonl";
+      try {
+        t.events = read_trace_jsonl(in);
+      } catch (const logic_error& e) {
+        throw logic_error(path + ": " + e.what());
+      }
+      return t;
+    } else {
+      fmt = "json";
+    }
+  }
+  if (fmt == "pickle") return parse_torch_snapshot_pickle(data, path);
+  if (fmt == "rmm") return parse_rmm_csv(data, path);
+  if (fmt == "kineto") return parse_kineto_json(data, path);
+  if (fmt == "snapshot-json") return parse_torch_snapshot_json(data, path);
+  if (fmt == "json") {
+    // Kineto traces carry traceEvents; snapshots carry device_traces / segments.
+    const auto head = std::string_view(data).substr(0, 1u << 16);
+    if (head.find("\"traceEvents\"") != std::string_view::npos) return parse_kineto_json(data, path);
+    return parse_torch_snapshot_json(data, path);
+  }
+  throw logic_error(path + ": unknown trace format '" + fmt +
+                    "' (jsonl, pickle, snapshot-json, kineto, rmm)");
+}
+
+}  // namespace terrace::tools
