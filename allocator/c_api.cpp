@@ -30,6 +30,7 @@
 #include "terrace/error.hpp"
 #include "terrace/stats.hpp"
 #include "terrace/trace.hpp"
+#include "allocator/c_boundary.hpp"
 
 namespace {
 
@@ -40,68 +41,9 @@ using terrace::stream_ref;
 
 // ==================================================================== errors at the boundary
 
-// Failures the C++ API has no exception type for.
-class io_error : public std::runtime_error {  // a file could not be written: TERRACE_EIO
- public:
-  using std::runtime_error::runtime_error;
-};
-class range_error : public std::runtime_error {  // an output buffer is too small: TERRACE_ERANGE
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// The message lives in a std::string that is only overwritten, never cleared: each call clears
-// the trivially-initialised flag instead, so the hot path touches no TLS constructor guard.
-thread_local bool t_has_error = false;
-thread_local std::string t_error;
-
-// Stores "<call>: <prefix><what>". Never throws: without host memory the code alone must do.
-template <class Call>
-void set_error(Call&& call, const char* prefix, const char* what) noexcept {
-  try {
-    t_error.assign(call()).append(": ").append(prefix).append(what);
-  } catch (...) {
-    t_error.clear();
-  }
-  t_has_error = true;
-}
-
-// Runs `body` and turns whatever it throws into a terrace_status plus the thread's last-error
-// string: the one place where exceptions stop (faiss's CATCH_AND_HANDLE). `call()` names the C
-// function and its arguments; it runs only on failure. The message is copied inside each
-// handler, while the exception object is still alive.
-template <class Call, class Body>
-int guarded(Call&& call, Body&& body) noexcept {
-  t_has_error = false;
-  try {
-    body();
-    return TERRACE_OK;
-  } catch (const terrace::out_of_memory& e) {
-    set_error(call, "", e.what());
-    return TERRACE_ENOMEM;
-  } catch (const terrace::logic_error& e) {
-    set_error(call, "", e.what());
-    return TERRACE_EINVAL;
-  } catch (const terrace::device_error& e) {
-    set_error(call, "", e.what());
-    return TERRACE_EDEVICE;
-  } catch (const io_error& e) {
-    set_error(call, "", e.what());
-    return TERRACE_EIO;
-  } catch (const range_error& e) {
-    set_error(call, "", e.what());
-    return TERRACE_ERANGE;
-  } catch (const std::bad_alloc& e) {
-    set_error(call, "terrace: out of host memory: ", e.what());
-    return TERRACE_ENOMEM;
-  } catch (const std::exception& e) {
-    set_error(call, "terrace: internal error: ", e.what());
-    return TERRACE_EINTERNAL;
-  } catch (...) {
-    set_error(call, "terrace: internal error: ", "an exception that is not a std::exception");
-    return TERRACE_EINTERNAL;
-  }
-}
+using terrace::c_boundary::guarded;
+using terrace::io_error;
+using terrace::c_boundary::range_error;
 
 [[noreturn]] void fail(std::string message) { throw terrace::logic_error(std::move(message)); }
 
@@ -113,7 +55,7 @@ void warn_once(std::atomic<bool>& warned, const char* fn) noexcept {
     std::fprintf(stderr,
                  "terrace: warning: %s (the caller cannot see this failure; later %s failures are "
                  "not printed, see terrace_last_error())\n",
-                 t_error.c_str(), fn);
+                 terrace::c_boundary::error_text().c_str(), fn);
   }
 }
 
@@ -334,6 +276,12 @@ std::string stats_json_for(int device) {
   nlohmann::json j = nlohmann::json::parse(base);
   j["num_bad_frees"] =
       g_bad_frees[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
+  // The planner's figures (policy planned or plan_counterfactual) join as "plan.*" keys.
+  if (s != nullptr && s->allocator->plan_stats().enabled) {
+    for (auto& [k, v] : nlohmann::json::parse(terrace::to_json(s->allocator->plan_stats())).items()) {
+      j[k] = v;
+    }
+  }
   return j.dump();
 }
 
@@ -525,6 +473,16 @@ TERRACE_API int terrace_stats_json(int device, char* buf, size_t capacity, size_
   });
 }
 
+TERRACE_API int terrace_begin_iteration(int device) {
+  const auto call = [&] { return describe_call("terrace_begin_iteration", device); };
+  return guarded(call, [&] { slot_for(device).allocator->begin_iteration(); });
+}
+
+TERRACE_API int terrace_end_iteration(int device) {
+  const auto call = [&] { return describe_call("terrace_end_iteration", device); };
+  return guarded(call, [&] { slot_for(device).allocator->end_iteration(); });
+}
+
 TERRACE_API int terrace_reset_peak_stats(int device) {
   const auto call = [&] { return describe_call("terrace_reset_peak_stats", device); };
   return guarded(call, [&] {
@@ -562,6 +520,5 @@ TERRACE_API int terrace_dump_trace(int device, const char* path) {
   });
 }
 
-TERRACE_API const char* terrace_last_error(void) { return t_has_error ? t_error.c_str() : ""; }
 
 }  // extern "C"

@@ -566,9 +566,32 @@ TEST(CApi, SharedLibraryExportsOnlyTheCAbi) {
                                           "terrace_record_trace",
                                           "terrace_dump_snapshot",
                                           "terrace_dump_trace",
+                                          "terrace_begin_iteration",
+                                          "terrace_end_iteration",
+                                          "terrace_adam_create",
+                                          "terrace_adam_destroy",
+                                          "terrace_adam_get_step",
+                                          "terrace_adam_grad_norm",
+                                          "terrace_adam_isa",
+                                          "terrace_adam_set_lr",
+                                          "terrace_adam_set_step",
+                                          "terrace_adam_step",
                                           "terrace_last_error"};
   EXPECT_EQ(exported, expected) << "nm -D --defined-only printed:\n" << out;
 }
 #endif
 
+}  // namespace
+
+namespace {
+// Under the default policy the iteration marks are accepted and do nothing; a bad device is refused.
+TEST(CApi, IterationMarksAreAcceptedAndBadDevicesRefused) {
+  EXPECT_EQ(terrace_begin_iteration(0), TERRACE_OK) << terrace_last_error();
+  void* p = terrace_malloc(4096, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  terrace_free(p, 4096, 0, nullptr);
+  EXPECT_EQ(terrace_end_iteration(0), TERRACE_OK) << terrace_last_error();
+  EXPECT_EQ(terrace_begin_iteration(-1), TERRACE_EINVAL);
+  EXPECT_EQ(terrace_end_iteration(4096), TERRACE_EINVAL);
+}
 }  // namespace

@@ -67,6 +67,12 @@ TERRACE_API int terrace_configure(const char* conf);
  *  `buf` (NUL-terminated). If `capacity` is too small returns TERRACE_ERANGE; `*needed` (if not NULL)
  *  always receives the size including the NUL. */
 TERRACE_API int terrace_stats_json(int device, char* buf, size_t capacity, size_t* needed);
+/** @brief Marks the start / end of a training iteration on `device` for the planned policy
+ *  (TERRACE_ALLOC_CONF policy:planned): two equal iterations in a row are planned and later ones
+ *  served from the plan. Optional (the planner also finds the iteration itself); a no-op under
+ *  the other policies. Its figures appear in terrace_stats_json as "plan.*" keys. */
+TERRACE_API int terrace_begin_iteration(int device);
+TERRACE_API int terrace_end_iteration(int device);
 /** @brief Resets the peak counters of `device`. */
 TERRACE_API int terrace_reset_peak_stats(int device);
 /** @brief Turns trace recording on (1) or off (0) on every device. */
