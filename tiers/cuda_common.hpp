@@ -83,6 +83,8 @@ class cuda_backend : public device_backend {
   void* do_reserve(std::size_t bytes) override;
   void do_release(void* p, std::size_t bytes) noexcept override;
   std::size_t do_used_bytes() const noexcept override;
+  void* do_reserve_pinned_host(std::size_t bytes) override;
+  void do_release_pinned_host(void* p, std::size_t bytes) noexcept override;
 
   stream_ref do_create_stream() override;
   void do_destroy_stream(stream_ref s) noexcept override;

@@ -256,6 +256,32 @@ void cuda_backend::do_release(void* p, std::size_t bytes) noexcept {
   }
 }
 
+// Pinned host memory through the runtime, so that the driver knows the pages are locked and
+// cudaMemcpyAsync from them is a true DMA (mlock alone would still be staged).
+void* cuda_backend::do_reserve_pinned_host(std::size_t bytes) {
+  device_scope scope(device());
+  scope.check();
+  void* p = nullptr;
+  const cudaError_t error = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+  if (error == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    throw out_of_memory("terrace: pinned host memory for device '" + properties_.name +
+                        "': cudaHostAlloc of " + describe_bytes(bytes) + " failed with " +
+                        cuda_error_text(error) + " (the host cannot lock that much memory)");
+  }
+  if (error != cudaSuccess) {
+    throw_cuda_error(error, "cudaHostAlloc(" + describe_bytes(bytes) + ")", device());
+  }
+  return p;
+}
+
+void cuda_backend::do_release_pinned_host(void* p, std::size_t) noexcept {
+  device_scope scope(device());
+  if (const cudaError_t error = cudaFreeHost(p); error != cudaSuccess) {
+    report_noexcept_failure(error, "cudaFreeHost(" + hex(p) + ")", device());
+  }
+}
+
 std::size_t cuda_backend::do_used_bytes() const noexcept {
   return used_.load(std::memory_order_relaxed);
 }

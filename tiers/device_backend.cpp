@@ -57,6 +57,12 @@ void device_backend::map(void* p, std::size_t bytes) {
   do_map(p, bytes);
 }
 
+void* device_backend::reserve_pinned_host(std::size_t bytes) {
+  TERRACE_EXPECTS(bytes > 0, "reserve_pinned_host of 0 bytes on device '" + properties_.name + "'");
+  throw_if_injected(bytes, "reserve_pinned_host");
+  return do_reserve_pinned_host(bytes);
+}
+
 // ---------------------------------------------------------------- defaults: no virtual memory
 
 void* device_backend::do_reserve_address_range(std::size_t) {

@@ -99,6 +99,17 @@ class device_backend {
   /// @brief Physical bytes currently held through reserve() and map().
   std::size_t used_bytes() const noexcept { return do_used_bytes(); }
 
+  // ---------------------------------------------------------------- pinned host memory
+  /// @brief Reserves `bytes` (> 0) of page-locked host memory that async copies to and from this
+  /// device can use at full speed: cudaHostAlloc on the CUDA backends; on sim and null, mmap with
+  /// transparent huge pages, populated and mlock'ed. Page aligned. Not counted in used_bytes().
+  /// @throws terrace::out_of_memory when the host refuses, naming the memlock limit when that is
+  ///         the cause (or an injected OOM); device_error on any other failure.
+  void* reserve_pinned_host(std::size_t bytes);
+  /// @brief Returns memory from reserve_pinned_host. REQUIRES: `p`, `bytes` exactly as reserved;
+  /// no queued copy still uses it. Never throws.
+  void release_pinned_host(void* p, std::size_t bytes) noexcept { do_release_pinned_host(p, bytes); }
+
   // ---------------------------------------------------------------- streams and events
   /// @throws device_error
   stream_ref create_stream() { return do_create_stream(); }
@@ -131,9 +142,10 @@ class device_backend {
   }
 
   // ---------------------------------------------------------------- fault injection
-  /// @brief The next `n` calls to reserve()/map() throw out_of_memory as if the device were full.
+  /// @brief The next `n` calls to reserve()/map()/reserve_pinned_host() throw out_of_memory as if
+  /// the device (or host) were full.
   void inject_out_of_memory(int n) noexcept { injected_oom_.store(n, std::memory_order_relaxed); }
-  /// @brief The next `n` calls to reserve()/map() throw device_error (a driver failure).
+  /// @brief The next `n` calls to reserve()/map()/reserve_pinned_host() throw device_error.
   void inject_device_error(int n) noexcept { injected_error_.store(n, std::memory_order_relaxed); }
 
  protected:
@@ -149,6 +161,9 @@ class device_backend {
   virtual void do_map(void* p, std::size_t bytes);
   virtual void do_unmap(void* p, std::size_t bytes) noexcept;
   virtual std::size_t do_used_bytes() const noexcept = 0;
+  // Default: mmap + MADV_HUGEPAGE + mlock (tiers/host_pinning.cpp); the CUDA backends override.
+  virtual void* do_reserve_pinned_host(std::size_t bytes);
+  virtual void do_release_pinned_host(void* p, std::size_t bytes) noexcept;
 
   virtual stream_ref do_create_stream() = 0;
   virtual void do_destroy_stream(stream_ref s) noexcept = 0;

@@ -1,0 +1,256 @@
+// SPDX-License-Identifier: Apache-2.0
+// The pinned host tier: exact sizes, region reuse, errors, the memlock refusal, and threads.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "terrace/device.hpp"
+#include "terrace/error.hpp"
+#include "terrace/pinned_pool.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+
+std::unique_ptr<device_backend> sim() { return make_device("sim", {}); }
+
+pinned_pool_options small_regions() {
+  pinned_pool_options o;
+  o.region_size = 8 * MiB;
+  return o;
+}
+
+TEST(PinnedPool, SizesRoundOnlyToTheAlignmentNotToAPowerOfTwo) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev, small_regions());
+  const std::size_t asked = 3 * MiB + 100;  // PyTorch's host allocator would take 4 MiB
+  void* p = pool.allocate(asked);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 4096, 0u);
+  EXPECT_EQ(pool.allocation_size(p), 3 * MiB + 4096);
+  auto s = pool.stats();
+  EXPECT_EQ(s.requested_bytes.current, static_cast<std::int64_t>(asked));
+  EXPECT_EQ(s.allocated_bytes.current, static_cast<std::int64_t>(3 * MiB + 4096));
+  EXPECT_EQ(s.segment.current, 1);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<std::int64_t>(8 * MiB));
+  std::memset(p, 0x5a, asked);  // pinned memory is real, writable memory
+  pool.deallocate(p);
+  pool.check_invariants();
+}
+
+TEST(PinnedPool, ManyBuffersShareARegionAndHolesAreReused) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev, small_regions());
+  void* a = pool.allocate(1 * MiB);
+  void* b = pool.allocate(2 * MiB);
+  void* c = pool.allocate(1 * MiB);
+  EXPECT_EQ(pool.stats().segment.current, 1);
+  pool.deallocate(b);
+  void* d = pool.allocate(2 * MiB - 4096);  // best fit: b's hole
+  EXPECT_EQ(d, b);
+  pool.check_invariants();
+  for (void* p : {a, c, d}) pool.deallocate(p);
+  EXPECT_EQ(pool.stats().largest_free_block, 8 * MiB);  // coalesced back into one hole
+  pool.check_invariants();
+}
+
+TEST(PinnedPool, ALargeRequestGetsARegionOfItsOwnSizeWhoseRestIsReused) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev, small_regions());
+  void* big = pool.allocate(19 * MiB);  // > region size: a 20 MiB region
+  EXPECT_EQ(pool.stats().reserved_bytes.current, static_cast<std::int64_t>(20 * MiB));
+  void* rest = pool.allocate(1 * MiB);  // fits the 1 MiB left in that region
+  EXPECT_EQ(pool.stats().segment.current, 1);
+  EXPECT_EQ(static_cast<char*>(rest) - static_cast<char*>(big), static_cast<std::ptrdiff_t>(19 * MiB));
+  pool.deallocate(big);
+  pool.deallocate(rest);
+  pool.empty_cache();
+  EXPECT_EQ(pool.stats().reserved_bytes.current, 0);
+  pool.check_invariants();
+}
+
+TEST(PinnedPool, BadFreesAreClearErrorsAndChangeNothing) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev, small_regions());
+  void* p = pool.allocate(64 * KiB);
+  int on_stack = 0;
+  try {
+    pool.deallocate(&on_stack);
+    FAIL() << "a foreign pointer was accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("foreign pointer"), std::string::npos) << e.what();
+  }
+  try {
+    pool.deallocate(static_cast<char*>(p) + 4096);
+    FAIL() << "an interior pointer was accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a live buffer"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)pool.allocation_size(&on_stack), logic_error);
+  pool.deallocate(p);
+  EXPECT_THROW(pool.deallocate(p), logic_error);  // double free
+  pool.deallocate(nullptr);
+  EXPECT_EQ(pool.allocate(0), nullptr);
+  pool.check_invariants();
+  EXPECT_EQ(pool.stats().allocation.current, 0);
+}
+
+TEST(PinnedPool, BadOptionsAreRejected) {
+  auto dev = sim();
+  for (std::size_t a : {std::size_t{3}, std::size_t{32}, 4 * MiB}) {
+    pinned_pool_options o;
+    o.alignment = a;
+    EXPECT_THROW(pinned_host_pool(*dev, o), logic_error) << a;
+  }
+}
+
+TEST(PinnedPool, CapacityAndHostRefusalGiveAnOomThatSaysWhy) {
+  auto dev = sim();
+  pinned_pool_options o = small_regions();
+  o.capacity = 16 * MiB;
+  pinned_host_pool pool(*dev, o);
+  void* a = pool.allocate(6 * MiB);
+  void* b = pool.allocate(6 * MiB);  // second region: 16 MiB held
+  try {
+    (void)pool.allocate(6 * MiB);
+    FAIL() << "the capacity was not enforced";
+  } catch (const out_of_memory& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("cannot allocate 6.00 MiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("largest free block 2.00 MiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("capacity"), std::string::npos) << m;
+  }
+  EXPECT_EQ(pool.stats().num_ooms, 1);
+  pool.deallocate(a);
+  void* c = pool.allocate(6 * MiB);  // a's hole serves it
+  pool.deallocate(b);
+  pool.deallocate(c);
+
+  dev->inject_out_of_memory(2);  // the host refuses both the try and the retry
+  pool.empty_cache();
+  EXPECT_THROW((void)pool.allocate(1 * MiB), out_of_memory);
+  EXPECT_EQ(pool.stats().num_alloc_retries, 2);
+  void* d = pool.allocate(1 * MiB);  // and works again afterwards
+  pool.deallocate(d);
+  pool.check_invariants();
+}
+
+TEST(PinnedPool, ADeviceErrorPropagatesAndLeavesThePoolUsable) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev, small_regions());
+  dev->inject_device_error(1);
+  EXPECT_THROW((void)pool.allocate(1 * MiB), device_error);
+  void* p = pool.allocate(1 * MiB);
+  pool.deallocate(p);
+  pool.check_invariants();
+}
+
+// The memlock refusal is a real path: in a child process that cannot lock more than 64 KiB (root
+// first drops to an unprivileged user, since CAP_IPC_LOCK ignores the limit), reserving a pinned
+// region must fail with out_of_memory naming the limit.
+TEST(PinnedPool, TheMemlockLimitRefusalNamesTheLimit) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the ASan/TSan runtimes replace mlock with a no-op that always succeeds";
+#endif
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(fds[0]);
+    std::string verdict = "no refusal";
+    rlimit small{64 * KiB, 64 * KiB};
+    bool ready = ::setrlimit(RLIMIT_MEMLOCK, &small) == 0;
+    if (ready && ::geteuid() == 0) ready = ::setgid(65534) == 0 && ::setuid(65534) == 0;
+    if (!ready) {
+      verdict = "skip: cannot lower the memlock limit or drop privileges here";
+    } else {
+      try {
+        auto dev = make_device("sim", {});
+        void* p = dev->reserve_pinned_host(8 * MiB);
+        dev->release_pinned_host(p, 8 * MiB);
+      } catch (const out_of_memory& e) {
+        verdict = e.what();
+      } catch (const std::exception& e) {
+        verdict = std::string("wrong exception: ") + e.what();
+      }
+    }
+    (void)!::write(fds[1], verdict.data(), verdict.size());
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::string verdict;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) verdict.append(buf, static_cast<std::size_t>(n));
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  if (verdict.rfind("skip:", 0) == 0) GTEST_SKIP() << verdict;
+  EXPECT_NE(verdict.find("mlock"), std::string::npos) << verdict;
+  EXPECT_NE(verdict.find("RLIMIT_MEMLOCK) is 64.00 KiB"), std::string::npos) << verdict;
+}
+
+TEST(PinnedPool, StatsSerializeWithPyTorchStyleNames) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev, small_regions());
+  void* p = pool.allocate(5000);
+  pool.deallocate(p);
+  void* q = pool.allocate(100);
+  pool.reset_peak_stats();
+  const auto j = nlohmann::json::parse(pool.stats().to_json());
+  EXPECT_EQ(j["allocation.current"], 1);
+  EXPECT_EQ(j["allocation.allocated"], 2);
+  EXPECT_EQ(j["allocated_bytes.peak"], 4096);  // reset to current
+  EXPECT_EQ(j["requested_bytes.current"], 100);
+  EXPECT_EQ(j["reserved_bytes.current"], 8 * MiB);
+  pool.deallocate(q);
+}
+
+TEST(PinnedPoolStress, ThreadsAllocateWriteAndFreeWithoutOverlap) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev, small_regions());
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::atomic<int> corrupt{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<unsigned>(t) + 1);
+      std::vector<std::pair<unsigned char*, std::size_t>> mine;
+      for (int i = 0; i < 2000; ++i) {
+        if (mine.size() < 16 && (mine.empty() || rng() % 2 == 0)) {
+          const std::size_t n = 1 + rng() % (512 * KiB);
+          auto* p = static_cast<unsigned char*>(pool.allocate(n));
+          std::memset(p, t + 1, n);
+          mine.emplace_back(p, n);
+        } else {
+          const std::size_t k = rng() % mine.size();
+          auto [p, n] = mine[k];
+          for (std::size_t j = 0; j < n; j += 4099) {
+            if (p[j] != t + 1) corrupt.fetch_add(1);
+          }
+          pool.deallocate(p);
+          mine.erase(mine.begin() + static_cast<std::ptrdiff_t>(k));
+        }
+      }
+      for (auto [p, n] : mine) pool.deallocate(p);
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(corrupt.load(), 0);
+  pool.check_invariants();
+  EXPECT_EQ(pool.stats().allocation.current, 0);
+}
+
+}  // namespace
+}  // namespace terrace

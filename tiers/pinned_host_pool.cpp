@@ -1,0 +1,317 @@
+// SPDX-License-Identifier: Apache-2.0
+// The pinned host tier (include/terrace/pinned_pool.hpp): large pinned regions from the device
+// backend, each sub-allocated best-fit by its own extent_allocator (offsets within the region).
+#include "terrace/pinned_pool.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "terrace/error.hpp"
+#include "tiers/backends.hpp"
+#include "tiers/extent_allocator.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+constexpr std::size_t kDefaultRegion = 256 * MiB;
+constexpr std::size_t kDefaultAlignment = 4 * KiB;
+// Regions are whole transparent huge pages: the host backs them with 2 MiB pages when it can.
+constexpr std::size_t kRegionGranule = 2 * MiB;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::string hex(std::uintptr_t a) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%jx", static_cast<std::uintmax_t>(a));
+  return buf;
+}
+
+}  // namespace
+
+std::string pinned_pool_stats::to_json() const {
+  nlohmann::ordered_json j;
+  const auto put = [&](const char* name, const stat& s) {
+    const std::string n(name);
+    j[n + ".current"] = s.current;
+    j[n + ".peak"] = s.peak;
+    j[n + ".allocated"] = s.allocated;
+    j[n + ".freed"] = s.freed;
+  };
+  put("allocation", allocation);
+  put("allocated_bytes", allocated_bytes);
+  put("requested_bytes", requested_bytes);
+  put("segment", segment);
+  put("reserved_bytes", reserved_bytes);
+  j["num_alloc_retries"] = num_alloc_retries;
+  j["num_ooms"] = num_ooms;
+  j["largest_free_block"] = largest_free_block;
+  return j.dump();
+}
+
+struct pinned_host_pool::impl {
+  struct region {
+    std::uintptr_t base = 0;
+    std::size_t size = 0;
+    detail::extent_allocator extents;
+    std::size_t live = 0;  // buffers handed out from it
+    region(std::uintptr_t b, std::size_t s, std::size_t unit) : base(b), size(s), extents(s, unit) {}
+  };
+  struct buffer {
+    region* owner = nullptr;
+    std::size_t size = 0;       // rounded
+    std::size_t requested = 0;
+  };
+
+  device_backend& device;
+  pinned_pool_options options;
+  mutable std::mutex mutex;
+  std::map<std::uintptr_t, std::unique_ptr<region>> regions;  // by base address
+  std::unordered_map<std::uintptr_t, buffer> live;
+  pinned_pool_stats counters;
+
+  impl(device_backend& d, pinned_pool_options o) : device(d), options(o) {
+    if (options.region_size == 0) options.region_size = kDefaultRegion;
+    if (options.alignment == 0) options.alignment = kDefaultAlignment;
+    const std::size_t a = options.alignment;
+    TERRACE_EXPECTS(a >= 64 && a <= kRegionGranule && (a & (a - 1)) == 0,
+                    "pinned pool alignment " + std::to_string(a) +
+                        " must be a power of two from 64 B to 2 MiB");
+    options.region_size = round_up(options.region_size, kRegionGranule);
+  }
+
+  ~impl() {
+    for (auto& [base, r] : regions) device.release_pinned_host(reinterpret_cast<void*>(base), r->size);
+  }
+
+  std::size_t reserved() const { return static_cast<std::size_t>(counters.reserved_bytes.current); }
+
+  // Best fit inside the first region (in address order) that can hold it.
+  void* carve(std::size_t bytes, std::size_t rounded) {
+    for (auto& [base, r] : regions) {
+      if (r->extents.largest_hole() < rounded) continue;
+      const auto offset = r->extents.allocate(rounded);
+      if (!offset) continue;
+      return hand_out(*r, *offset, bytes, rounded);
+    }
+    return nullptr;
+  }
+
+  void* hand_out(region& r, std::uint64_t offset, std::size_t bytes, std::size_t rounded) {
+    const std::uintptr_t addr = r.base + offset;
+    live.emplace(addr, buffer{&r, rounded, bytes});
+    ++r.live;
+    counters.allocation.increase(1);
+    counters.allocated_bytes.increase(static_cast<std::int64_t>(rounded));
+    counters.requested_bytes.increase(static_cast<std::int64_t>(bytes));
+    return reinterpret_cast<void*>(addr);
+  }
+
+  // A new region big enough for `rounded`; throws out_of_memory (from the host, or the capacity).
+  region& grow(std::size_t rounded) {
+    const std::size_t size = std::max(options.region_size, round_up(rounded, kRegionGranule));
+    if (options.capacity != 0 && reserved() + size > options.capacity) {
+      // A smaller region that still fits the request may be within the cap.
+      const std::size_t tight = round_up(rounded, kRegionGranule);
+      if (reserved() + tight > options.capacity) {
+        throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
+                            " would be exceeded");
+      }
+      return add_region(tight);
+    }
+    return add_region(size);
+  }
+
+  region& add_region(std::size_t size) {
+    void* p = device.reserve_pinned_host(size);
+    const auto base = reinterpret_cast<std::uintptr_t>(p);
+    try {
+      auto r = std::make_unique<region>(base, size, options.alignment);
+      region& ref = *r;
+      regions.emplace(base, std::move(r));
+      counters.segment.increase(1);
+      counters.reserved_bytes.increase(static_cast<std::int64_t>(size));
+      return ref;
+    } catch (...) {
+      device.release_pinned_host(p, size);
+      throw;
+    }
+  }
+
+  void release_empty_regions() {
+    for (auto it = regions.begin(); it != regions.end();) {
+      region& r = *it->second;
+      if (r.live != 0) {
+        ++it;
+        continue;
+      }
+      device.release_pinned_host(reinterpret_cast<void*>(r.base), r.size);
+      counters.segment.decrease(1);
+      counters.reserved_bytes.decrease(static_cast<std::int64_t>(r.size));
+      it = regions.erase(it);
+    }
+  }
+
+  std::size_t largest_free() const {
+    std::uint64_t best = 0;
+    for (const auto& [base, r] : regions) best = std::max(best, r->extents.largest_hole());
+    return static_cast<std::size_t>(best);
+  }
+
+  void* allocate(std::size_t bytes) {
+    if (bytes == 0) return nullptr;
+    TERRACE_EXPECTS(bytes <= SIZE_MAX - kRegionGranule, "pinned allocation of " +
+                                                            std::to_string(bytes) + " bytes");
+    std::lock_guard lock(mutex);
+    const std::size_t rounded = round_up(bytes, options.alignment);
+    if (void* p = carve(bytes, rounded)) return p;
+    try {
+      region& r = grow(rounded);
+      return hand_out(r, *r.extents.allocate(rounded), bytes, rounded);
+    } catch (const out_of_memory&) {
+      // fall through to the retry
+    }
+    // Free regions may be the wrong shape (too small): give them back and ask once more.
+    ++counters.num_alloc_retries;
+    release_empty_regions();
+    try {
+      region& r = grow(rounded);
+      return hand_out(r, *r.extents.allocate(rounded), bytes, rounded);
+    } catch (const out_of_memory& e) {
+      ++counters.num_ooms;
+      throw out_of_memory(
+          "terrace: pinned host pool: cannot allocate " + detail::describe_bytes(bytes) +
+          " (rounded to " + detail::describe_bytes(rounded) + "): holding " +
+          detail::describe_bytes(reserved()) + " in " + std::to_string(regions.size()) +
+          " regions, of which " +
+          detail::describe_bytes(static_cast<std::size_t>(counters.allocated_bytes.current)) +
+          " in " + std::to_string(live.size()) + " live buffers; largest free block " +
+          detail::describe_bytes(largest_free()) + ". Cause: " + e.what());
+    }
+  }
+
+  void deallocate(void* p) {
+    if (p == nullptr) return;
+    std::lock_guard lock(mutex);
+    const auto addr = reinterpret_cast<std::uintptr_t>(p);
+    const auto it = live.find(addr);
+    if (it == live.end()) throw logic_error(describe_bad(addr, "deallocate"));
+    const buffer b = it->second;
+    live.erase(it);
+    b.owner->extents.release(addr - b.owner->base, b.size);
+    --b.owner->live;
+    counters.allocation.decrease(1);
+    counters.allocated_bytes.decrease(static_cast<std::int64_t>(b.size));
+    counters.requested_bytes.decrease(static_cast<std::int64_t>(b.requested));
+  }
+
+  // REQUIRES: mutex held.
+  const region* region_of(std::uintptr_t addr) const {
+    auto it = regions.upper_bound(addr);
+    if (it == regions.begin()) return nullptr;
+    --it;
+    return addr < it->first + it->second->size ? it->second.get() : nullptr;
+  }
+
+  std::string describe_bad(std::uintptr_t addr, const char* call) const {
+    if (region_of(addr) != nullptr) {
+      return std::string("terrace: pinned host pool: ") + call + "(" + hex(addr) +
+             "): inside a pinned region but not a live buffer (a double free, or a pointer into "
+             "the middle of a buffer)";
+    }
+    return std::string("terrace: pinned host pool: ") + call + "(" + hex(addr) +
+           "): a foreign pointer, not from this pool";
+  }
+
+  void check() const {
+    std::lock_guard lock(mutex);
+    const auto fail = [](const std::string& what) {
+      throw logic_error("terrace: pinned host pool invariant: " + what);
+    };
+    std::int64_t allocated = 0, requested = 0, reserved_sum = 0;
+    std::unordered_map<const region*, std::uint64_t> used_in;
+    std::unordered_map<const region*, std::size_t> count_in;
+    for (const auto& [addr, b] : live) {
+      if (region_of(addr) != b.owner) fail("buffer " + hex(addr) + " outside its region");
+      if (addr + b.size > b.owner->base + b.owner->size) fail("buffer " + hex(addr) + " overruns");
+      if (addr % options.alignment != 0) fail("buffer " + hex(addr) + " misaligned");
+      allocated += static_cast<std::int64_t>(b.size);
+      requested += static_cast<std::int64_t>(b.requested);
+      used_in[b.owner] += b.size;
+      ++count_in[b.owner];
+    }
+    for (const auto& [base, r] : regions) {
+      if (!r->extents.consistent()) fail("extent books of region " + hex(base));
+      if (r->extents.free_bytes() + used_in[r.get()] != r->size) {
+        fail("region " + hex(base) + ": free + live != size");
+      }
+      if (count_in[r.get()] != r->live) fail("region " + hex(base) + ": live count");
+      reserved_sum += static_cast<std::int64_t>(r->size);
+    }
+    if (allocated != counters.allocated_bytes.current) fail("allocated_bytes does not recount");
+    if (requested != counters.requested_bytes.current) fail("requested_bytes does not recount");
+    if (reserved_sum != counters.reserved_bytes.current) fail("reserved_bytes does not recount");
+    if (static_cast<std::int64_t>(live.size()) != counters.allocation.current) {
+      fail("allocation does not recount");
+    }
+    if (static_cast<std::int64_t>(regions.size()) != counters.segment.current) {
+      fail("segment does not recount");
+    }
+  }
+};
+
+pinned_host_pool::pinned_host_pool(device_backend& device, pinned_pool_options options)
+    : impl_(std::make_unique<impl>(device, options)) {}
+
+pinned_host_pool::~pinned_host_pool() = default;
+
+void* pinned_host_pool::allocate(std::size_t bytes) { return impl_->allocate(bytes); }
+void pinned_host_pool::deallocate(void* p) { impl_->deallocate(p); }
+
+std::size_t pinned_host_pool::allocation_size(const void* p) const {
+  std::lock_guard lock(impl_->mutex);
+  const auto addr = reinterpret_cast<std::uintptr_t>(p);
+  const auto it = impl_->live.find(addr);
+  if (it == impl_->live.end()) throw logic_error(impl_->describe_bad(addr, "allocation_size"));
+  return it->second.size;
+}
+
+bool pinned_host_pool::owns(const void* p) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->region_of(reinterpret_cast<std::uintptr_t>(p)) != nullptr;
+}
+
+void pinned_host_pool::empty_cache() {
+  std::lock_guard lock(impl_->mutex);
+  impl_->release_empty_regions();
+}
+
+pinned_pool_stats pinned_host_pool::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  pinned_pool_stats s = impl_->counters;
+  s.largest_free_block = impl_->largest_free();
+  return s;
+}
+
+void pinned_host_pool::reset_peak_stats() {
+  std::lock_guard lock(impl_->mutex);
+  auto& c = impl_->counters;
+  for (stat* s : {&c.allocation, &c.allocated_bytes, &c.requested_bytes, &c.segment,
+                  &c.reserved_bytes}) {
+    s->reset_peak();
+  }
+}
+
+const pinned_pool_options& pinned_host_pool::options() const noexcept { return impl_->options; }
+
+void pinned_host_pool::check_invariants() const { impl_->check(); }
+
+}  // namespace terrace
