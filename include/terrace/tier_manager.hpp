@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: Apache-2.0
+/// @file tier_manager.hpp
+/// @brief Tensors that live in pinned host memory and visit the device when used, with
+/// lifetime-driven (Belady) eviction and prefetch.
+///
+/// Each tensor has a home copy in pinned host memory (a pinned_host_pool buffer) and, while it is
+/// wanted, a device copy (a caching_allocator block). The device holds at most `device_budget`
+/// bytes of tensors. The training loop brackets every use of a tensor with acquire/release:
+///
+///   void* w = tm.acquire(id, compute, access::read);   // device pointer, valid on `compute`
+///   ... launch kernels on `compute` ...
+///   tm.release(id, compute);                           // evictable once that work is done
+///
+/// acquire never blocks the host on a transfer: the compute stream is made to wait for the copy's
+/// event. The order of acquires in one iteration is recorded (between the first two calls of
+/// begin_iteration, or given by set_schedule); afterwards
+///   - eviction takes the unpinned tensor whose next use is farthest (Belady's rule);
+///   - prefetch copies the next tensors of the schedule up on a copy stream, in the order they will
+///     be used, as far as the budget allows without evicting anything needed sooner.
+/// An acquire that does not match the schedule is served on demand and counted; it is never an
+/// error. A tensor written on the device is copied back home before its device memory is reused.
+///
+/// Thread-safe (one mutex); the intended use is one training thread plus the optimizer's.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "terrace/caching_allocator.hpp"
+#include "terrace/device.hpp"
+#include "terrace/pinned_pool.hpp"
+
+namespace terrace {
+
+using tensor_id = std::uint32_t;
+
+/// @brief What the caller will do with a tensor it acquires.
+enum class access {
+  read,   ///< the device copy is only read
+  write,  ///< fully overwritten: no copy up is needed, and the device copy becomes the newest
+  update  ///< read and modified: copied up if needed, and the device copy becomes the newest
+};
+
+struct tier_manager_options {
+  /// Bytes of tensors the device may hold at once, in flight included (0: the device's capacity).
+  std::size_t device_budget = 0;
+  /// Bytes of copies up that prefetch may have in flight at once (0: a quarter of the budget).
+  std::size_t prefetch_window = 0;
+  /// How far ahead in the schedule an unexpected acquire looks for where the iteration went on.
+  std::size_t resync_distance = 64;
+};
+
+/// @brief Counters of a tier_manager (since construction).
+struct tier_stats {
+  std::int64_t host_to_device_bytes = 0;
+  std::int64_t device_to_host_bytes = 0;
+  std::int64_t host_to_device_copies = 0;
+  std::int64_t device_to_host_copies = 0;
+  std::int64_t evictions = 0;          ///< device copies dropped to make room
+  std::int64_t prefetches = 0;         ///< copies up started ahead of use
+  std::int64_t prefetch_hits = 0;      ///< acquires that found their tensor prefetched
+  std::int64_t demand_fetches = 0;     ///< acquires that had to start their own copy up
+  std::int64_t schedule_misses = 0;    ///< acquires that did not follow the recorded schedule
+  std::int64_t device_bytes = 0;       ///< bytes of tensors on the device now
+  std::int64_t device_bytes_peak = 0;
+};
+
+/// @brief The host and device tiers of training beyond GPU memory (see the file comment).
+class tier_manager {
+ public:
+  /// `device_memory` must allocate from `device`; both, and `host`, must outlive the manager.
+  /// @throws logic_error for a budget larger than the device; device_error if no copy stream can
+  ///         be created.
+  tier_manager(device_backend& device, caching_allocator& device_memory, pinned_host_pool& host,
+               tier_manager_options options = {});
+  /// Waits for every copy, then returns all device blocks and host buffers.
+  ~tier_manager();
+  tier_manager(const tier_manager&) = delete;
+  tier_manager& operator=(const tier_manager&) = delete;
+
+  /// @brief A new tensor of `bytes` (> 0) at home in pinned host memory, filled from `initial`
+  /// when given (else its contents are undefined until first written).
+  /// @throws out_of_memory when the host pool cannot hold it; logic_error for 0 bytes.
+  tensor_id add(std::string name, std::size_t bytes, const void* initial = nullptr);
+
+  /// @brief The tensor's device copy, valid for work queued on `stream` from now on; pins it.
+  /// Does not block the host on the transfer. Acquiring a pinned tensor again pins it again.
+  /// @throws logic_error for an unknown id; out_of_memory when pinned tensors leave no room.
+  void* acquire(tensor_id id, stream_ref stream, access mode = access::read);
+  /// @brief Unpins; the device copy may be evicted once the work queued on `stream` so far is done.
+  /// @throws logic_error for an unknown id or a tensor that is not acquired.
+  void release(tensor_id id, stream_ref stream);
+
+  /// @brief The home (pinned host) copy, made current: waits for a copy down in flight, and copies
+  /// a newer device copy down first. For the CPU optimizer and for checkpoints.
+  /// @throws logic_error for an unknown id or a tensor that is acquired (its device copy may be
+  ///         changing).
+  void* host_data(tensor_id id);
+  /// @brief Says the home copy was changed on the host: the device copy is dropped.
+  void host_modified(tensor_id id);
+
+  /// @brief Marks the start of a training iteration. The acquires between the first and second
+  /// calls become the schedule (unless set_schedule gave one); later calls restart it.
+  void begin_iteration();
+  /// @brief Sets the access order of one iteration explicitly (replaces any recorded one).
+  /// @throws logic_error for an unknown id.
+  void set_schedule(std::vector<tensor_id> order);
+  /// @brief The schedule in use (empty until recorded or set).
+  std::vector<tensor_id> schedule() const;
+
+  bool on_device(tensor_id id) const;
+  std::size_t size(tensor_id id) const;
+  const std::string& name(tensor_id id) const;
+  tier_stats stats() const;
+  /// @brief The stream the manager copies on (for tests and for callers that must order work
+  /// after its copies).
+  stream_ref copy_stream() const noexcept;
+
+  /// @brief Checks the books (budget, pins, residency) and throws logic_error naming the first
+  /// broken invariant. For tests.
+  void check_invariants() const;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace terrace

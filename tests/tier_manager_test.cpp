@@ -1,0 +1,313 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host and device tiers over the simulated device: data stays right through evictions and
+// write-backs, Belady beats LRU on a cyclic schedule, prefetch hides copies behind compute,
+// deviations are served, and misuse is a clear error.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "terrace/caching_allocator.hpp"
+#include "terrace/device.hpp"
+#include "terrace/error.hpp"
+#include "terrace/pinned_pool.hpp"
+#include "terrace/sim_device.hpp"
+#include "terrace/tier_manager.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+
+// A sim device, its allocator, a pinned pool and a manager with room for `budget` bytes.
+struct rig {
+  std::unique_ptr<device_backend> dev;
+  std::unique_ptr<caching_allocator> memory;
+  std::unique_ptr<pinned_host_pool> host;
+  std::unique_ptr<tier_manager> tm;
+  stream_ref compute;
+
+  explicit rig(std::size_t budget, double bandwidth = 0.0, std::size_t window = 0) {
+    device_options o;
+    o.capacity = 256 * MiB;
+    o.copy_bandwidth = bandwidth;
+    dev = make_device("sim", o);
+    memory = std::make_unique<caching_allocator>(*dev);
+    pinned_pool_options po;
+    po.region_size = 16 * MiB;
+    host = std::make_unique<pinned_host_pool>(*dev, po);
+    tier_manager_options to;
+    to.device_budget = budget;
+    to.prefetch_window = window;
+    tm = std::make_unique<tier_manager>(*dev, *memory, *host, to);
+    compute = dev->create_stream();
+  }
+  ~rig() {
+    dev->synchronize_device();
+    tm.reset();
+    dev->destroy_stream(compute);
+  }
+
+  // A "kernel" on the compute stream.
+  void launch(std::function<void()> fn) { enqueue_host_function(*dev, compute, std::move(fn)); }
+};
+
+std::vector<unsigned char> pattern(std::size_t n, int seed) {
+  std::vector<unsigned char> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<unsigned char>(i * 31 + seed * 7);
+  return v;
+}
+
+TEST(TierManager, DataSurvivesEvictionsAndDeviceWritesComeHome) {
+  constexpr int kTensors = 8;
+  constexpr std::size_t kBytes = 1 * MiB + 100;
+  rig r(3 * kBytes + 4 * KiB);  // room for three
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < kTensors; ++i) {
+    ids.push_back(r.tm->add("t" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
+  }
+  std::atomic<int> wrong{0};
+  for (int iteration = 0; iteration < 4; ++iteration) {
+    r.tm->begin_iteration();
+    for (int i = 0; i < kTensors; ++i) {
+      auto* p = static_cast<unsigned char*>(r.tm->acquire(ids[i], r.compute, access::update));
+      // Expect the pattern plus one per earlier iteration, then add one more on the "device".
+      r.launch([p, i, iteration, &wrong] {
+        const auto want = pattern(kBytes, i);
+        for (std::size_t k = 0; k < kBytes; k += 997) {
+          if (p[k] != static_cast<unsigned char>(want[k] + iteration)) wrong.fetch_add(1);
+        }
+        for (std::size_t k = 0; k < kBytes; ++k) ++p[k];
+      });
+      r.tm->release(ids[i], r.compute);
+      r.tm->check_invariants();
+    }
+  }
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(wrong.load(), 0);
+  for (int i = 0; i < kTensors; ++i) {  // every device write reached the home copy
+    const auto* h = static_cast<const unsigned char*>(r.tm->host_data(ids[i]));
+    const auto want = pattern(kBytes, i);
+    for (std::size_t k = 0; k < kBytes; k += 991) {
+      ASSERT_EQ(h[k], static_cast<unsigned char>(want[k] + 4)) << "tensor " << i << " byte " << k;
+    }
+  }
+  const auto s = r.tm->stats();
+  EXPECT_GT(s.evictions, 0);
+  EXPECT_LE(s.device_bytes_peak, static_cast<std::int64_t>(3 * kBytes + 4 * KiB));
+  EXPECT_EQ(s.schedule_misses, 0);
+}
+
+// Four tensors used cyclically with room for three: LRU evicts exactly the one needed next and
+// misses every access; Belady's rule keeps the sooner-needed ones and misses far less.
+TEST(TierManager, BeladyBeatsLruOnACyclicSchedule) {
+  constexpr std::size_t kBytes = 256 * KiB;
+  const auto copies_per_iteration = [&](bool with_schedule) {
+    rig r(3 * kBytes, 0.0, kBytes / 2);  // a window smaller than a tensor: no prefetch
+    std::vector<tensor_id> ids;
+    for (int i = 0; i < 4; ++i) ids.push_back(r.tm->add("t" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
+    if (with_schedule) r.tm->set_schedule(ids);
+    for (int it = 0; it < 3; ++it) {  // warm up
+      for (tensor_id id : ids) {
+        r.tm->acquire(id, r.compute);
+        r.tm->release(id, r.compute);
+      }
+    }
+    const auto before = r.tm->stats().host_to_device_copies;
+    for (int it = 0; it < 10; ++it) {
+      for (tensor_id id : ids) {
+        r.tm->acquire(id, r.compute);
+        r.tm->release(id, r.compute);
+      }
+    }
+    return (r.tm->stats().host_to_device_copies - before) / 10.0;
+  };
+  const double lru = copies_per_iteration(false);
+  const double belady = copies_per_iteration(true);
+  EXPECT_EQ(lru, 4.0);
+  EXPECT_LE(belady, 2.0);
+}
+
+TEST(TierManager, TheFirstIterationIsRecordedAsTheSchedule) {
+  rig r(4 * MiB);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(r.tm->add("w" + std::to_string(i), 64 * KiB, pattern(64 * KiB, i).data()));
+  const std::vector<tensor_id> order = {ids[0], ids[1], ids[2], ids[1], ids[3], ids[4]};
+  r.tm->begin_iteration();
+  for (tensor_id id : order) {
+    r.tm->acquire(id, r.compute);
+    r.tm->release(id, r.compute);
+  }
+  EXPECT_TRUE(r.tm->schedule().empty());
+  r.tm->begin_iteration();
+  EXPECT_EQ(r.tm->schedule(), order);
+}
+
+TEST(TierManager, PrefetchBringsTheNextTensorsUpAheadOfUse) {
+  constexpr std::size_t kBytes = 512 * KiB;
+  rig r(4 * kBytes);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 8; ++i) ids.push_back(r.tm->add("l" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
+  r.tm->set_schedule(ids);
+  for (int it = 0; it < 3; ++it) {
+    for (tensor_id id : ids) {
+      r.tm->acquire(id, r.compute);
+      r.tm->release(id, r.compute);
+    }
+  }
+  const auto s = r.tm->stats();
+  EXPECT_GT(s.prefetches, 0);
+  // Only the very first acquire fetches on demand; every other one finds its tensor on the device,
+  // most of them brought up by prefetch (the rest stayed from their last use).
+  EXPECT_EQ(s.demand_fetches, 1);
+  EXPECT_GE(s.prefetch_hits, 2 * 8);
+}
+
+// The simulated copy engine moves 1 GB/s and each layer "computes" for 12 ms; a layer's copy takes
+// about 4 ms. With prefetch the copies hide behind compute: the step takes about the compute time.
+// Generous bounds (the test machines are shared); bench figures live in the benchmarks.
+TEST(TierManager, PrefetchHidesCopiesBehindCompute) {
+  constexpr std::size_t kBytes = 4 * MiB;
+  constexpr int kLayers = 6;
+  constexpr auto kCompute = std::chrono::milliseconds(12);
+  rig r(3 * kBytes, 1e9);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < kLayers; ++i) ids.push_back(r.tm->add("layer" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
+  r.tm->set_schedule(ids);
+  const auto step = [&] {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (tensor_id id : ids) {
+      r.tm->acquire(id, r.compute);
+      r.launch([&] { std::this_thread::sleep_for(kCompute); });
+      r.tm->release(id, r.compute);
+    }
+    r.dev->synchronize(r.compute);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  step();  // the first step fetches on demand
+  std::vector<double> times;
+  for (int i = 0; i < 3; ++i) times.push_back(step());
+  std::sort(times.begin(), times.end());
+  const double compute = kLayers * std::chrono::duration<double>(kCompute).count();
+  const double copies = kLayers * static_cast<double>(kBytes) / 1e9;
+  const double exposed = std::max(0.0, times[1] - compute);
+  // Without overlap the step would take compute + copies; demand at least half the copy time
+  // hidden.
+  EXPECT_LT(exposed, 0.5 * copies) << "median step " << times[1] << " s, compute " << compute
+                                   << " s, copies " << copies << " s";
+}
+
+TEST(TierManager, OffScheduleAcquiresAreServedAndCounted) {
+  rig r(2 * MiB);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(r.tm->add("p" + std::to_string(i), 256 * KiB, pattern(256 * KiB, i).data()));
+  r.tm->set_schedule({ids[0], ids[1], ids[2], ids[3]});
+  std::atomic<int> wrong{0};
+  for (tensor_id id : {ids[0], ids[5], ids[1], ids[4], ids[3], ids[2], ids[0]}) {
+    auto* p = static_cast<unsigned char*>(r.tm->acquire(id, r.compute));
+    r.launch([p, id, &wrong] {
+      if (p[1000] != pattern(256 * KiB, static_cast<int>(id))[1000]) wrong.fetch_add(1);
+    });
+    r.tm->release(id, r.compute);
+  }
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GE(r.tm->stats().schedule_misses, 3);
+  r.tm->check_invariants();
+}
+
+TEST(TierManager, HostUpdatesReachTheDeviceAndWritesNeedNoCopyUp) {
+  rig r(1 * MiB);
+  const tensor_id w = r.tm->add("w", 64 * KiB, pattern(64 * KiB, 1).data());
+  const tensor_id g = r.tm->add("g", 64 * KiB);  // no initial data: written on the device first
+  auto* gd = static_cast<unsigned char*>(r.tm->acquire(g, r.compute, access::write));
+  EXPECT_EQ(r.tm->stats().host_to_device_copies, 0);
+  r.launch([gd] { std::memset(gd, 9, 64 * KiB); });
+  r.tm->release(g, r.compute);
+  auto* gh = static_cast<unsigned char*>(r.tm->host_data(g));  // the gradient comes home
+  EXPECT_EQ(gh[12345], 9);
+
+  auto* wh = static_cast<unsigned char*>(r.tm->host_data(w));  // the "optimizer" steps w
+  std::memset(wh, 42, 64 * KiB);
+  r.tm->host_modified(w);
+  EXPECT_FALSE(r.tm->on_device(w));
+  auto* wd = static_cast<unsigned char*>(r.tm->acquire(w, r.compute));
+  std::atomic<int> seen{0};
+  r.launch([wd, &seen] { seen = wd[777]; });
+  r.tm->release(w, r.compute);
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(seen.load(), 42);
+}
+
+TEST(TierManager, MisuseIsAClearError) {
+  rig r(1 * MiB);
+  const tensor_id a = r.tm->add("a", 512 * KiB, pattern(512 * KiB, 0).data());
+  const tensor_id b = r.tm->add("b", 512 * KiB, pattern(512 * KiB, 1).data());
+  const tensor_id c = r.tm->add("c", 512 * KiB, pattern(512 * KiB, 2).data());
+  EXPECT_THROW(r.tm->acquire(99, r.compute), logic_error);
+  EXPECT_THROW(r.tm->release(a, r.compute), logic_error);  // not acquired
+  EXPECT_THROW(r.tm->add("empty", 0), logic_error);
+  r.tm->acquire(a, r.compute);
+  r.tm->acquire(b, r.compute);
+  EXPECT_THROW(r.tm->host_data(a), logic_error);  // acquired
+  try {
+    r.tm->acquire(c, r.compute);  // a and b are pinned and fill the budget
+    FAIL() << "no out_of_memory";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("'c'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("2 acquired tensors"), std::string::npos) << e.what();
+  }
+  r.tm->release(a, r.compute);
+  r.tm->acquire(c, r.compute);  // now a can go
+  r.tm->release(b, r.compute);
+  r.tm->release(c, r.compute);
+  r.tm->check_invariants();
+
+  auto dev = make_device("sim", {});
+  caching_allocator memory(*dev);
+  pinned_host_pool host(*dev);
+  tier_manager_options too_big;
+  too_big.device_budget = dev->properties().capacity + 1;
+  EXPECT_THROW(tier_manager(*dev, memory, host, too_big), logic_error);
+}
+
+// The optimizer thread reads and writes home copies of tensors the training thread is not using
+// while the training thread acquires and releases others.
+TEST(TierManagerConcurrency, AnOptimizerThreadWorksBesideTheTrainingThread) {
+  constexpr std::size_t kBytes = 128 * KiB;
+  rig r(4 * kBytes);
+  std::vector<tensor_id> weights, states;
+  for (int i = 0; i < 6; ++i) {
+    weights.push_back(r.tm->add("w" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
+    states.push_back(r.tm->add("m" + std::to_string(i), kBytes, pattern(kBytes, 100 + i).data()));
+  }
+  std::thread optimizer([&] {
+    for (int round = 0; round < 50; ++round) {
+      for (tensor_id id : states) {
+        auto* h = static_cast<unsigned char*>(r.tm->host_data(id));
+        for (std::size_t k = 0; k < kBytes; k += 4096) ++h[k];
+        r.tm->host_modified(id);
+      }
+    }
+  });
+  for (int it = 0; it < 50; ++it) {
+    for (tensor_id id : weights) {
+      r.tm->acquire(id, r.compute);
+      r.tm->release(id, r.compute);
+    }
+  }
+  optimizer.join();
+  r.dev->synchronize(r.compute);
+  r.tm->check_invariants();
+  const auto* h = static_cast<const unsigned char*>(r.tm->host_data(states[0]));
+  EXPECT_EQ(h[0], static_cast<unsigned char>(pattern(kBytes, 100)[0] + 50));
+}
+
+}  // namespace
+}  // namespace terrace

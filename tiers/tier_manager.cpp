@@ -1,0 +1,472 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host and device tiers (include/terrace/tier_manager.hpp): residency books, Belady eviction
+// over the recorded schedule, and prefetch on a copy stream.
+//
+// Ordering argument, since nothing here blocks the host on a copy:
+//   - every device block is allocated on the copy stream, so a block freed by an eviction and
+//     reused for the next copy up is ordered behind the eviction's copy down on that stream;
+//   - a compute stream that uses a block is registered with record_stream, so the allocator does
+//     not hand the block out again before that stream's work (at free time) is done;
+//   - a copy down of a tensor written on a compute stream first waits for the event recorded at
+//     release on that stream;
+//   - a compute stream waits for the event of the copy up before using the block.
+#include "terrace/tier_manager.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+
+#include "terrace/error.hpp"
+#include "tiers/backends.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t kNever = std::numeric_limits<std::size_t>::max();
+
+}  // namespace
+
+struct tier_manager::impl {
+  struct tensor {
+    std::string name;
+    std::size_t bytes = 0;
+    void* host = nullptr;
+    bool host_written = false;  // the home copy holds data (initial, or copied down)
+    void* dev = nullptr;        // device block, or nullptr
+    bool dev_newer = false;     // the device copy was written after the home copy
+    bool prefetched = false;    // brought up ahead of use and not acquired since
+    int pins = 0;
+    event_ref up, down, done;   // created lazily
+    bool up_pending = false, down_pending = false, done_recorded = false;
+    std::vector<std::size_t> uses;  // positions in the schedule, ascending
+    std::uint64_t last_use = 0;     // tick of the last acquire, for LRU without a schedule
+  };
+
+  device_backend& device;
+  caching_allocator& memory;
+  pinned_host_pool& host;
+  tier_manager_options options;
+  stream_ref copy;
+
+  mutable std::mutex mutex;
+  std::vector<tensor> tensors;
+  std::vector<tensor_id> resident;  // tensors with a device block
+  std::size_t device_bytes = 0;
+  std::vector<tensor_id> schedule;
+  std::vector<tensor_id> recording;
+  bool is_recording = false;
+  bool schedule_given = false;
+  std::size_t pos = 0;
+  std::uint64_t tick = 0;
+  tier_stats counters;
+
+  impl(device_backend& d, caching_allocator& m, pinned_host_pool& h, tier_manager_options o)
+      : device(d), memory(m), host(h), options(o) {
+    const std::size_t capacity = device.properties().capacity;
+    if (options.device_budget == 0) options.device_budget = capacity;
+    TERRACE_EXPECTS(options.device_budget <= capacity,
+                    "tier manager device budget " + detail::describe_bytes(options.device_budget) +
+                        " exceeds the capacity of device '" + device.properties().name + "' (" +
+                        detail::describe_bytes(capacity) + ")");
+    if (options.prefetch_window == 0) options.prefetch_window = options.device_budget / 4;
+    copy = device.create_stream();
+  }
+
+  ~impl() {
+    try {
+      device.synchronize_device();
+    } catch (...) {
+      // A failed stream already reported; memory is returned regardless.
+    }
+    for (tensor& t : tensors) {
+      if (t.dev != nullptr) memory.deallocate(t.dev, copy);
+      if (t.host != nullptr) host.deallocate(t.host);
+      for (event_ref e : {t.up, t.down, t.done}) {
+        if (e.native != nullptr) device.destroy_event(e);
+      }
+    }
+    device.destroy_stream(copy);
+  }
+
+  tensor& at(tensor_id id, const char* call) {
+    if (id >= tensors.size()) {
+      throw logic_error(std::string("terrace: tier manager: ") + call + " of unknown tensor id " +
+                        std::to_string(id));
+    }
+    return tensors[id];
+  }
+
+  event_ref& ensure(event_ref& e) {
+    if (e.native == nullptr) e = device.create_event();
+    return e;
+  }
+
+  // ------------------------------------------------------------------ schedule
+
+  void build_uses() {
+    for (tensor& t : tensors) t.uses.clear();
+    for (std::size_t i = 0; i < schedule.size(); ++i) tensors[schedule[i]].uses.push_back(i);
+    pos = 0;
+  }
+
+  // Where this acquire stands in the schedule: in step, a little ahead (the iteration skipped
+  // something), or off it (served on demand, counted).
+  void follow_schedule(tensor_id id) {
+    if (is_recording) recording.push_back(id);
+    if (schedule.empty()) return;
+    if (pos >= schedule.size()) pos = 0;  // the next iteration began without begin_iteration
+    if (schedule[pos] == id) {
+      ++pos;
+      return;
+    }
+    ++counters.schedule_misses;
+    const std::size_t limit = std::min(schedule.size(), pos + 1 + options.resync_distance);
+    for (std::size_t k = pos + 1; k < limit; ++k) {
+      if (schedule[k] == id) {
+        pos = k + 1;
+        return;
+      }
+    }
+  }
+
+  // Accesses until `t` is used again, counted from the next expected one; kNever if not scheduled.
+  std::size_t next_use(const tensor& t) const {
+    if (t.uses.empty()) return kNever;
+    const std::size_t p = pos >= schedule.size() ? 0 : pos;
+    const auto it = std::lower_bound(t.uses.begin(), t.uses.end(), p);
+    if (it != t.uses.end()) return *it - p;
+    return t.uses.front() + schedule.size() - p;
+  }
+
+  // ------------------------------------------------------------------ room on the device
+
+  // The unpinned resident tensor used farthest in the future (least recently used among those
+  // never used again), other than `keep`; only one used later than `later_than` when that is set.
+  tensor_id victim(tensor_id keep, std::size_t later_than) const {
+    tensor_id best = static_cast<tensor_id>(-1);
+    std::size_t best_next = 0;
+    std::uint64_t best_last = 0;
+    for (tensor_id id : resident) {
+      const tensor& t = tensors[id];
+      if (id == keep || t.pins > 0) continue;
+      const std::size_t next = next_use(t);
+      if (later_than != kNever && next <= later_than) continue;
+      if (best == static_cast<tensor_id>(-1) || next > best_next ||
+          (next == best_next && t.last_use < best_last)) {
+        best = id;
+        best_next = next;
+        best_last = t.last_use;
+      }
+    }
+    return best;
+  }
+
+  // Evicts until `bytes` more fit the budget. With `later_than` set (prefetch), only tensors
+  // needed after that are evicted, and false says it could not make room.
+  bool make_room(std::size_t bytes, tensor_id keep, std::size_t later_than) {
+    while (device_bytes + bytes > options.device_budget) {
+      const tensor_id v = victim(keep, later_than);
+      if (v == static_cast<tensor_id>(-1)) return false;
+      evict(v);
+    }
+    return true;
+  }
+
+  // A device block for `t`, evicting more if the device itself (fragmentation, other users) is
+  // fuller than the budget says. nullptr, with nothing changed, if that is impossible and `soft`.
+  void* device_block(tensor_id id, std::size_t later_than, bool soft) {
+    tensor& t = tensors[id];
+    for (;;) {
+      try {
+        return memory.allocate(t.bytes, copy, t.name);
+      } catch (const out_of_memory&) {
+        const tensor_id v = victim(id, later_than);
+        if (v == static_cast<tensor_id>(-1)) {
+          if (soft) return nullptr;
+          throw;
+        }
+        evict(v);
+      }
+    }
+  }
+
+  void copy_down(tensor& t) {
+    if (t.done_recorded) device.wait(copy, t.done);
+    device.copy_async(t.host, t.dev, t.bytes, copy_kind::device_to_host, copy);
+    device.record(ensure(t.down), copy);
+    t.down_pending = true;
+    t.host_written = true;
+    t.dev_newer = false;
+    counters.device_to_host_bytes += static_cast<std::int64_t>(t.bytes);
+    ++counters.device_to_host_copies;
+  }
+
+  void drop_device_copy(tensor_id id) {
+    tensor& t = tensors[id];
+    memory.deallocate(t.dev, copy);
+    t.dev = nullptr;
+    t.up_pending = false;
+    t.prefetched = false;
+    resident.erase(std::find(resident.begin(), resident.end(), id));
+    device_bytes -= t.bytes;
+    counters.device_bytes = static_cast<std::int64_t>(device_bytes);
+  }
+
+  void evict(tensor_id id) {
+    tensor& t = tensors[id];
+    if (t.dev_newer) copy_down(t);  // the home copy must hold the data before the block goes
+    drop_device_copy(id);
+    ++counters.evictions;
+  }
+
+  // Gives `t` a device block and queues its copy up (unless it is about to be overwritten).
+  void bring_up(tensor_id id, void* block, bool needs_data) {
+    tensor& t = tensors[id];
+    t.dev = block;
+    resident.push_back(id);
+    device_bytes += t.bytes;
+    counters.device_bytes = static_cast<std::int64_t>(device_bytes);
+    counters.device_bytes_peak = std::max(counters.device_bytes_peak, counters.device_bytes);
+    if (needs_data && t.host_written) {
+      // A copy down still in flight on the copy stream is ahead of this one: same stream.
+      device.copy_async(t.dev, t.host, t.bytes, copy_kind::host_to_device, copy);
+      device.record(ensure(t.up), copy);
+      t.up_pending = true;
+      counters.host_to_device_bytes += static_cast<std::int64_t>(t.bytes);
+      ++counters.host_to_device_copies;
+    }
+  }
+
+  // Bytes of prefetches still copying up (a demand fetch is not counted: the window bounds how far
+  // prefetch runs ahead, not the traffic the caller asked for).
+  std::size_t prefetch_bytes_in_flight() {
+    std::size_t sum = 0;
+    for (tensor_id id : resident) {
+      tensor& t = tensors[id];
+      if (t.up_pending && device.query(t.up)) t.up_pending = false;
+      if (t.up_pending && t.prefetched) sum += t.bytes;
+    }
+    return sum;
+  }
+
+  // Copies the next tensors of the schedule up, in order of use, while the window and the budget
+  // allow it without evicting anything needed before them.
+  void prefetch() {
+    if (schedule.empty()) return;
+    std::size_t in_flight = prefetch_bytes_in_flight();
+    const std::size_t n = schedule.size();
+    const std::size_t start = pos >= n ? 0 : pos;
+    for (std::size_t k = 0; k < n; ++k) {
+      const tensor_id id = schedule[(start + k) % n];
+      tensor& t = tensors[id];
+      if (t.dev != nullptr) continue;
+      if (!t.host_written) continue;  // nothing to copy: the first acquire will write it
+      if (in_flight + t.bytes > options.prefetch_window) return;
+      if (t.bytes > options.device_budget) return;
+      if (!make_room(t.bytes, id, k)) return;
+      void* block = device_block(id, k, /*soft=*/true);
+      if (block == nullptr) return;
+      bring_up(id, block, true);
+      t.prefetched = true;
+      ++counters.prefetches;
+      in_flight += t.bytes;
+    }
+  }
+
+  // ------------------------------------------------------------------ the calls
+
+  void* acquire(tensor_id id, stream_ref stream, access mode) {
+    std::lock_guard lock(mutex);
+    tensor& t = at(id, "acquire");
+    follow_schedule(id);
+    t.last_use = ++tick;
+    if (t.dev != nullptr) {
+      if (t.prefetched) ++counters.prefetch_hits;
+    } else {
+      if (t.bytes > options.device_budget || !make_room(t.bytes, id, kNever)) {
+        throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
+                            detail::describe_bytes(t.bytes) + ") in the device budget of " +
+                            detail::describe_bytes(options.device_budget) + ": " +
+                            detail::describe_bytes(device_bytes) + " are held by " +
+                            std::to_string(pinned_count()) + " acquired tensors");
+      }
+      bring_up(id, device_block(id, kNever, /*soft=*/false), mode != access::write);
+      if (t.up_pending) ++counters.demand_fetches;
+    }
+    t.prefetched = false;
+    if (t.up_pending) {
+      if (device.query(t.up)) {
+        t.up_pending = false;
+      } else {
+        device.wait(stream, t.up);
+      }
+    }
+    if (stream.native != copy.native) memory.record_stream(t.dev, stream);
+    ++t.pins;
+    if (mode != access::read) t.dev_newer = true;
+    prefetch();
+    return t.dev;
+  }
+
+  std::size_t pinned_count() const {
+    std::size_t n = 0;
+    for (tensor_id id : resident) n += tensors[id].pins > 0 ? 1 : 0;
+    return n;
+  }
+
+  void release(tensor_id id, stream_ref stream) {
+    std::lock_guard lock(mutex);
+    tensor& t = at(id, "release");
+    if (t.pins == 0) {
+      throw logic_error("terrace: tier manager: release of '" + t.name + "', which is not acquired");
+    }
+    --t.pins;
+    // The copy down of an eviction must wait for the work that used the tensor on `stream`.
+    device.record(ensure(t.done), stream);
+    t.done_recorded = true;
+  }
+
+  void* host_data(tensor_id id) {
+    std::lock_guard lock(mutex);
+    tensor& t = at(id, "host_data");
+    if (t.pins > 0) {
+      throw logic_error("terrace: tier manager: host_data of '" + t.name +
+                        "' while it is acquired on the device (release it first)");
+    }
+    if (t.dev != nullptr && t.dev_newer) copy_down(t);
+    // A copy up (perhaps a prefetch since evicted) may still be reading the home copy that the
+    // caller is about to change.
+    if (t.up.native != nullptr) device.synchronize(t.up);
+    t.up_pending = false;
+    if (t.down_pending) {
+      device.synchronize(t.down);
+      t.down_pending = false;
+    }
+    return t.host;
+  }
+
+  void host_modified(tensor_id id) {
+    std::lock_guard lock(mutex);
+    tensor& t = at(id, "host_modified");
+    if (t.pins > 0) {
+      throw logic_error("terrace: tier manager: host_modified of '" + t.name +
+                        "' while it is acquired on the device");
+    }
+    t.host_written = true;
+    t.dev_newer = false;
+    if (t.dev != nullptr) drop_device_copy(id);
+  }
+
+  void check() const {
+    std::lock_guard lock(mutex);
+    const auto fail = [](const std::string& what) {
+      throw logic_error("terrace: tier manager invariant: " + what);
+    };
+    std::size_t sum = 0;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const tensor& t = tensors[i];
+      const bool listed = std::find(resident.begin(), resident.end(), i) != resident.end();
+      if ((t.dev != nullptr) != listed) fail("'" + t.name + "' residency list disagrees");
+      if (t.dev != nullptr) sum += t.bytes;
+      if (t.pins < 0) fail("'" + t.name + "' has negative pins");
+      if (t.pins > 0 && t.dev == nullptr) fail("'" + t.name + "' is pinned but not on the device");
+      if (t.dev_newer && t.dev == nullptr) fail("'" + t.name + "' newer on a device it is not on");
+    }
+    if (sum != device_bytes) fail("device bytes do not recount");
+    if (device_bytes > options.device_budget) fail("over the device budget");
+  }
+};
+
+tier_manager::tier_manager(device_backend& device, caching_allocator& device_memory,
+                           pinned_host_pool& host, tier_manager_options options)
+    : impl_(std::make_unique<impl>(device, device_memory, host, options)) {}
+
+tier_manager::~tier_manager() = default;
+
+tensor_id tier_manager::add(std::string name, std::size_t bytes, const void* initial) {
+  TERRACE_EXPECTS(bytes > 0, "tier manager: tensor '" + name + "' of 0 bytes");
+  std::lock_guard lock(impl_->mutex);
+  TERRACE_EXPECTS(impl_->tensors.size() < std::numeric_limits<tensor_id>::max(),
+                  "tier manager: too many tensors");
+  void* home = impl_->host.allocate(bytes);
+  if (initial != nullptr) std::memcpy(home, initial, bytes);
+  impl::tensor t;
+  t.name = std::move(name);
+  t.bytes = bytes;
+  t.host = home;
+  t.host_written = initial != nullptr;
+  try {
+    impl_->tensors.push_back(std::move(t));
+  } catch (...) {
+    impl_->host.deallocate(home);
+    throw;
+  }
+  return static_cast<tensor_id>(impl_->tensors.size() - 1);
+}
+
+void* tier_manager::acquire(tensor_id id, stream_ref stream, access mode) {
+  return impl_->acquire(id, stream, mode);
+}
+void tier_manager::release(tensor_id id, stream_ref stream) { impl_->release(id, stream); }
+void* tier_manager::host_data(tensor_id id) { return impl_->host_data(id); }
+void tier_manager::host_modified(tensor_id id) { impl_->host_modified(id); }
+
+void tier_manager::begin_iteration() {
+  std::lock_guard lock(impl_->mutex);
+  impl& m = *impl_;
+  if (!m.schedule_given && m.schedule.empty()) {
+    if (!m.is_recording) {
+      m.is_recording = true;
+      m.recording.clear();
+      return;
+    }
+    m.is_recording = false;
+    m.schedule = std::move(m.recording);
+    m.recording.clear();
+    m.build_uses();
+    return;
+  }
+  m.pos = 0;
+}
+
+void tier_manager::set_schedule(std::vector<tensor_id> order) {
+  std::lock_guard lock(impl_->mutex);
+  for (tensor_id id : order) (void)impl_->at(id, "set_schedule");
+  impl_->schedule = std::move(order);
+  impl_->schedule_given = true;
+  impl_->is_recording = false;
+  impl_->build_uses();
+}
+
+std::vector<tensor_id> tier_manager::schedule() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->schedule;
+}
+
+bool tier_manager::on_device(tensor_id id) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->at(id, "on_device").dev != nullptr;
+}
+
+std::size_t tier_manager::size(tensor_id id) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->at(id, "size").bytes;
+}
+
+const std::string& tier_manager::name(tensor_id id) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->at(id, "name").name;
+}
+
+tier_stats tier_manager::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->counters;
+}
+
+stream_ref tier_manager::copy_stream() const noexcept { return impl_->copy; }
+
+void tier_manager::check_invariants() const { impl_->check(); }
+
+}  // namespace terrace
