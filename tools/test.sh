@@ -87,6 +87,16 @@ else
   record "all-tests" FAIL 0 "not run: the build failed"
 fi
 
+# Every test carries cpu or gpu besides any other label (tests/CMakeLists.txt escapes its label
+# lists for that); a concurrent test that lost its cpu label would silently miss the ASan run.
+if [[ -d "$base" ]]; then
+  unlabelled="$(ctest --test-dir "$base" -N -L '^concurrent$' -LE '^(cpu|gpu)$' |
+                sed -n 's/^ *Total Tests: //p')"
+  if [[ "${unlabelled:-0}" != 0 ]]; then
+    record "labels" FAIL 0 "$unlabelled concurrent tests carry neither cpu nor gpu"
+  fi
+fi
+
 # ------------------------------------------------------------------ 2. ASan + UBSan, the cpu suite
 # -O1 -g1 halves the compile time of the json-heavy sources against RelWithDebInfo's -O2 -g and
 # still gives sanitizer reports with file:line; NDEBUG stays as in the Release build, so the
