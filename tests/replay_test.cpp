@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "run_command.hpp"
 #include "terrace/error.hpp"
 #include "terrace/trace.hpp"
 #include "tools/replay.hpp"
@@ -487,22 +488,10 @@ TEST(SampleTrace, IsWhatTheGeneratorMakesAndReplaysCleanly) {
 // ------------------------------------------------------------------------------ command line
 
 #ifdef TERRACE_CLI_PATH
-struct run_result {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
+using terrace::testing::run_result;
 
 run_result run_cli(const std::string& args) {
-  run_result r;
-  const std::string cmd = std::string("'") + TERRACE_CLI_PATH + "' " + args + " 2>&1";
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buf[4096];
-  std::size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
-  const int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return terrace::testing::run_command(std::string("'") + TERRACE_CLI_PATH + "' " + args);
 }
 
 TEST(Cli, ReplayJsonReportsTheRecount) {
