@@ -33,7 +33,10 @@ struct tier_manager::impl {
     std::string name;
     std::size_t bytes = 0;
     void* host = nullptr;
-    bool host_written = false;  // the home copy holds data (initial, or copied down)
+    bool host_written = false;  // the pinned home copy holds the data (initial, copied down, read)
+    bool nvme_current = false;  // the NVMe store holds the current data
+    bool nvme_reading = false;  // a get into `host` is in flight (nvme_io)
+    io_handle nvme_io;
     void* dev = nullptr;        // device block, or nullptr
     bool dev_newer = false;     // the device copy was written after the home copy
     bool prefetched = false;    // brought up ahead of use and not acquired since
@@ -47,6 +50,7 @@ struct tier_manager::impl {
   device_backend& device;
   caching_allocator& memory;
   pinned_host_pool& host;
+  tensor_store* nvme;
   tier_manager_options options;
   stream_ref copy;
 
@@ -54,6 +58,7 @@ struct tier_manager::impl {
   std::vector<tensor> tensors;
   std::vector<tensor_id> resident;  // tensors with a device block
   std::size_t device_bytes = 0;
+  std::size_t host_bytes = 0;  // bytes of home copies in pinned memory
   std::vector<tensor_id> schedule;
   std::vector<tensor_id> recording;
   bool is_recording = false;
@@ -62,8 +67,11 @@ struct tier_manager::impl {
   std::uint64_t tick = 0;
   tier_stats counters;
 
-  impl(device_backend& d, caching_allocator& m, pinned_host_pool& h, tier_manager_options o)
-      : device(d), memory(m), host(h), options(o) {
+  impl(device_backend& d, caching_allocator& m, pinned_host_pool& h, tier_manager_options o,
+       tensor_store* store)
+      : device(d), memory(m), host(h), nvme(store), options(o) {
+    TERRACE_EXPECTS(options.host_budget == 0 || nvme != nullptr,
+                    "tier manager: a host budget needs an NVMe store to put the rest in");
     const std::size_t capacity = device.properties().capacity;
     if (options.device_budget == 0) options.device_budget = capacity;
     TERRACE_EXPECTS(options.device_budget <= capacity,
@@ -81,6 +89,13 @@ struct tier_manager::impl {
       // A failed stream already reported; memory is returned regardless.
     }
     for (tensor& t : tensors) {
+      if (t.nvme_reading) {
+        try {
+          t.nvme_io.wait();
+        } catch (...) {
+          // The buffer is freed below either way; the error belonged to a read nobody waits for.
+        }
+      }
       if (t.dev != nullptr) memory.deallocate(t.dev, copy);
       if (t.host != nullptr) host.deallocate(t.host);
       for (event_ref e : {t.up, t.down, t.done}) {
@@ -198,6 +213,7 @@ struct tier_manager::impl {
     device.record(ensure(t.down), copy);
     t.down_pending = true;
     t.host_written = true;
+    t.nvme_current = false;
     t.dev_newer = false;
     counters.device_to_host_bytes += static_cast<std::int64_t>(t.bytes);
     ++counters.device_to_host_copies;
@@ -262,7 +278,11 @@ struct tier_manager::impl {
       const tensor_id id = schedule[(start + k) % n];
       tensor& t = tensors[id];
       if (t.dev != nullptr) continue;
-      if (!t.host_written) continue;  // nothing to copy: the first acquire will write it
+      if (t.nvme_reading) {
+        if (!t.nvme_io.ready()) continue;  // still on its way from NVMe: a later call takes it
+        finish_read(t);
+      }
+      if (t.host == nullptr || !t.host_written) continue;  // on NVMe only, or never written
       if (in_flight + t.bytes > options.prefetch_window) return;
       if (t.bytes > options.device_budget) return;
       if (!make_room(t.bytes, id, k)) return;
@@ -272,6 +292,132 @@ struct tier_manager::impl {
       t.prefetched = true;
       ++counters.prefetches;
       in_flight += t.bytes;
+    }
+  }
+
+  // ------------------------------------------------------------------ the host tier over NVMe
+
+  bool host_limited() const { return nvme != nullptr && options.host_budget != 0; }
+
+  // The home copy used farthest in the future that can move to NVMe now: not on the device (its
+  // copies there would need it), not being read from NVMe.
+  tensor_id host_victim(tensor_id keep, std::size_t later_than) const {
+    tensor_id best = static_cast<tensor_id>(-1);
+    std::size_t best_next = 0;
+    std::uint64_t best_last = 0;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const tensor& t = tensors[i];
+      if (i == keep || t.host == nullptr || t.dev != nullptr || t.nvme_reading) continue;
+      const std::size_t next = next_use(t);
+      if (later_than != kNever && next <= later_than) continue;
+      if (best == static_cast<tensor_id>(-1) || next > best_next ||
+          (next == best_next && t.last_use < best_last)) {
+        best = static_cast<tensor_id>(i);
+        best_next = next;
+        best_last = t.last_use;
+      }
+    }
+    return best;
+  }
+
+  // Moves a home copy to NVMe and frees its pinned buffer. The write is waited for: the buffer
+  // cannot be reused before it is on disk. (A copy up or down may still touch the buffer: both
+  // are waited for first.)
+  void evict_host(tensor_id id) {
+    tensor& t = tensors[id];
+    if (t.up.native != nullptr) device.synchronize(t.up);
+    if (t.down_pending) {
+      device.synchronize(t.down);
+      t.down_pending = false;
+    }
+    if (t.host_written && !t.nvme_current) {
+      nvme->put(t.name, t.host, t.bytes).wait();
+      t.nvme_current = true;
+      counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+    }
+    host.deallocate(t.host);
+    t.host = nullptr;
+    t.host_written = false;
+    host_bytes -= t.bytes;
+    counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+    ++counters.host_evictions;
+  }
+
+  bool make_host_room(std::size_t bytes, tensor_id keep, std::size_t later_than) {
+    if (!host_limited()) return true;
+    while (host_bytes + bytes > options.host_budget) {
+      const tensor_id v = host_victim(keep, later_than);
+      if (v == static_cast<tensor_id>(-1)) return false;
+      evict_host(v);
+    }
+    return true;
+  }
+
+  void take_host_buffer(tensor& t) {
+    t.host = host.allocate(t.bytes);
+    host_bytes += t.bytes;
+    counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+    counters.host_bytes_peak = std::max(counters.host_bytes_peak, counters.host_bytes);
+  }
+
+  // Finishes an NVMe read of `t` (blocking); on failure the buffer is given back and the error,
+  // which names the tensor, propagates.
+  void finish_read(tensor& t) {
+    try {
+      t.nvme_io.wait();
+    } catch (...) {
+      t.nvme_reading = false;
+      host.deallocate(t.host);
+      t.host = nullptr;
+      host_bytes -= t.bytes;
+      counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+      throw;
+    }
+    t.nvme_reading = false;
+    t.host_written = true;
+  }
+
+  // Makes the home copy of `id` present in pinned memory (a device copy must always have one to
+  // come home to), reading it from NVMe when it lives there and `need_data`; blocks until the data
+  // is in.
+  void ensure_home(tensor_id id, bool need_data = true) {
+    tensor& t = tensors[id];
+    if (t.host == nullptr) {
+      if (!make_host_room(t.bytes, id, kNever)) {
+        throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
+                            detail::describe_bytes(t.bytes) + ") in the host budget of " +
+                            detail::describe_bytes(options.host_budget) +
+                            ": every home copy there is in use on the device");
+      }
+      take_host_buffer(t);
+      if (t.nvme_current && need_data) {
+        t.nvme_io = nvme->get(t.name, t.host, t.bytes);
+        t.nvme_reading = true;
+        counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
+      }
+    }
+    if (t.nvme_reading) {
+      if (!t.nvme_io.ready()) ++counters.nvme_waits;
+      finish_read(t);
+    }
+  }
+
+  // Starts reading the home copies of the next tensors of the schedule back from NVMe, without
+  // pushing out any home copy needed before them. Never blocks.
+  void prefetch_from_nvme() {
+    if (!host_limited() || schedule.empty()) return;
+    const std::size_t n = schedule.size();
+    const std::size_t start = pos >= n ? 0 : pos;
+    for (std::size_t k = 0; k < n; ++k) {
+      const tensor_id id = schedule[(start + k) % n];
+      tensor& t = tensors[id];
+      if (t.host != nullptr || !t.nvme_current) continue;
+      if (!make_host_room(t.bytes, id, k)) return;
+      take_host_buffer(t);
+      t.nvme_io = nvme->get(t.name, t.host, t.bytes);
+      t.nvme_reading = true;
+      counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
+      ++counters.nvme_prefetches;
     }
   }
 
@@ -292,6 +438,7 @@ struct tier_manager::impl {
                             detail::describe_bytes(device_bytes) + " are held by " +
                             std::to_string(pinned_count()) + " acquired tensors");
       }
+      ensure_home(id, mode != access::write);
       bring_up(id, device_block(id, kNever, /*soft=*/false), mode != access::write);
       if (t.up_pending) ++counters.demand_fetches;
     }
@@ -307,6 +454,7 @@ struct tier_manager::impl {
     ++t.pins;
     if (mode != access::read) t.dev_newer = true;
     prefetch();
+    prefetch_from_nvme();
     return t.dev;
   }
 
@@ -335,6 +483,7 @@ struct tier_manager::impl {
       throw logic_error("terrace: tier manager: host_data of '" + t.name +
                         "' while it is acquired on the device (release it first)");
     }
+    if (t.dev == nullptr || !t.dev_newer) ensure_home(id);
     if (t.dev != nullptr && t.dev_newer) copy_down(t);
     // A copy up (perhaps a prefetch since evicted) may still be reading the home copy that the
     // caller is about to change.
@@ -354,9 +503,40 @@ struct tier_manager::impl {
       throw logic_error("terrace: tier manager: host_modified of '" + t.name +
                         "' while it is acquired on the device");
     }
+    if (t.host == nullptr) {
+      throw logic_error("terrace: tier manager: host_modified of '" + t.name +
+                        "', whose home copy is on NVMe (call host_data first)");
+    }
     t.host_written = true;
+    t.nvme_current = false;
     t.dev_newer = false;
     if (t.dev != nullptr) drop_device_copy(id);
+  }
+
+  std::uint64_t checkpoint() {
+    std::lock_guard lock(mutex);
+    TERRACE_EXPECTS(nvme != nullptr, "tier manager: checkpoint without an NVMe store");
+    std::vector<io_handle> writes;
+    for (tensor& t : tensors) {
+      if (t.pins > 0) {
+        throw logic_error("terrace: tier manager: checkpoint while '" + t.name + "' is acquired");
+      }
+      if (t.dev != nullptr && t.dev_newer) copy_down(t);
+      if (t.down_pending) {
+        device.synchronize(t.down);
+        t.down_pending = false;
+      }
+      if (t.nvme_reading) finish_read(t);
+      if (t.host != nullptr && t.host_written && !t.nvme_current) {
+        writes.push_back(nvme->put(t.name, t.host, t.bytes));
+        counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+      }
+    }
+    for (io_handle& h : writes) h.wait();
+    for (tensor& t : tensors) {
+      if (t.host != nullptr && t.host_written) t.nvme_current = true;
+    }
+    return nvme->checkpoint();
   }
 
   void check() const {
@@ -375,35 +555,64 @@ struct tier_manager::impl {
       if (t.dev_newer && t.dev == nullptr) fail("'" + t.name + "' newer on a device it is not on");
     }
     if (sum != device_bytes) fail("device bytes do not recount");
+    std::size_t home = 0;
+    for (const tensor& t : tensors) home += t.host != nullptr ? t.bytes : 0;
+    if (home != host_bytes) fail("host bytes do not recount");
+    for (const tensor& t : tensors) {
+      if (t.host == nullptr && t.dev == nullptr && !t.nvme_current && t.host_written) {
+        fail("'" + t.name + "' has no copy anywhere");
+      }
+    }
     if (device_bytes > options.device_budget) fail("over the device budget");
   }
 };
 
 tier_manager::tier_manager(device_backend& device, caching_allocator& device_memory,
-                           pinned_host_pool& host, tier_manager_options options)
-    : impl_(std::make_unique<impl>(device, device_memory, host, options)) {}
+                           pinned_host_pool& host, tier_manager_options options,
+                           tensor_store* nvme)
+    : impl_(std::make_unique<impl>(device, device_memory, host, options, nvme)) {}
 
 tier_manager::~tier_manager() = default;
 
 tensor_id tier_manager::add(std::string name, std::size_t bytes, const void* initial) {
   TERRACE_EXPECTS(bytes > 0, "tier manager: tensor '" + name + "' of 0 bytes");
   std::lock_guard lock(impl_->mutex);
-  TERRACE_EXPECTS(impl_->tensors.size() < std::numeric_limits<tensor_id>::max(),
+  impl& m = *impl_;
+  TERRACE_EXPECTS(m.tensors.size() < std::numeric_limits<tensor_id>::max(),
                   "tier manager: too many tensors");
-  void* home = impl_->host.allocate(bytes);
-  if (initial != nullptr) std::memcpy(home, initial, bytes);
-  impl::tensor t;
+  for (const impl::tensor& other : m.tensors) {
+    TERRACE_EXPECTS(other.name != name, "tier manager: a tensor named '" + name + "' exists");
+  }
+  const auto id = static_cast<tensor_id>(m.tensors.size());
+  m.tensors.emplace_back();
+  impl::tensor& t = m.tensors.back();
   t.name = std::move(name);
   t.bytes = bytes;
-  t.host = home;
-  t.host_written = initial != nullptr;
   try {
-    impl_->tensors.push_back(std::move(t));
+    if (initial == nullptr && m.nvme != nullptr && m.nvme->size_of(t.name) == bytes) {
+      t.nvme_current = true;  // resumed: its contents are on NVMe until first used
+      return id;
+    }
+    if (!m.make_host_room(bytes, id, kNever)) {
+      throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' in the host budget");
+    }
+    m.take_host_buffer(t);
   } catch (...) {
-    impl_->host.deallocate(home);
+    m.tensors.pop_back();
     throw;
   }
-  return static_cast<tensor_id>(impl_->tensors.size() - 1);
+  if (initial != nullptr) {
+    std::memcpy(t.host, initial, bytes);
+    t.host_written = true;
+  }
+  return id;
+}
+
+std::uint64_t tier_manager::checkpoint() { return impl_->checkpoint(); }
+
+bool tier_manager::on_host(tensor_id id) const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->at(id, "on_host").host != nullptr;
 }
 
 void* tier_manager::acquire(tensor_id id, stream_ref stream, access mode) {

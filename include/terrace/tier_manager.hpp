@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 /// @file tier_manager.hpp
-/// @brief Tensors that live in pinned host memory and visit the device when used, with
+/// @brief Tensors across three tiers: NVMe, pinned host memory and the device, with
 /// lifetime-driven (Belady) eviction and prefetch.
 ///
 /// Each tensor has a home copy in pinned host memory (a pinned_host_pool buffer) and, while it is
 /// wanted, a device copy (a caching_allocator block). The device holds at most `device_budget`
-/// bytes of tensors. The training loop brackets every use of a tensor with acquire/release:
+/// bytes of tensors. With a tensor_store attached, pinned memory holds at most `host_budget` bytes
+/// of home copies: the others live on NVMe, read back through io_uring straight into pinned
+/// buffers (the staging the copy up then uses), and written there before their host memory is
+/// reused. The training loop brackets every use of a tensor with acquire/release:
 ///
 ///   void* w = tm.acquire(id, compute, access::read);   // device pointer, valid on `compute`
 ///   ... launch kernels on `compute` ...
@@ -32,6 +35,7 @@
 #include "terrace/caching_allocator.hpp"
 #include "terrace/device.hpp"
 #include "terrace/pinned_pool.hpp"
+#include "terrace/tensor_store.hpp"
 
 namespace terrace {
 
@@ -51,6 +55,8 @@ struct tier_manager_options {
   std::size_t prefetch_window = 0;
   /// How far ahead in the schedule an unexpected acquire looks for where the iteration went on.
   std::size_t resync_distance = 64;
+  /// With an NVMe store: bytes of home copies kept in pinned host memory (0: all of them).
+  std::size_t host_budget = 0;
 };
 
 /// @brief Counters of a tier_manager (since construction).
@@ -66,24 +72,35 @@ struct tier_stats {
   std::int64_t schedule_misses = 0;    ///< acquires that did not follow the recorded schedule
   std::int64_t device_bytes = 0;       ///< bytes of tensors on the device now
   std::int64_t device_bytes_peak = 0;
+  std::int64_t nvme_read_bytes = 0;
+  std::int64_t nvme_write_bytes = 0;
+  std::int64_t host_evictions = 0;     ///< home copies moved from pinned memory to NVMe
+  std::int64_t nvme_prefetches = 0;    ///< NVMe reads started ahead of use
+  std::int64_t nvme_waits = 0;         ///< calls that had to block on an NVMe read
+  std::int64_t host_bytes = 0;         ///< bytes of home copies in pinned memory now
+  std::int64_t host_bytes_peak = 0;
 };
 
 /// @brief The host and device tiers of training beyond GPU memory (see the file comment).
 class tier_manager {
  public:
-  /// `device_memory` must allocate from `device`; both, and `host`, must outlive the manager.
-  /// @throws logic_error for a budget larger than the device; device_error if no copy stream can
-  ///         be created.
+  /// `device_memory` must allocate from `device`; both, `host` and `nvme` (optional: without it
+  /// every home copy stays in pinned memory) must outlive the manager.
+  /// @throws logic_error for a budget larger than the device, or a host budget without a store;
+  ///         device_error if no copy stream can be created.
   tier_manager(device_backend& device, caching_allocator& device_memory, pinned_host_pool& host,
-               tier_manager_options options = {});
+               tier_manager_options options = {}, tensor_store* nvme = nullptr);
   /// Waits for every copy, then returns all device blocks and host buffers.
   ~tier_manager();
   tier_manager(const tier_manager&) = delete;
   tier_manager& operator=(const tier_manager&) = delete;
 
-  /// @brief A new tensor of `bytes` (> 0) at home in pinned host memory, filled from `initial`
-  /// when given (else its contents are undefined until first written).
-  /// @throws out_of_memory when the host pool cannot hold it; logic_error for 0 bytes.
+  /// @brief A new tensor of `bytes` (> 0) named `name` (unique; its id in the NVMe store), at home
+  /// in pinned host memory and filled from `initial` when given. Without `initial`, a tensor of
+  /// that name and size in the attached store is taken as its contents (resuming from a
+  /// checkpoint) and stays on NVMe until used; otherwise the contents are undefined until written.
+  /// @throws out_of_memory when the host tier cannot hold it; logic_error for 0 bytes or a name
+  ///         already added.
   tensor_id add(std::string name, std::size_t bytes, const void* initial = nullptr);
 
   /// @brief The tensor's device copy, valid for work queued on `stream` from now on; pins it.
@@ -111,7 +128,15 @@ class tier_manager {
   /// @brief The schedule in use (empty until recorded or set).
   std::vector<tensor_id> schedule() const;
 
+  /// @brief Makes the NVMe store hold every tensor's current contents and commits a checkpoint
+  /// there (tensor_store::checkpoint); a later run resumes by adding the same names.
+  /// @returns the store's new generation. @throws logic_error without a store or while a tensor
+  ///         is acquired; io_error from the store.
+  std::uint64_t checkpoint();
+
   bool on_device(tensor_id id) const;
+  /// @brief Whether the home copy is in pinned memory (else only on NVMe).
+  bool on_host(tensor_id id) const;
   std::size_t size(tensor_id id) const;
   const std::string& name(tensor_id id) const;
   tier_stats stats() const;

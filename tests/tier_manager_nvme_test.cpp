@@ -1,0 +1,158 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tier manager over all three tiers: device (sim), pinned host memory with a budget, and an
+// NVMe tensor store. Data stays right through both levels of eviction, reads come back ahead of
+// use, a checkpoint resumes in a new process-like setup, and I/O errors reach the caller.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "scratch_dir.hpp"
+#include "terrace/caching_allocator.hpp"
+#include "terrace/device.hpp"
+#include "terrace/error.hpp"
+#include "terrace/pinned_pool.hpp"
+#include "terrace/sim_device.hpp"
+#include "terrace/tensor_store.hpp"
+#include "terrace/tier_manager.hpp"
+
+namespace terrace {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+constexpr std::size_t kBytes = 256 * KiB + 4096;
+
+std::vector<unsigned char> pattern(int seed) {
+  std::vector<unsigned char> v(kBytes);
+  for (std::size_t i = 0; i < kBytes; ++i) v[i] = static_cast<unsigned char>(i * 13 + seed * 29);
+  return v;
+}
+
+tensor_store_options store_options() {
+  tensor_store_options o;
+  o.capacity = 64 * MiB;
+  o.block_size = 64 * KiB;
+  return o;
+}
+
+// Device room for 2 tensors, pinned room for 3, the rest on NVMe.
+struct rig3 {
+  std::unique_ptr<device_backend> dev = make_device("sim", {});
+  caching_allocator memory{*dev};
+  pinned_host_pool host{*dev};
+  std::unique_ptr<tier_manager> tm;
+  stream_ref compute = dev->create_stream();
+
+  explicit rig3(tensor_store& store) {
+    tier_manager_options o;
+    o.device_budget = 2 * kBytes;
+    o.host_budget = 3 * kBytes;
+    tm = std::make_unique<tier_manager>(*dev, memory, host, o, &store);
+  }
+  ~rig3() {
+    dev->synchronize_device();
+    tm.reset();
+    dev->destroy_stream(compute);
+  }
+};
+
+// One iteration: every tensor in order, each "kernel" checks the expected bytes and adds one.
+int run_iteration(rig3& r, const std::vector<tensor_id>& ids, int done_before) {
+  std::atomic<int> wrong{0};
+  r.tm->begin_iteration();
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    auto* p = static_cast<unsigned char*>(r.tm->acquire(ids[i], r.compute, access::update));
+    enqueue_host_function(*r.dev, r.compute, [p, i, done_before, &wrong] {
+      const auto want = pattern(static_cast<int>(i));
+      for (std::size_t k = 0; k < kBytes; k += 509) {
+        if (p[k] != static_cast<unsigned char>(want[k] + done_before)) wrong.fetch_add(1);
+      }
+      for (std::size_t k = 0; k < kBytes; ++k) ++p[k];
+    });
+    r.tm->release(ids[i], r.compute);
+    r.dev->synchronize(r.compute);  // the training loop's step boundary: reads have time to land
+    r.tm->check_invariants();
+  }
+  return wrong.load();
+}
+
+TEST(TierManagerNvme, DataSurvivesEvictionToHostAndToNvme) {
+  testing::scratch_dir dir("tm-nvme");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 8; ++i) ids.push_back(r.tm->add("t" + std::to_string(i), kBytes, pattern(i).data()));
+  for (int it = 0; it < 4; ++it) EXPECT_EQ(run_iteration(r, ids, it), 0) << "iteration " << it;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const auto* h = static_cast<const unsigned char*>(r.tm->host_data(ids[i]));
+    const auto want = pattern(static_cast<int>(i));
+    for (std::size_t k = 0; k < kBytes; k += 4093) {
+      ASSERT_EQ(h[k], static_cast<unsigned char>(want[k] + 4)) << "tensor " << i;
+    }
+  }
+  const auto s = r.tm->stats();
+  EXPECT_GT(s.host_evictions, 0);
+  EXPECT_GT(s.nvme_write_bytes, 0);
+  EXPECT_GT(s.nvme_read_bytes, 0);
+  EXPECT_LE(s.host_bytes_peak, static_cast<std::int64_t>(3 * kBytes));
+  // With the schedule recorded, most reads start ahead of use.
+  EXPECT_GT(s.nvme_prefetches, 0);
+}
+
+TEST(TierManagerNvme, ACheckpointResumesWithTheSameNames) {
+  testing::scratch_dir dir("tm-ckpt");
+  {
+    auto store = tensor_store::create(dir.path(), store_options());
+    rig3 r(store);
+    std::vector<tensor_id> ids;
+    for (int i = 0; i < 5; ++i) ids.push_back(r.tm->add("w" + std::to_string(i), kBytes, pattern(i).data()));
+    EXPECT_EQ(run_iteration(r, ids, 0), 0);
+    EXPECT_EQ(r.tm->checkpoint(), 1u);
+    EXPECT_EQ(run_iteration(r, ids, 1), 0);  // after the checkpoint: lost on "crash"
+  }
+  auto store = tensor_store::open(dir.path(), store_options());
+  rig3 r(store);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(r.tm->add("w" + std::to_string(i), kBytes));
+  EXPECT_FALSE(r.tm->on_host(ids[0]));  // resumed tensors stay on NVMe until used
+  EXPECT_EQ(run_iteration(r, ids, 1), 0);  // the checkpointed contents: pattern + 1
+}
+
+TEST(TierManagerNvme, AnNvmeReadErrorReachesTheCallerAndLeavesTheTensorReadable) {
+  testing::scratch_dir dir("tm-eio");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(r.tm->add("e" + std::to_string(i), kBytes, pattern(i).data()));
+  ASSERT_FALSE(r.tm->on_host(ids[0]));  // pushed to NVMe by the later adds
+  io_fault f;
+  f.what = io_fault::kind::eio;
+  f.writes = false;
+  store.inject_fault(f);
+  EXPECT_THROW(r.tm->acquire(ids[0], r.compute), io_error);
+  r.tm->check_invariants();
+  auto* p = static_cast<unsigned char*>(r.tm->acquire(ids[0], r.compute));  // the fault is gone
+  std::atomic<int> seen{-1};
+  enqueue_host_function(*r.dev, r.compute, [p, &seen] { seen = p[100]; });
+  r.tm->release(ids[0], r.compute);
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(seen.load(), pattern(0)[100]);
+}
+
+TEST(TierManagerNvme, MisuseIsAClearError) {
+  auto dev = make_device("sim", {});
+  caching_allocator memory(*dev);
+  pinned_host_pool host(*dev);
+  tier_manager_options budget_only;
+  budget_only.host_budget = MiB;
+  EXPECT_THROW(tier_manager(*dev, memory, host, budget_only), logic_error);
+  tier_manager tm(*dev, memory, host);
+  EXPECT_THROW(tm.checkpoint(), logic_error);
+  tm.add("x", 4096);
+  EXPECT_THROW(tm.add("x", 4096), logic_error);
+}
+
+}  // namespace
+}  // namespace terrace
