@@ -3,45 +3,10 @@
 // -mavx512dq -mfma -mf16c (optimizer/CMakeLists.txt) and entered only after dispatch.cpp has
 // checked the CPU, so nothing outside the unnamed namespace may be an inline function or a
 // template another translation unit could share.
-#include <immintrin.h>
-
-#include "optimizer/adam_body.hpp"
+#include "optimizer/adam_avx512_traits.hpp"
 
 namespace terrace::detail {
 namespace {
-
-struct avx512_traits {
-  using F = __m512;
-  static constexpr std::size_t N = 16;
-  static F set1(float x) noexcept { return _mm512_set1_ps(x); }
-  static F add(F a, F b) noexcept { return _mm512_add_ps(a, b); }
-  static F mul(F a, F b) noexcept { return _mm512_mul_ps(a, b); }
-  static F fmadd(F a, F b, F c) noexcept { return _mm512_fmadd_ps(a, b, c); }
-  static F sqrt(F a) noexcept { return _mm512_sqrt_ps(a); }
-  static F div(F a, F b) noexcept { return _mm512_div_ps(a, b); }
-  static F load_f32(const float* p) noexcept { return _mm512_loadu_ps(p); }
-  static F load_bf16(const std::uint16_t* p) noexcept {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-  static F load_f16(const std::uint16_t* p) noexcept {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static void store_f32(float* p, F x) noexcept { _mm512_storeu_ps(p, x); }
-  // Round to nearest even, NaN to 0x7fc0: the same bits as float_to_bf16.
-  static void store_bf16(std::uint16_t* p, F x) noexcept {
-    const __m512i b = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
-  }
-  static void store_f16(std::uint16_t* p, F x) noexcept {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-  static float reduce_add(F x) noexcept { return _mm512_reduce_add_ps(x); }
-};
 
 constexpr adam_kernels avx512_kernels{simd_isa::avx512, &adam_update<avx512_traits>,
                                       &grad_scan<avx512_traits>};

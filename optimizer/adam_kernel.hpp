@@ -63,6 +63,8 @@ struct adam_kernels {
 const adam_kernels& kernels_scalar() noexcept;
 const adam_kernels& kernels_avx2() noexcept;    // REQUIRES: avx2, fma, f16c
 const adam_kernels& kernels_avx512() noexcept;  // REQUIRES: avx512f, bw, vl, dq
+// The same kernels, bit for bit, with vcvtneps2bf16 for the bf16 stores (adam_avx512bf16.cpp).
+const adam_kernels& kernels_avx512bf16() noexcept;  // REQUIRES: as kernels_avx512, and avx512bf16
 
 // The kernels for `isa` (automatic: the best supported). Throws terrace::logic_error if the CPU
 // lacks it.

@@ -18,6 +18,10 @@ bool has_avx512() noexcept {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
+// AVX512_BF16 does not change the results (adam_avx512bf16.cpp), only the speed of bf16 stores,
+// so it is not an instruction set of its own: simd_isa::avx512 uses it where the CPU has it.
+bool has_avx512_bf16() noexcept { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
 bool has_avx2() noexcept {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
          __builtin_cpu_supports("f16c");
@@ -72,7 +76,7 @@ const adam_kernels& select_kernels(simd_isa isa) {
   TERRACE_EXPECTS(supported(isa),
                   "adam: instruction set " + std::string(to_string(isa)) + " is not supported by this CPU");
   switch (isa) {
-    case simd_isa::avx512: return kernels_avx512();
+    case simd_isa::avx512: return has_avx512_bf16() ? kernels_avx512bf16() : kernels_avx512();
     case simd_isa::avx2: return kernels_avx2();
     default: return kernels_scalar();
   }

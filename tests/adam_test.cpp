@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "optimizer/adam_kernel.hpp"
 #include "optimizer/adam_reference.hpp"
 #include "optimizer/half.hpp"
 #include "terrace/adam.hpp"
@@ -370,6 +371,74 @@ TEST(AdamDispatch, AutomaticPicksTheBestSupported) {
     EXPECT_EQ(adam.options().isa, best_simd_isa());
   }
   EXPECT_GE(adam.options().threads, 1u);
+}
+
+// Where the CPU has avx512_bf16, simd_isa::avx512 runs kernels_avx512bf16 (vcvtneps2bf16 for the
+// bf16 stores), so every other test here checks that one. This checks that it writes the same bits
+// as the plain AVX-512 kernels, on data built to reach the lanes where the instruction and
+// float_to_bf16 differ: denormal moments and params, NaN, infinities, bf16 halfway cases, overflow.
+TEST(AdamDispatch, Avx512Bf16KernelsMatchAvx512Bitwise) {
+  if (best_simd_isa() < simd_isa::avx512 || !__builtin_cpu_supports("avx512bf16")) {
+    GTEST_SKIP() << "no avx512_bf16 on this CPU";
+  }
+  adam_options o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.05;
+  const detail::adam_scalars s = detail::make_adam_scalars(o, 7, 1.0f, 1.0f);
+  constexpr std::size_t n = 16 * 40 + 9;  // SIMD body and a scalar tail
+  auto rng = testing::rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 9);
+  // Mostly ordinary values; 1 in 10 special, so some vectors are clean and others mixed.
+  auto value = [&](float scale) {
+    const float x = normal(rng) * scale;
+    switch (pick(rng)) {
+      case 0: return x * 1e-39f;  // denormal (or a moment that becomes one)
+      case 1: return detail::bits_float((detail::float_bits(x) & 0xffff0000u) | 0x8000u);  // bf16 tie
+      case 2: return pick(rng) < 5 ? std::numeric_limits<float>::quiet_NaN() : -std::numeric_limits<float>::infinity();
+      case 3: return x * 1e38f;  // overflows bf16 or the arithmetic
+      default: return x;
+    }
+  };
+  for (dtype grad : {dtype::f32, dtype::bf16, dtype::f16}) {
+    for (dtype state : {dtype::f32, dtype::bf16}) {
+      for (int copy : {-1, 0, 1, 2}) {
+        const detail::adam_config c{grad, state, copy < 0 ? dtype::bf16 : static_cast<dtype>(copy), copy >= 0};
+        tensor_data a(n, state, grad, true, c.copy), b(n, state, grad, true, c.copy);
+        for (std::size_t i = 0; i < n; ++i) {
+          a.param.set(i, value(1.0f));
+          a.m.set(i, value(0.1f));
+          a.v.set(i, std::abs(value(0.01f)));
+          a.g.set(i, value(grad == dtype::f16 ? 100.0f : 1.0f));
+          if (i % 13 == 5) {  // certainly a denormal m (and p) to store
+            a.param.set(i, 1e-39f);
+            a.m.set(i, -1e-39f);
+            a.g.set(i, 0.0f);
+          }
+          if (i % 13 == 6) a.g.set(i, std::numeric_limits<float>::quiet_NaN());
+        }
+        b = a;
+        const auto span = [&](tensor_data& t) {
+          return detail::adam_span{static_cast<float*>(t.param.data()), t.m.data(), t.v.data(), t.g.data(),
+                                   t.copy.data(), n};
+        };
+        detail::kernels_avx512().update(s, c, span(a));
+        detail::kernels_avx512bf16().update(s, c, span(b));
+        const std::string what = "grad " + std::string(to_string(grad)) + ", state " +
+                                 std::string(to_string(state)) + ", copy " + std::to_string(copy);
+        EXPECT_TRUE(a.param.same_bytes(b.param)) << what;
+        EXPECT_TRUE(a.m.same_bytes(b.m)) << what;
+        EXPECT_TRUE(a.v.same_bytes(b.v)) << what;
+        EXPECT_TRUE(a.copy.same_bytes(b.copy)) << what;
+        if (state == dtype::bf16) {  // the data did reach the special lanes
+          const auto* m = static_cast<const std::uint16_t*>(a.m.data());
+          EXPECT_TRUE(std::any_of(m, m + n, [](std::uint16_t h) { return (h & 0x7f80) == 0 && (h & 0x7f) != 0; }))
+              << what;
+          EXPECT_TRUE(std::any_of(m, m + n, [](std::uint16_t h) { return h == 0x7fc0; })) << what;
+        }
+      }
+    }
+  }
 }
 
 // --------------------------------------------------------------------------------- conversions
