@@ -590,6 +590,35 @@ class allocator_impl {
     release_cached_memory();
   }
 
+  // The planned policy's arena reuses the holes that the learning iterations left between long-lived
+  // blocks: every free, mapped block of a plain segment becomes an allocation the front
+  // owns (counted like any other, so the invariants hold), and goes back through deallocate().
+  // Small-pool holes too: with small tensors, long-lived blocks fill the 2 MiB small segments.
+  // Called right after empty_cache(), so no block is pending.
+  std::vector<fallback_hole> claim_free_blocks() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<fallback_hole> holes;
+    for (const auto& [addr, seg] : segments_) {
+      if (seg->expandable) continue;
+      for (block* b = seg->head; b != nullptr; b = b->next) {
+        if (!b->is_free() || !b->mapped) continue;
+        take_block(b, b->size);  // out of the free set, uncounted as inactive split; no split
+        b->allocated = true;
+        b->requested = b->size;
+        live_.emplace(b->addr, b);
+        for (int i : {0, pool_index(seg->small_pool)}) {
+          stats_.allocation[i].increase(1);
+          stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
+          stats_.requested_bytes[i].increase(static_cast<std::int64_t>(b->size));
+          stats_.active[i].increase(1);
+          stats_.active_bytes[i].increase(static_cast<std::int64_t>(b->size));
+        }
+        holes.push_back({b->addr, b->size, b->stream, seg->small_pool});
+      }
+    }
+    return holes;
+  }
+
   // ---------------------------------------------------------------- out-of-memory report
 
   std::string oom_report(std::size_t requested, std::size_t rounded, std::uintptr_t stream) {
@@ -1031,6 +1060,9 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
       impl->empty_cache();
       return impl->totals();
     });
+    plan_->set_fallback_holes([impl = impl_.get()] { return impl->claim_free_blocks(); },
+                              [impl = impl_.get()](void* p) { impl->deallocate(p); },
+                              [impl = impl_.get()] { return impl->totals(); });
   }
 }
 caching_allocator::~caching_allocator() = default;

@@ -10,6 +10,9 @@
 // blocks are then a subset of the slots whose planned lifetimes overlap slot k's, so slot k overlaps
 // none of them. Out of sync, nothing new goes to the arena. Each stream has its own arena region, so
 // an address is reused only in its stream's order, as the caching allocator does.
+// The "arena" is the open reservation plus the fallback's holes the plan claimed: a claimed hole is
+// an allocation of the fallback (it never hands it out) until the plan is uninstalled, which
+// happens only when no arena block is live. Holes are used only by slots of their own stream.
 #include "allocator/plan_front.hpp"
 
 #include <algorithm>
@@ -166,6 +169,13 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   placement_plan whole;
   whole.offsets.assign(items.size(), 0);
   std::string heuristic;
+  // Under the live policy the placement is made when the plan is installed, into the fallback's
+  // holes of that moment (ensure_arena); planning twice would double the cost on large iterations.
+  const bool deferred = live_mode_ && claim_holes_ && release_hole_;
+  if (deferred) {
+    streams.clear();
+    whole.offsets.clear();
+  }
   for (std::uintptr_t st : streams) {
     std::vector<plan_interval> group;
     std::vector<std::size_t> index;
@@ -185,14 +195,12 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
     }
   }
   whole.lower_bound = items.empty() ? 0 : max_live_bytes(items, kRound);
-  for (std::size_t j = 0; j < items.size(); ++j) slots[item_slot[j]].offset = whole.offsets[j];
+  for (std::size_t j = 0; j < whole.offsets.size(); ++j) slots[item_slot[j]].offset = whole.offsets[j];
 
   // The old arena is empty here (plans are made only when no slot is live). The new one is
-  // reserved at the first planned iteration's start, when the fallback's transient blocks are free.
-  if (live_mode_ && arena_ != nullptr) {
-    device_.release(arena_, arena_bytes_);
-    arena_ = nullptr;
-  }
+  // installed at the first planned iteration's start, when the fallback's transient blocks are free.
+  if (live_mode_) uninstall();
+  memo_.valid = false;  // a new plan: its layout is made at its first installation
   arena_bytes_ = live_mode_ ? 0 : whole.arena_bytes;
 
   if (stats_.plans > 0) ++stats_.replans;
@@ -225,17 +233,193 @@ bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
   return n >= w && range_hash(n - w, n) == anchor_hash_;
 }
 
-bool plan_front::ensure_arena() {
-  if (!live_mode_ || arena_ != nullptr || plan_.arena_bytes == 0) return true;
-  // The cached free segments of the iterations before the plan are what the arena replaces.
-  if (release_fallback_cache_) last_totals_ = release_fallback_cache_();
-  try {
-    arena_ = device_.reserve(plan_.arena_bytes);
-  } catch (const out_of_memory&) {
-    return false;  // no room: keep serving from the caching allocator; try at the next boundary
+void plan_front::uninstall() {
+  if (arena_ != nullptr) device_.release(arena_, arena_bytes_);
+  arena_ = nullptr;
+  arena_bytes_ = 0;
+  for (const fallback_hole& h : holes_) release_hole_(reinterpret_cast<void*>(h.addr));
+  const bool had_holes = !holes_.empty();
+  holes_.clear();
+  hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
+  installed_ = false;
+  stats_.arena_reserved_bytes = stats_.hole_bytes = 0;
+  if (had_holes && fallback_totals_) last_totals_ = fallback_totals_();
+}
+
+// Plans each stream's slots into that stream's claimed holes first, then an open region; fills
+// `where` (the claimed hole, or -1) and `off` per plan item, and the open region's total size.
+void plan_front::layout_in_holes(const std::vector<fallback_hole>& claimed,
+                                 std::vector<std::int64_t>& where, std::vector<std::size_t>& off,
+                                 std::size_t& open_total, std::string& heuristic) const {
+  struct group {
+    std::uintptr_t stream = 0;
+    std::vector<std::size_t> items;  // indices into plan_items_
+    std::vector<std::size_t> holes;  // indices into claimed
+    placement_plan part;             // offsets below part.open_base lie in the holes
+    std::size_t open = 0;            // bytes of the new reservation it needs
+  };
+  std::vector<group> groups;
+  for (std::size_t j = 0; j < plan_items_.size(); ++j) {
+    const std::uintptr_t st = slots_[plan_item_slot_[j]].stream;
+    auto g = std::find_if(groups.begin(), groups.end(), [&](const group& x) { return x.stream == st; });
+    if (g == groups.end()) {
+      groups.push_back({});
+      g = std::prev(groups.end());
+      g->stream = st;
+    }
+    g->items.push_back(j);
   }
-  arena_bytes_ = plan_.arena_bytes;
-  ++arena_reservations_;
+  for (group& g : groups) {
+    // Holes smaller than every slot of the stream can hold nothing (and would slow the planner).
+    std::size_t smallest = SIZE_MAX;
+    for (std::size_t j : g.items) smallest = std::min(smallest, round_up(plan_items_[j].size));
+    for (std::size_t h = 0; h < claimed.size(); ++h) {
+      if (claimed[h].stream == g.stream && claimed[h].size % kRound == 0 &&
+          claimed[h].size >= smallest) {
+        g.holes.push_back(h);
+      }
+    }
+    std::vector<plan_interval> items;
+    std::vector<std::size_t> sizes;
+    for (std::size_t j : g.items) items.push_back(plan_items_[j]);
+    for (std::size_t h : g.holes) sizes.push_back(claimed[h].size);
+    g.part = plan_placement(items, sizes, kRound);  // with no holes, the plain plan
+    g.open = g.part.arena_bytes - g.part.open_base;
+    open_total += g.open;
+    if (heuristic.find(g.part.heuristic) == std::string::npos) {
+      heuristic += heuristic.empty() ? g.part.heuristic : "+" + g.part.heuristic;
+    }
+  }
+  std::size_t open_at = 0;
+  for (const group& g : groups) {
+    for (std::size_t k = 0; k < g.items.size(); ++k) {
+      const std::size_t j = g.items[k];
+      if (const std::size_t v = g.part.offsets[k]; v >= g.part.open_base) {
+        off[j] = open_at + (v - g.part.open_base);
+      } else {
+        const auto hb = std::upper_bound(g.part.hole_base.begin(), g.part.hole_base.end(), v);
+        const auto h = static_cast<std::size_t>(hb - g.part.hole_base.begin()) - 1;
+        where[j] = static_cast<std::int64_t>(g.holes[h]);
+        off[j] = v - g.part.hole_base[h];
+      }
+    }
+    open_at += g.open;
+  }
+}
+
+// Installs the plan. The learning iterations' allocator interleaved long-lived blocks (parameters,
+// optimizer state) with transient ones; once those are free, the holes between long-lived blocks
+// stay reserved and nothing but the fallback could use them. Emptying the cache returns the wholly
+// free segments; the remaining holes are claimed and each stream's slots are planned into its
+// holes first, so that only what does not fit there is reserved anew.
+bool plan_front::ensure_arena() {
+  if (!live_mode_ || installed_ || plan_items_.empty()) return true;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (release_fallback_cache_) last_totals_ = release_fallback_cache_();
+  std::vector<fallback_hole> claimed;
+  if (claim_holes_ && release_hole_) claimed = claim_holes_();
+  std::sort(claimed.begin(), claimed.end(),
+            [](const fallback_hole& a, const fallback_hole& b) { return a.addr < b.addr; });
+  auto give_back = [&](std::size_t h) { release_hole_(reinterpret_cast<void*>(claimed[h].addr)); };
+
+  // Per plan item: the claimed hole it lies in (or -1: the open region) and its offset there.
+  std::vector<std::int64_t> where(plan_items_.size(), -1);
+  std::vector<std::size_t> off(plan_items_.size(), 0);
+  std::size_t open_total = 0;
+  std::string heuristic;
+  // A deviating iteration uninstalls the plan; when it comes back, the holes it used are usually
+  // free again at the same addresses: reuse that layout instead of planning again.
+  bool reuse = memo_.valid;
+  std::vector<std::size_t> memo_at(memo_.holes.size());
+  for (std::size_t m = 0; reuse && m < memo_.holes.size(); ++m) {
+    const auto c = std::lower_bound(claimed.begin(), claimed.end(), memo_.holes[m].addr,
+                                    [](const fallback_hole& x, std::uintptr_t a) { return x.addr < a; });
+    reuse = c != claimed.end() && c->addr == memo_.holes[m].addr &&
+            c->stream == memo_.holes[m].stream && c->size >= memo_.holes[m].size;
+    if (reuse) memo_at[m] = static_cast<std::size_t>(c - claimed.begin());
+  }
+  if (reuse) {
+    for (std::size_t j = 0; j < plan_items_.size(); ++j) {
+      const std::int64_t m = memo_.where[j];
+      where[j] = m < 0 ? -1 : static_cast<std::int64_t>(memo_at[static_cast<std::size_t>(m)]);
+      off[j] = memo_.off[j];
+    }
+    open_total = memo_.open;
+    heuristic = stats_.heuristic;
+  } else {
+    layout_in_holes(claimed, where, off, open_total, heuristic);
+  }
+
+  void* arena = nullptr;
+  if (open_total > 0) {
+    try {
+      arena = device_.reserve(open_total);
+    } catch (const out_of_memory&) {
+      for (std::size_t h = 0; h < claimed.size(); ++h) give_back(h);
+      if (fallback_totals_) last_totals_ = fallback_totals_();
+      return false;  // no room: keep serving from the caching allocator; try at the next boundary
+    }
+    ++arena_reservations_;
+  }
+  std::vector<std::size_t> used(claimed.size(), 0);  // per hole: the end of its last slot
+  for (std::size_t j = 0; j < plan_items_.size(); ++j) {
+    std::uintptr_t addr = reinterpret_cast<std::uintptr_t>(arena) + off[j];
+    if (where[j] >= 0) {
+      const auto h = static_cast<std::size_t>(where[j]);
+      used[h] = std::max(used[h], off[j] + round_up(plan_items_[j].size));
+      addr = claimed[h].addr + off[j];
+    }
+    slots_[plan_item_slot_[j]].addr = addr;
+  }
+  // The layout, for the next installation of this plan.
+  memo_.valid = true;
+  memo_.open = open_total;
+  memo_.holes.clear();
+  memo_.where.assign(plan_items_.size(), -1);
+  memo_.off = off;
+  {
+    std::vector<std::int64_t> memo_index(claimed.size(), -1);
+    for (std::size_t j = 0; j < plan_items_.size(); ++j) {
+      if (where[j] < 0) continue;
+      auto& m = memo_index[static_cast<std::size_t>(where[j])];
+      if (m < 0) {
+        m = static_cast<std::int64_t>(memo_.holes.size());
+        fallback_hole h = claimed[static_cast<std::size_t>(where[j])];
+        h.size = used[static_cast<std::size_t>(where[j])];  // what the layout needs of it
+        memo_.holes.push_back(h);
+      }
+      memo_.where[j] = m;
+    }
+  }
+  holes_.clear();
+  hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
+  std::size_t hole_extent = 0;
+  for (std::size_t h = 0; h < claimed.size(); ++h) {
+    hole_extent += used[h];
+    if (used[h] == 0) {
+      give_back(h);  // no slot landed there: the fallback keeps it
+    } else {
+      holes_.push_back(claimed[h]);
+      hole_bytes_ += claimed[h].size;
+      if (claimed[h].small_pool) {
+        ++small_holes_;
+        small_hole_bytes_ += claimed[h].size;
+      }
+    }
+  }
+  if (!claimed.empty() && fallback_totals_) last_totals_ = fallback_totals_();
+  arena_ = arena;
+  arena_bytes_ = open_total;
+  installed_ = true;
+  holes_since_reset_ = holes_since_reset_ || !holes_.empty();
+  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_bytes_);
+  stats_.hole_bytes = static_cast<std::int64_t>(hole_bytes_);
+  // The installed plan's footprint, to compare with the lower bound: the new reservation plus the
+  // extent it uses of each hole (a hole's tail beyond it was idle before the plan too).
+  stats_.arena_bytes = static_cast<std::int64_t>(arena_bytes_ + hole_extent);
+  stats_.heuristic = heuristic;
+  stats_.plan_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   note_totals(last_totals_);
   return true;
 }
@@ -259,6 +443,15 @@ void plan_front::deviate() {
   iteration_deviated_ = true;
   mode_ = mode::seeking;
   reset_recording();
+  release_idle_arena();
+}
+
+// Out of sync, nothing new goes to the arena: while the fallback serves a deviating iteration (a
+// dynamic shape), the arena and its holes would sit idle beside the fallback's new segments. Once no
+// arena block is live they go back (the holes to the fallback, which can use them); the next
+// planned iteration installs the plan again, after emptying the fallback's cache.
+void plan_front::release_idle_arena() {
+  if (live_mode_ && installed_ && mode_ != mode::in_sync && arena_live_count_ == 0) uninstall();
 }
 
 void plan_front::track_unplanned(std::int64_t delta) noexcept {
@@ -305,7 +498,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
         pending_slot_ = k;  // counterfactual: served by the fallback, tracked as the slot
         return nullptr;
       }
-      auto* p = static_cast<char*>(arena_) + s.offset;
+      void* p = reinterpret_cast<void*>(s.addr);
       live_entry e;
       e.key = key;
       e.size = rounded;
@@ -361,7 +554,16 @@ void plan_front::on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream
 bool plan_front::on_free(void* p) {
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
   auto it = live_.find(addr);
-  if (it == live_.end()) return false;
+  if (it == live_.end()) {
+    // Not a live block. At a claimed hole's start the fallback would free the hole itself, which
+    // the arena is using: refuse (a double free of the arena block that lay there).
+    const auto h = std::lower_bound(holes_.begin(), holes_.end(), addr,
+                                    [](const fallback_hole& x, std::uintptr_t a) { return x.addr < a; });
+    if (h != holes_.end() && h->addr == addr) {
+      throw logic_error("terrace: free of a planned block that is not allocated (double free?)");
+    }
+    return false;
+  }
   const live_entry e = it->second;
   live_.erase(it);
   if (mode_ != mode::in_sync) {
@@ -394,6 +596,7 @@ bool plan_front::on_free(void* p) {
   --arena_live_count_;
   arena_live_bytes_ -= e.size;
   arena_live_requested_ -= e.requested;
+  release_idle_arena();
   if (replan_pending_ && slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
   return true;
 }
@@ -449,36 +652,58 @@ void plan_front::end_iteration() {
 void plan_front::note_totals(const fallback_totals& t) noexcept {
   last_totals_ = t;
   const auto arena = live_mode_ ? static_cast<std::int64_t>(arena_bytes_) : 0;
+  // Claimed holes are the fallback's allocations but the arena's memory: count its blocks instead.
+  const auto holes = static_cast<std::int64_t>(hole_bytes_);
   peak_reserved_ = std::max(peak_reserved_, t.reserved + arena);
-  peak_allocated_ =
-      std::max(peak_allocated_, t.allocated + static_cast<std::int64_t>(arena_live_bytes_));
-  peak_requested_ =
-      std::max(peak_requested_, t.requested + static_cast<std::int64_t>(arena_live_requested_));
+  peak_allocated_ = std::max(peak_allocated_,
+                             t.allocated - holes + static_cast<std::int64_t>(arena_live_bytes_));
+  peak_requested_ = std::max(
+      peak_requested_, t.requested - holes + static_cast<std::int64_t>(arena_live_requested_));
 }
 
 void plan_front::reset_peaks(const fallback_totals& t) noexcept {
   peak_reserved_ = peak_allocated_ = peak_requested_ = 0;
+  holes_since_reset_ = !holes_.empty();
   note_totals(t);
 }
 
 void plan_front::merge_into(allocator_stats& s) const {
-  if (live_mode_ && arena_ != nullptr) {
-    for (int i : {0, 2}) {
-      s.segment[i].current += 1;
-      s.reserved_bytes[i].current += static_cast<std::int64_t>(arena_bytes_);
-      s.allocation[i].current += static_cast<std::int64_t>(arena_live_count_);
-      s.active[i].current += static_cast<std::int64_t>(arena_live_count_);
-      s.allocated_bytes[i].current += static_cast<std::int64_t>(arena_live_bytes_);
-      s.active_bytes[i].current += static_cast<std::int64_t>(arena_live_bytes_);
-      s.requested_bytes[i].current += static_cast<std::int64_t>(arena_live_requested_);
+  if (live_mode_ && installed_) {
+    // The claimed holes leave the fallback's allocations (they are counted there, as the front's)
+    // and the arena's live blocks, wherever they lie, join them.
+    // Pool 1 (small) only loses its claimed holes; the arena's blocks count as large (pool 2).
+    const auto sn = static_cast<std::int64_t>(small_holes_);
+    const auto sb = static_cast<std::int64_t>(small_hole_bytes_);
+    const auto n = static_cast<std::int64_t>(arena_live_count_);
+    const auto b = static_cast<std::int64_t>(arena_live_bytes_);
+    const auto r = static_cast<std::int64_t>(arena_live_requested_);
+    for (int i : {0, 1, 2}) {
+      // Holes leaving pool i, and arena blocks joining it.
+      const std::int64_t hn = i == 0 ? static_cast<std::int64_t>(holes_.size())
+                                     : i == 1 ? sn : static_cast<std::int64_t>(holes_.size()) - sn;
+      const std::int64_t hb = i == 0 ? static_cast<std::int64_t>(hole_bytes_)
+                                     : i == 1 ? sb : static_cast<std::int64_t>(hole_bytes_) - sb;
+      const bool joins = i != 1;
+      if (arena_ != nullptr && joins) {
+        s.segment[i].current += 1;
+        s.reserved_bytes[i].current += static_cast<std::int64_t>(arena_bytes_);
+      }
+      s.allocation[i].current += (joins ? n : 0) - hn;
+      s.active[i].current += (joins ? n : 0) - hn;
+      s.allocated_bytes[i].current += (joins ? b : 0) - hb;
+      s.active_bytes[i].current += (joins ? b : 0) - hb;
+      s.requested_bytes[i].current += (joins ? r : 0) - hb;
     }
   }
   if (live_mode_) {
     s.num_device_alloc += arena_reservations_;
+    // The front sees every change of the combined totals, so its peaks are exact; the fallback's
+    // own allocated peaks would count claimed holes as live.
     s.reserved_bytes[0].peak = std::max(s.reserved_bytes[0].peak, peak_reserved_);
-    s.allocated_bytes[0].peak = std::max(s.allocated_bytes[0].peak, peak_allocated_);
-    s.active_bytes[0].peak = std::max(s.active_bytes[0].peak, peak_allocated_);
-    s.requested_bytes[0].peak = std::max(s.requested_bytes[0].peak, peak_requested_);
+    s.allocated_bytes[0].peak = peak_allocated_;
+    s.active_bytes[0].peak =
+        holes_since_reset_ ? peak_allocated_ : std::max(s.active_bytes[0].peak, peak_allocated_);
+    s.requested_bytes[0].peak = peak_requested_;
     for (int i : {0, 2}) {
       for (stat* st : {&s.segment[i], &s.reserved_bytes[i], &s.allocation[i], &s.active[i],
                        &s.allocated_bytes[i], &s.active_bytes[i], &s.requested_bytes[i]}) {
@@ -497,32 +722,64 @@ void plan_front::merge_into(allocator_stats& s) const {
 }
 
 void plan_front::add_to_snapshot(memory_snapshot& snap) const {
-  if (!live_mode_ || arena_ == nullptr) return;
-  snapshot_segment seg;
-  seg.addr = reinterpret_cast<std::uintptr_t>(arena_);
-  seg.total_size = arena_bytes_;
+  if (!live_mode_ || !installed_) return;
   std::vector<std::pair<std::uintptr_t, const live_entry*>> blocks;
   for (const auto& [addr, e] : live_) {
     if (e.in_arena) blocks.emplace_back(addr, &e);
   }
   std::sort(blocks.begin(), blocks.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
-  std::uintptr_t cursor = seg.addr;
-  for (const auto& [addr, e] : blocks) {
-    if (addr > cursor) seg.blocks.push_back({cursor, addr - cursor, 0, "inactive", {}});
-    seg.blocks.push_back({addr, e->size, e->requested, "active_allocated", "planned"});
-    seg.allocated_size += e->size;
-    seg.active_size += e->size;
-    seg.requested_size += e->requested;
-    cursor = addr + e->size;
+  // The arena's blocks in [lo, hi), with the free gaps between them, appended to `out`.
+  auto fill = [&](snapshot_segment& seg, std::uintptr_t lo, std::uintptr_t hi,
+                  std::vector<snapshot_block>& out) {
+    auto it = std::lower_bound(blocks.begin(), blocks.end(), lo,
+                               [](const auto& x, std::uintptr_t a) { return x.first < a; });
+    std::uintptr_t cursor = lo;
+    for (; it != blocks.end() && it->first < hi; ++it) {
+      const live_entry* e = it->second;
+      if (it->first > cursor) out.push_back({cursor, it->first - cursor, 0, "inactive", {}});
+      out.push_back({it->first, e->size, e->requested, "active_allocated", "planned"});
+      seg.allocated_size += e->size;
+      seg.active_size += e->size;
+      seg.requested_size += e->requested;
+      cursor = it->first + e->size;
+    }
+    if (cursor < hi) out.push_back({cursor, hi - cursor, 0, "inactive", {}});
+  };
+  if (!holes_.empty()) {
+    // The fallback shows a claimed hole as one allocated block: show what the arena has there.
+    for (snapshot_segment& seg : snap.segments) {
+      std::vector<snapshot_block> out;
+      bool changed = false;
+      for (snapshot_block& b : seg.blocks) {
+        const auto h = std::lower_bound(
+            holes_.begin(), holes_.end(), b.addr,
+            [](const fallback_hole& x, std::uintptr_t a) { return x.addr < a; });
+        if (h == holes_.end() || h->addr != b.addr || b.state != "active_allocated") {
+          out.push_back(b);
+          continue;
+        }
+        changed = true;
+        seg.allocated_size -= b.size;
+        seg.active_size -= b.size;
+        seg.requested_size -= b.requested;
+        fill(seg, b.addr, b.addr + b.size, out);
+      }
+      if (changed) seg.blocks = std::move(out);  // else `out` is unused and seg.blocks intact
+    }
   }
-  const std::uintptr_t end = seg.addr + arena_bytes_;
-  if (cursor < end) seg.blocks.push_back({cursor, end - cursor, 0, "inactive", {}});
+  if (arena_ == nullptr) return;
+  snapshot_segment seg;
+  seg.addr = reinterpret_cast<std::uintptr_t>(arena_);
+  seg.total_size = arena_bytes_;
+  fill(seg, seg.addr, seg.addr + arena_bytes_, seg.blocks);
   snap.segments.push_back(std::move(seg));
 }
 
 void plan_front::check_invariants() const {
-  if (!plan_items_.empty()) check_placement(plan_items_, plan_, kRound);
+  if (!plan_items_.empty() && plan_.offsets.size() == plan_items_.size()) {
+    check_placement(plan_items_, plan_, kRound);  // the plan made without holes (counterfactual)
+  }
   std::vector<std::pair<std::uintptr_t, std::size_t>> arena;
   std::size_t bytes = 0, slot_holders = 0;
   for (const auto& [addr, e] : live_) {
@@ -538,10 +795,31 @@ void plan_front::check_invariants() const {
   if (arena.size() != arena_live_count_ || bytes != arena_live_bytes_) fail("arena counts drifted");
   std::sort(arena.begin(), arena.end());
   const auto lo = reinterpret_cast<std::uintptr_t>(arena_);
-  for (std::size_t i = 0; i < arena.size(); ++i) {
-    if (arena[i].first < lo || arena[i].first + arena[i].second > lo + arena_bytes_) {
-      fail("a live block lies outside the arena");
+  // Inside the open arena or inside one claimed hole.
+  auto inside = [&](std::uintptr_t a, std::size_t n) {
+    if (arena_ != nullptr && a >= lo && a + n <= lo + arena_bytes_) return true;
+    const auto h = std::upper_bound(holes_.begin(), holes_.end(), a,
+                                    [](std::uintptr_t x, const fallback_hole& y) { return x < y.addr; });
+    return h != holes_.begin() && a + n <= std::prev(h)->addr + std::prev(h)->size;
+  };
+  if (installed_) {
+    // The installed layout, in address space, must keep overlapping lifetimes apart too.
+    std::uintptr_t base = UINTPTR_MAX, top = 0;
+    for (std::uint32_t k : plan_item_slot_) {
+      const slot& sl = slots_[k];
+      if (!inside(sl.addr, sl.size)) fail("a planned slot lies outside the arena and its holes");
+      base = std::min(base, sl.addr);
+      top = std::max(top, sl.addr + sl.size);
     }
+    if (!plan_item_slot_.empty()) {
+      placement_plan installed;
+      installed.arena_bytes = top - base;
+      for (std::uint32_t k : plan_item_slot_) installed.offsets.push_back(slots_[k].addr - base);
+      check_placement(plan_items_, installed, 1);  // sizes are rounded; addresses need not be
+    }
+  }
+  for (std::size_t i = 0; i < arena.size(); ++i) {
+    if (!inside(arena[i].first, arena[i].second)) fail("a live block lies outside the arena");
     if (i > 0 && arena[i - 1].first + arena[i - 1].second > arena[i].first) {
       fail("two live arena blocks overlap");
     }

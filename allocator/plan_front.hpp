@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
@@ -27,6 +28,14 @@ struct fallback_totals {
   std::int64_t requested = 0;
 };
 
+/// A free block of the fallback that the front took over (claimed as an allocation of its own).
+struct fallback_hole {
+  std::uintptr_t addr = 0;
+  std::size_t size = 0;
+  std::uintptr_t stream = 0;
+  bool small_pool = false;
+};
+
 class plan_front {
  public:
   /// `live` = policy planned (arena blocks are handed out); otherwise counterfactual.
@@ -44,6 +53,7 @@ class plan_front {
   void on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream);
   /// Records the free. True when `p` was an arena block (now free); false when the caller must
   /// free it in the fallback (also for pointers this front never saw).
+  /// @throws terrace::logic_error for the start of a claimed hole that holds no live block.
   bool on_free(void* p);
   /// True when `p` is an arena block (its free will then synchronise `stream`).
   bool record_stream(void* p, stream_ref stream);
@@ -55,6 +65,17 @@ class plan_front {
   /// `fn` returns the fallback's totals afterwards.
   void set_release_fallback_cache(std::function<fallback_totals()> fn) {
     release_fallback_cache_ = std::move(fn);
+  }
+
+  /// `claim` takes every free block of the fallback's plain segments (as allocations
+  /// the front owns); `release` gives one back (a fallback free); `totals` reads the fallback's
+  /// totals. Without them the arena is one new reservation.
+  void set_fallback_holes(std::function<std::vector<fallback_hole>()> claim,
+                          std::function<void(void*)> release,
+                          std::function<fallback_totals()> totals) {
+    claim_holes_ = std::move(claim);
+    release_hole_ = std::move(release);
+    fallback_totals_ = std::move(totals);
   }
 
   void note_totals(const fallback_totals& t) noexcept;
@@ -72,7 +93,8 @@ class plan_front {
     std::size_t size = 0;       // rounded
     std::uintptr_t stream = 0;
     bool planned = false;       // freed inside the iteration: placed in the arena
-    std::size_t offset = 0;
+    std::size_t offset = 0;     // in the plan without holes (planner quality, counterfactual)
+    std::uintptr_t addr = 0;    // where it is served once the plan is installed (live policy)
     std::uint32_t due_at = 0;   // the alloc index before which its planned free happens
   };
   struct live_entry {
@@ -97,6 +119,11 @@ class plan_front {
   void deviate();
   void start_iteration();
   bool ensure_arena();
+  void uninstall();
+  void layout_in_holes(const std::vector<fallback_hole>& claimed, std::vector<std::int64_t>& where,
+                       std::vector<std::size_t>& off, std::size_t& open_total,
+                       std::string& heuristic) const;
+  void release_idle_arena();
   bool boundary_anchor_matches(std::uint64_t key) const noexcept;
   void track_unplanned(std::int64_t delta) noexcept;
 
@@ -136,6 +163,24 @@ class plan_front {
   std::size_t arena_bytes_ = 0;
   std::int64_t arena_reservations_ = 0;
   std::function<fallback_totals()> release_fallback_cache_;
+  std::function<std::vector<fallback_hole>()> claim_holes_;
+  std::function<void(void*)> release_hole_;
+  std::function<fallback_totals()> fallback_totals_;
+  // The installed plan's memory: the open arena (arena_, arena_bytes_, may be empty) plus the
+  // fallback's holes it reuses (holes_, sorted by address, hole_bytes_ in all). The fallback counts
+  // the holes as allocated; the accounting below counts them as the arena's instead.
+  bool installed_ = false;
+  std::vector<fallback_hole> holes_;
+  std::size_t hole_bytes_ = 0;
+  std::size_t small_holes_ = 0, small_hole_bytes_ = 0;  // of those, in the small pool
+  bool holes_since_reset_ = false;
+  struct layout_memo {  // the last installation's layout of the current plan
+    bool valid = false;
+    std::vector<fallback_hole> holes;  // the holes it used (size: the extent it needs)
+    std::vector<std::int64_t> where;   // per plan item: index into holes, or -1 (open region)
+    std::vector<std::size_t> off;      // per plan item: offset in its hole or the open region
+    std::size_t open = 0;
+  } memo_;  // the fallback's own peaks then count claimed holes
   bool replan_pending_ = false;
   std::size_t replan_lo_ = 0, replan_hi_ = 0;
 

@@ -32,20 +32,21 @@ void check_inputs(const std::vector<plan_interval>& items, std::size_t alignment
   }
 }
 
-// The placed blocks as parallel arrays: the overlap scan is the hot loop, and contiguous arrays of
-// plain integers let the compiler vectorise it.
+// The placed blocks as parallel arrays, kept in offset order: the overlap scan is the hot loop, and
+// it then yields the busy ranges already sorted (sorting them per item was most of the planning
+// time on large iterations).
 struct placed_set {
   std::vector<std::uint64_t> begin, end;
   std::vector<std::size_t> lo, hi;
   void add(std::uint64_t b, std::uint64_t e, std::size_t l, std::size_t h) {
-    begin.push_back(b);
-    end.push_back(e);
-    lo.push_back(l);
-    hi.push_back(h);
+    const auto at = std::upper_bound(lo.begin(), lo.end(), l) - lo.begin();
+    begin.insert(begin.begin() + at, b);
+    end.insert(end.begin() + at, e);
+    lo.insert(lo.begin() + at, l);
+    hi.insert(hi.begin() + at, h);
   }
-  void remove_at(std::size_t k) {  // order does not matter: swap with the last
-    begin[k] = begin.back(), end[k] = end.back(), lo[k] = lo.back(), hi[k] = hi.back();
-    begin.pop_back(), end.pop_back(), lo.pop_back(), hi.pop_back();
+  void truncate(std::size_t n) {
+    begin.resize(n), end.resize(n), lo.resize(n), hi.resize(n);
   }
 };
 
@@ -53,27 +54,33 @@ struct placed_set {
 // time (smallest gap that holds it; lowest offset on ties), or above all of them. With
 // `prune_ended`, the order must be by begin time: a placed block that ended before the current
 // item began can never overlap a later one and is dropped from the scan.
+// `fixed` holds ranges busy at all times (the separators around holes); they are never pruned.
 placement_plan place(const std::vector<plan_interval>& items, const std::vector<std::size_t>& order,
-                     std::size_t alignment, bool prune_ended) {
+                     std::size_t alignment, bool prune_ended,
+                     const std::vector<std::pair<std::size_t, std::size_t>>& fixed) {
   placement_plan plan;
   plan.offsets.assign(items.size(), 0);
   placed_set placed;
+  for (const auto& [lo, hi] : fixed) placed.add(0, std::numeric_limits<std::uint64_t>::max(), lo, hi);
   std::vector<std::pair<std::size_t, std::size_t>> busy;  // [lo, hi) of overlapping blocks
   for (std::size_t idx : order) {
     const plan_interval& it = items[idx];
     const std::size_t size = align_up(it.size, alignment);
     busy.clear();
-    for (std::size_t k = 0; k < placed.begin.size();) {
-      if (prune_ended && placed.end[k] <= it.begin) {
-        placed.remove_at(k);
-        continue;
-      }
+    // One pass: drop the ended blocks (compacting in order) and collect the overlapping ones.
+    std::size_t w = 0;
+    for (std::size_t k = 0; k < placed.begin.size(); ++k) {
+      if (prune_ended && placed.end[k] <= it.begin) continue;
       if (placed.begin[k] < it.end && it.begin < placed.end[k]) {
         busy.emplace_back(placed.lo[k], placed.hi[k]);
       }
-      ++k;
+      if (w != k) {
+        placed.begin[w] = placed.begin[k], placed.end[w] = placed.end[k];
+        placed.lo[w] = placed.lo[k], placed.hi[w] = placed.hi[k];
+      }
+      ++w;
     }
-    std::sort(busy.begin(), busy.end());
+    placed.truncate(w);
     std::size_t cursor = 0;
     std::size_t best = std::numeric_limits<std::size_t>::max();
     std::size_t best_gap = std::numeric_limits<std::size_t>::max();
@@ -117,7 +124,26 @@ std::size_t max_live_bytes(const std::vector<plan_interval>& items, std::size_t 
 }
 
 placement_plan plan_placement(const std::vector<plan_interval>& items, std::size_t alignment) {
+  return plan_placement(items, std::vector<std::size_t>{}, alignment);
+}
+
+placement_plan plan_placement(const std::vector<plan_interval>& items,
+                              const std::vector<std::size_t>& holes, std::size_t alignment) {
   check_inputs(items, alignment);
+  // Holes side by side, each followed by a one-alignment separator busy at all times, so that no
+  // block straddles two holes or a hole and the open region.
+  std::vector<std::pair<std::size_t, std::size_t>> fixed;
+  std::vector<std::size_t> hole_base;
+  std::size_t base = 0;
+  for (std::size_t h : holes) {
+    if (h == 0 || h % alignment != 0) {
+      throw logic_error("terrace: plan hole of " + std::to_string(h) +
+                        " bytes is not a positive multiple of the alignment");
+    }
+    hole_base.push_back(base);
+    fixed.emplace_back(base + h, base + h + alignment);
+    base += h + alignment;
+  }
   std::vector<std::size_t> by_size(items.size());
   std::iota(by_size.begin(), by_size.end(), std::size_t{0});
   // Largest first; among equals the longest-lived, then the earliest, for a deterministic plan.
@@ -134,18 +160,21 @@ placement_plan plan_placement(const std::vector<plan_interval>& items, std::size
   std::stable_sort(by_start.begin(), by_start.end(),
                    [&](std::size_t a, std::size_t b) { return items[a].begin < items[b].begin; });
 
-  placement_plan b = place(items, by_start, alignment, true);
+  placement_plan b = place(items, by_start, alignment, true, fixed);
   b.heuristic = "greedy-by-start";
   // Greedy by size scans every placed block per item (O(n^2)); above this size it costs more than
   // a second, so only the pruned greedy-by-start runs.
   constexpr std::size_t kMaxGreedyBySize = 4096;
   placement_plan a;
   if (items.size() <= kMaxGreedyBySize) {
-    a = place(items, by_size, alignment, false);
+    a = place(items, by_size, alignment, false, fixed);
     a.heuristic = "greedy-by-size";
   }
   placement_plan& best = a.heuristic.empty() || b.arena_bytes < a.arena_bytes ? b : a;
   best.lower_bound = max_live_bytes(items, alignment);
+  best.open_base = base;
+  best.arena_bytes = std::max(best.arena_bytes, base);
+  best.hole_base = std::move(hole_base);
   return std::move(best);
 }
 
@@ -203,7 +232,8 @@ std::string to_json(const planner_stats& s) {
       "\"plan.allocs_under_plan\":%lld,\"plan.hits\":%lld,\"plan.unplanned_allocs\":%lld,"
       "\"plan.deviations\":%lld,\"plan.period_allocs\":%lld,\"plan.planned_slots\":%lld,"
       "\"plan.arena_bytes\":%lld,\"plan.lower_bound_bytes\":%lld,"
-      "\"plan.unplanned_live_peak\":%lld,\"plan.hit_rate\":%.6f,\"plan.plan_seconds\":%.6f,"
+      "\"plan.unplanned_live_peak\":%lld,\"plan.arena_reserved_bytes\":%lld,"
+      "\"plan.hole_bytes\":%lld,\"plan.hit_rate\":%.6f,\"plan.plan_seconds\":%.6f,"
       "\"plan.heuristic\":\"%s\"}",
       s.enabled ? "true" : "false", s.counterfactual ? "true" : "false",
       s.active ? "true" : "false", static_cast<long long>(s.plans),
@@ -213,6 +243,7 @@ std::string to_json(const planner_stats& s) {
       static_cast<long long>(s.deviations), static_cast<long long>(s.period_allocs),
       static_cast<long long>(s.planned_slots), static_cast<long long>(s.arena_bytes),
       static_cast<long long>(s.lower_bound_bytes), static_cast<long long>(s.unplanned_live_peak),
+      static_cast<long long>(s.arena_reserved_bytes), static_cast<long long>(s.hole_bytes),
       s.hit_rate(), s.plan_seconds, s.heuristic.c_str());
   return buf;
 }

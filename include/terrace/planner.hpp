@@ -35,11 +35,24 @@ struct placement_plan {
   std::size_t arena_bytes = 0;       ///< max(offset + aligned size)
   std::size_t lower_bound = 0;       ///< max live aligned bytes at any instant
   std::string heuristic;             ///< "greedy-by-size" or "greedy-by-start"
+  /// With holes (the overload below): hole h spans [hole_base[h], hole_base[h] + holes[h]) and the
+  /// open region starts at open_base, so the memory to obtain is arena_bytes - open_base.
+  std::vector<std::size_t> hole_base;
+  std::size_t open_base = 0;
 };
 
 /// @brief Plans offsets for `items` in one arena. Sizes round up to `alignment` (a power of two).
 /// @throws terrace::logic_error for an interval with end <= begin or a bad alignment.
 placement_plan plan_placement(const std::vector<plan_interval>& items, std::size_t alignment = 512);
+
+/// @brief Plans `items` into memory that is already there first: `holes` (sizes, multiples of
+/// `alignment`) are free ranges at all times, separated from each other and from an open region
+/// above them; an item goes into a hole only if it fits there whole. Same heuristics and best-fit
+/// rule, so an item lands in the open region only when no hole (or gap between placed blocks) holds
+/// it. With no holes this is plan_placement(items, alignment).
+/// @throws terrace::logic_error as plan_placement, or for a hole size not a multiple of alignment.
+placement_plan plan_placement(const std::vector<plan_interval>& items,
+                              const std::vector<std::size_t>& holes, std::size_t alignment = 512);
 
 /// @brief The lower bound: the largest sum of (aligned) sizes live at one logical time.
 std::size_t max_live_bytes(const std::vector<plan_interval>& items, std::size_t alignment = 512);
@@ -67,6 +80,8 @@ struct planner_stats {
   std::int64_t arena_bytes = 0;           ///< the plan's arena
   std::int64_t lower_bound_bytes = 0;     ///< max live bytes of the planned slots
   std::int64_t unplanned_live_peak = 0;   ///< peak live bytes outside the arena since the plan
+  std::int64_t arena_reserved_bytes = 0;  ///< new memory the installed plan reserved (live policy)
+  std::int64_t hole_bytes = 0;            ///< fallback holes the installed plan reuses instead
   double plan_seconds = 0.0;              ///< time spent planning, all plans
   std::string heuristic;                  ///< the last plan's winning heuristic
 
