@@ -482,5 +482,61 @@ TEST(TensorStore, FullFileSystemIsReportedAtCreate) {
   EXPECT_EQ(rc, 0);
 }
 
+
+TEST(TensorStore, FileSystemWithoutODirectFallsBackToBufferedIoWithOneWarning) {
+  // ramfs has no O_DIRECT (tmpfs has it since Linux 6.6, so tmpfs no longer exercises this
+  // path); mounted in a private user+mount namespace as above. The store must say so in one
+  // line, then work: round trip, checksums, checkpoint and reopen.
+  scratch_dir dir("buffered");
+  const std::filesystem::path log = dir.path().string() + ".stderr";
+  const int rc = in_child([&] {
+    const uid_t uid = ::getuid();
+    const gid_t gid = ::getgid();
+    if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return 77;
+    auto write_file = [](const char* path, const std::string& s) {
+      const int fd = ::open(path, O_WRONLY);
+      if (fd < 0) return;
+      [[maybe_unused]] auto n = ::write(fd, s.data(), s.size());
+      ::close(fd);
+    };
+    write_file("/proc/self/setgroups", "deny");
+    write_file("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1");
+    write_file("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1");
+    if (::mount("none", dir.path().c_str(), "ramfs", 0, "mode=0700") != 0) return 77;
+    const int err = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (err < 0 || ::dup2(err, STDERR_FILENO) < 0) return 3;
+    int result = 0;
+    try {
+      auto v = pattern(3 * MiB + 123, 7);
+      {
+        auto s = tensor_store::create(dir.path(), small(8 * MiB));
+        if (s.direct()) return 4;
+        if (s.describe().find("buffered") == std::string::npos) return 5;
+        s.put("v", v.data(), v.size()).wait();
+        s.checkpoint();
+      }
+      auto s = tensor_store::open(dir.path(), small(8 * MiB));
+      std::vector<unsigned char> out(v.size());
+      s.get("v", out.data(), out.size()).wait();
+      if (out != v) result = 6;
+    } catch (...) {
+      result = 7;
+    }
+    ::umount(dir.path().c_str());
+    return result;
+  });
+  if (rc == 77) GTEST_SKIP() << "cannot mount ramfs here (no user namespaces)";
+  ASSERT_EQ(rc, 0);
+  std::ifstream in(log);
+  std::string line;
+  int warnings = 0;
+  while (std::getline(in, line)) {
+    if (line.find("does not support O_DIRECT") != std::string::npos) ++warnings;
+  }
+  std::filesystem::remove(log);
+  // One line per store opened (create, then open), each naming its swap file.
+  EXPECT_EQ(warnings, 2);
+}
+
 }  // namespace
 }  // namespace terrace

@@ -96,7 +96,7 @@ int open_directory(const std::filesystem::path& dir) {
 bool enable_direct(int fd, const std::string& path) {
   const int flags = ::fcntl(fd, F_GETFL);
   if (flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0) return true;
-  std::fprintf(stderr, "terrace: warning: %s does not support O_DIRECT (tmpfs?); the tensor store uses buffered I/O\n",
+  std::fprintf(stderr, "terrace: warning: %s does not support O_DIRECT (ramfs, or tmpfs before Linux 6.6?); the tensor store uses buffered I/O\n",
                path.c_str());
   return false;
 }

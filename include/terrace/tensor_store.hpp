@@ -75,7 +75,7 @@ struct tensor_store_options {
   unsigned queue_depth = 16;
   /// Let a kernel thread poll the submission queue (IORING_SETUP_SQPOLL): fewer syscalls, one core spent.
   bool sqpoll = false;
-  /// O_DIRECT (bypass the page cache). A file system without it (tmpfs) falls back to buffered
+  /// O_DIRECT (bypass the page cache). A file system without it (ramfs, tmpfs before Linux 6.6) falls back to buffered
   /// I/O with a one-line warning on stderr.
   bool direct = true;
 };
@@ -139,7 +139,7 @@ class tensor_store {
   std::uint64_t capacity() const;
   /// Bytes of extents in use, including those held for the committed checkpoint until the next.
   std::uint64_t used_bytes() const;
-  /// Whether the files are driven with O_DIRECT (false after the tmpfs fallback).
+  /// Whether the files are driven with O_DIRECT (false after the buffered fallback).
   bool direct() const;
   /// The engine's setup, e.g. "io_uring qd=16 block=1 MiB files=1 fixed-files fixed-buffers".
   std::string describe() const;
