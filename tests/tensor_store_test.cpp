@@ -413,6 +413,24 @@ int in_child(F body) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 100 + WTERMSIG(status);
 }
 
+// Makes this (child) process root of a private user+mount namespace, so that it may mount a file
+// system of its own without privilege. False where unprivileged user namespaces are not allowed.
+bool enter_private_mount_namespace() {
+  const uid_t uid = ::getuid();
+  const gid_t gid = ::getgid();
+  if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return false;
+  auto write_file = [](const char* path, const std::string& s) {
+    const int fd = ::open(path, O_WRONLY);
+    if (fd < 0) return;
+    [[maybe_unused]] auto n = ::write(fd, s.data(), s.size());
+    ::close(fd);
+  };
+  write_file("/proc/self/setgroups", "deny");
+  write_file("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1");
+  write_file("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1");
+  return true;
+}
+
 TEST(TensorStore, FileSizeLimitIsReportedAtCreate) {
   scratch_dir dir("fsize");
   const int rc = in_child([&] {
@@ -443,18 +461,7 @@ TEST(TensorStore, FullFileSystemIsReportedAtCreate) {
   // (needs no privilege where unprivileged user namespaces are allowed).
   scratch_dir dir("enospc");
   const int rc = in_child([&] {
-    const uid_t uid = ::getuid();
-    const gid_t gid = ::getgid();
-    if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return 77;
-    auto write_file = [](const char* path, const std::string& s) {
-      const int fd = ::open(path, O_WRONLY);
-      if (fd < 0) return;
-      [[maybe_unused]] auto n = ::write(fd, s.data(), s.size());
-      ::close(fd);
-    };
-    write_file("/proc/self/setgroups", "deny");
-    write_file("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1");
-    write_file("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1");
+    if (!enter_private_mount_namespace()) return 77;
     if (::mount("none", dir.path().c_str(), "tmpfs", 0, "size=4m,mode=0700") != 0) return 77;
     int result = 0;
     try {
@@ -490,18 +497,7 @@ TEST(TensorStore, FileSystemWithoutODirectFallsBackToBufferedIoWithOneWarning) {
   scratch_dir dir("buffered");
   const std::filesystem::path log = dir.path().string() + ".stderr";
   const int rc = in_child([&] {
-    const uid_t uid = ::getuid();
-    const gid_t gid = ::getgid();
-    if (::unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0) return 77;
-    auto write_file = [](const char* path, const std::string& s) {
-      const int fd = ::open(path, O_WRONLY);
-      if (fd < 0) return;
-      [[maybe_unused]] auto n = ::write(fd, s.data(), s.size());
-      ::close(fd);
-    };
-    write_file("/proc/self/setgroups", "deny");
-    write_file("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1");
-    write_file("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1");
+    if (!enter_private_mount_namespace()) return 77;
     if (::mount("none", dir.path().c_str(), "ramfs", 0, "mode=0700") != 0) return 77;
     const int err = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (err < 0 || ::dup2(err, STDERR_FILENO) < 0) return 3;
