@@ -16,6 +16,7 @@ terrace_setup_packages=(
   fio  # tools/bench_nvme compares the tensor store with fio on the same file system
   chromium  # tests/report_render_test.sh renders `terrace report` headless
   python3-torch  # tests/test_adam_torch.py compares the CPU Adam with torch.optim.Adam/AdamW
+  libopenblas-dev  # kernels/char_model_cpu.cpp: sgemm for the cpu char model (terrace train)
 )
 TERRACE_CUDA_HOME="${TERRACE_CUDA_HOME:-/usr/local/cuda}"
 
