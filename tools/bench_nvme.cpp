@@ -1,14 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
-// bench_nvme: the tensor store's put/get throughput against fio on the same file system, with the
-// same total bytes, block size and queue depth, in one run (the machines are noisy: only ratios
-// taken side by side mean anything). Prints a table of medians.
+// bench_nvme: the tensor store's put/get throughput against fio and, where installed, DeepSpeed's
+// aio handle, on the same file, with the same total bytes, block size and queue depth, in one run
+// (the machines are noisy: only ratios taken side by side mean anything). Prints tables of medians.
 //
 //   bench_nvme [--dir DIR] [--total-mib 1024] [--runs 5] [--qd 16] [--block-kib 1024]
-//              [--sizes-mib 1,16,256] [--no-fio]
+//              [--sizes-mib 1,16,256] [--no-fio] [--no-deepspeed]
+//   Environment: TERRACE_DEEPSPEED_PYTHONPATH, a PYTHONPATH under which deepspeed imports.
 //
 // terrace: put every tensor (all in flight at once, the engine keeps --qd blocks in the ring),
 // wait for all; then get them all back, CRC-verified. fio: --ioengine=io_uring --direct=1
-// --rw=write then read over one file of the same total size.
+// --rw=write then read over one file of the same total size. DeepSpeed: tools/bench_nvme_deepspeed.py
+// through /usr/bin/python3 (as bench_adam runs its Python half): aio_handle(block, qd) async_pwrite
+// of every tensor at the offset the store gives it, one wait(), then async_pread (O_DIRECT, libaio).
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -64,10 +69,61 @@ double fio_mbps(const std::filesystem::path& file, const char* rw, std::uint64_t
   }
 }
 
+// A word for /bin/sh: single-quoted, with embedded quotes escaped.
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+// tools/bench_nvme_deepspeed.py, run under /usr/bin/python3 with TERRACE_DEEPSPEED_PYTHONPATH as its
+// PYTHONPATH. Returns its RESULT object, or null with `why` set (its UNAVAILABLE line, or how it
+// failed with the last line it wrote to stderr).
+nlohmann::json deepspeed_run(const std::string& args, const std::filesystem::path& err_file, std::string& why) {
+  std::string env;
+  if (const char* path = std::getenv("TERRACE_DEEPSPEED_PYTHONPATH")) env = "PYTHONPATH=" + shell_quote(path) + " ";
+  const std::string cmd = env + "/usr/bin/python3 " + shell_quote(TERRACE_SOURCE_DIR "/tools/bench_nvme_deepspeed.py") +
+                          " " + args + " 2>" + shell_quote(err_file.string());
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) {
+    why = "could not run /usr/bin/python3";
+    return nullptr;
+  }
+  nlohmann::json result;
+  why.clear();
+  char line[8192];
+  while (std::fgets(line, sizeof line, p) != nullptr) {
+    std::string l(line);
+    while (!l.empty() && (l.back() == '\n' || l.back() == '\r')) l.pop_back();
+    if (l.rfind("RESULT ", 0) == 0) {
+      try {
+        result = nlohmann::json::parse(l.substr(7));
+      } catch (const std::exception& e) {
+        why = std::string("unparsable RESULT line: ") + e.what();
+      }
+    } else if (l.rfind("UNAVAILABLE ", 0) == 0) {
+      why = l.substr(12);
+    }
+  }
+  const int status = ::pclose(p);
+  if (!result.is_null() && why.empty()) return result;
+  if (why.empty()) {
+    std::string last, l;
+    std::ifstream err(err_file);
+    while (std::getline(err, l))
+      if (!l.empty()) last = l;
+    why = "bench_nvme_deepspeed.py gave no result (" +
+          (WIFEXITED(status) ? "exit status " + std::to_string(WEXITSTATUS(status))
+                             : "killed by signal " + std::to_string(WIFSIGNALED(status) ? WTERMSIG(status) : 0)) +
+          (last.empty() ? std::string(")") : "): " + last);
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"terrace NVMe tier benchmark: tensor store vs fio"};
+  CLI::App app{"terrace NVMe tier benchmark: tensor store vs fio and DeepSpeed's aio handle"};
   std::string dir = "bench-nvme-scratch";
   std::uint64_t total_mib = 1024;
   int runs = 5;
@@ -75,6 +131,7 @@ int main(int argc, char** argv) {
   std::size_t block_kib = terrace::tensor_store_options{}.block_size >> 10;
   std::vector<std::uint64_t> sizes_mib = {1, 16, 256};
   bool no_fio = false;
+  bool no_deepspeed = false;
   app.add_option("--dir", dir, "scratch directory (created; must not be tmpfs)");
   app.add_option("--total-mib", total_mib, "bytes moved per configuration and direction");
   app.add_option("--runs", runs, "repetitions (medians are printed)");
@@ -82,6 +139,7 @@ int main(int argc, char** argv) {
   app.add_option("--block-kib", block_kib, "block size (terrace and fio)");
   app.add_option("--sizes-mib", sizes_mib, "tensor sizes")->delimiter(',');
   app.add_flag("--no-fio", no_fio, "skip fio");
+  app.add_flag("--no-deepspeed", no_deepspeed, "skip DeepSpeed's aio handle");
   CLI11_PARSE(app, argc, argv);
 
   const std::filesystem::path base = std::filesystem::absolute(dir);
@@ -110,10 +168,10 @@ int main(int argc, char** argv) {
 
   struct row {
     std::uint64_t size_mib;
-    std::vector<double> put, get, fio_w, fio_r;
+    std::vector<double> put, get, fio_w, fio_r, ds_w, ds_r;
   };
   std::vector<row> rows;
-  for (auto s : sizes_mib) rows.push_back({s, {}, {}, {}, {}});
+  for (auto s : sizes_mib) rows.push_back({s, {}, {}, {}, {}, {}, {}});
 
   auto pass = [&](row& r, bool record) {
     const std::uint64_t size = r.size_mib * MiB;
@@ -149,18 +207,57 @@ int main(int argc, char** argv) {
   // same write-then-read order: the ratio compares the engines, not the cache states.
   const auto fio_file = store_dir / "swap.0";
   if (!no_fio) fio_mbps(fio_file, "write", total, block, qd);
-  // Each terrace pass is paired with a fio pass right after it, and the ratio is taken per pair:
-  // the neighbours' load drifts over seconds, so adjacent measurements share most of it.
+  // DeepSpeed's aio handle works on the same swap file too, each tensor at the offset the store's
+  // allocator gives it (the extents are laid out from offset 0, in put order, and freed after
+  // every pass). Its op is checked (and, the first time, compiled) once, before the runs.
+  const auto ds_err = base / "deepspeed.stderr";
+  std::string ds_why;
+  bool deepspeed = false;
+  if (no_deepspeed) {
+    ds_why = "skipped (--no-deepspeed)";
+  } else {
+    std::printf("DeepSpeed aio: checking (its first use compiles DeepSpeed's async_io op: minutes)\n");
+    std::fflush(stdout);
+    deepspeed = !deepspeed_run("--check", ds_err, ds_why).is_null();
+  }
+  auto deepspeed_pass = [&](row& r) {
+    const std::string args = "--file " + shell_quote(fio_file.string()) + " --total-bytes " + std::to_string(total) +
+                             " --tensor-bytes " + std::to_string(r.size_mib * MiB) + " --block-bytes " +
+                             std::to_string(block) + " --qd " + std::to_string(qd) + " --reps 1";
+    const nlohmann::json j = deepspeed_run(args, ds_err, ds_why);
+    if (j.is_null()) {  // reported once, after the tables
+      deepspeed = false;
+      for (auto& x : rows) x.ds_w.clear(), x.ds_r.clear();
+      return;
+    }
+    r.ds_w.push_back(j["write_mbps"].get<double>());
+    r.ds_r.push_back(j["read_mbps"].get<double>());
+  };
+  // Each terrace pass is paired with a fio pass and a DeepSpeed pass next to it, and the ratios
+  // are taken per run: the neighbours' load drifts over seconds, so adjacent measurements share
+  // most of it. Which of the three goes first rotates from run to run (terrace, fio, DeepSpeed;
+  // then fio, DeepSpeed, terrace; ...): on a disk with a host cache, following another engine's
+  // read or write of the same bytes is not neutral, so no engine keeps one place.
   for (int run = 0; run < runs; ++run) {
     for (auto& r : rows) {
-      pass(r, true);
-      if (!no_fio) {
-        r.fio_w.push_back(fio_mbps(fio_file, "write", total, block, qd));
-        r.fio_r.push_back(fio_mbps(fio_file, "read", total, block, qd));
+      for (int k = 0; k < 3; ++k) {
+        switch ((run + k) % 3) {
+          case 0:
+            pass(r, true);
+            break;
+          case 1:
+            if (!no_fio) {
+              r.fio_w.push_back(fio_mbps(fio_file, "write", total, block, qd));
+              r.fio_r.push_back(fio_mbps(fio_file, "read", total, block, qd));
+            }
+            break;
+          default:
+            if (deepspeed) deepspeed_pass(r);
+        }
       }
     }
   }
-  std::printf("\nmedians over %d runs; ratios are medians of the per-run ratios\n", runs);
+  std::printf("\nmedians over %d runs (order rotated each run); ratios are medians of the per-run ratios\n", runs);
   std::printf("| tensor | terrace put MB/s | fio write MB/s | put/fio | terrace get MB/s | fio read MB/s | get/fio |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
   for (auto& r : rows) {
@@ -180,9 +277,32 @@ int main(int argc, char** argv) {
                   i < r.fio_r.size() ? r.fio_r[i] : 0.0);
     std::printf("\n");
   }
-  const bool deepspeed = std::system("python3 -c 'import deepspeed' >/dev/null 2>&1") == 0;
-  std::printf("DeepSpeed aio: %s\n", deepspeed ? "installed, but this bench does not drive it yet"
-                                               : "not installed (pip install deepspeed + libaio-dev); skipped");
+  if (deepspeed) {
+    std::printf("\nDeepSpeed aio_handle(block=%zu KiB, qd=%u, single_submit=0, overlap_events=1, threads=1), "
+                "O_DIRECT, same file\n",
+                block_kib, qd);
+    std::printf("| tensor | terrace put MB/s | DeepSpeed write MB/s | put/DeepSpeed | terrace get MB/s | "
+                "DeepSpeed read MB/s | get/DeepSpeed |\n");
+    std::printf("|---|---|---|---|---|---|---|\n");
+    for (auto& r : rows) {
+      std::vector<double> pr, gr;
+      for (std::size_t i = 0; i < r.ds_w.size(); ++i) {
+        if (r.ds_w[i] > 0) pr.push_back(r.put[i] / r.ds_w[i]);
+        if (r.ds_r[i] > 0) gr.push_back(r.get[i] / r.ds_r[i]);
+      }
+      std::printf("| %llu MiB | %.0f | %.0f | %.2f | %.0f | %.0f | %.2f |\n",
+                  static_cast<unsigned long long>(r.size_mib), median(r.put), median(r.ds_w), median(pr), median(r.get),
+                  median(r.ds_r), median(gr));
+    }
+    std::printf("\nper-run MB/s, DeepSpeed write/read:\n");
+    for (auto& r : rows) {
+      std::printf("  %4llu MiB:", static_cast<unsigned long long>(r.size_mib));
+      for (std::size_t i = 0; i < r.ds_w.size(); ++i) std::printf("  %.0f/%.0f", r.ds_w[i], r.ds_r[i]);
+      std::printf("\n");
+    }
+  } else {
+    std::printf("DeepSpeed aio: not measured: %s\n", ds_why.c_str());
+  }
   std::free(src);
   std::free(dst);
   std::filesystem::remove_all(base);

@@ -18,6 +18,8 @@ terrace_setup_packages=(
   python3-torch  # tests/test_adam_torch.py compares the CPU Adam with torch.optim.Adam/AdamW
   libopenblas-dev  # kernels/char_model_cpu.cpp: sgemm for the cpu char model (terrace train)
 )
+# Optional, bench only, not installed here (terrace never links it): libaio-dev, which DeepSpeed's
+# async_io op needs, for tools/bench_nvme's comparison with DeepSpeed's aio handle (docs/nvme.md).
 TERRACE_CUDA_HOME="${TERRACE_CUDA_HOME:-/usr/local/cuda}"
 
 terrace_setup_install() {
