@@ -245,6 +245,95 @@ TEST(TierManager, HostUpdatesReachTheDeviceAndWritesNeedNoCopyUp) {
   EXPECT_EQ(seen.load(), 42);
 }
 
+// flush() starts the copy down of a gradient as soon as backward releases it, without waiting
+// for the kernel that writes it; host_data() then waits for that copy, and the device copy stays.
+TEST(TierManager, FlushCopiesDownBehindTheKernelWithoutBlockingTheHost) {
+  constexpr std::size_t kBytes = 1 * MiB;
+  rig r(4 * MiB);
+  const tensor_id g = r.tm->add("g", kBytes);
+  auto* gd = static_cast<unsigned char*>(r.tm->acquire(g, r.compute, access::write));
+  std::atomic<bool> go{false}, finished{false};
+  r.launch([&, gd] {
+    // Held until the host has returned from flush (bounded, so a blocking flush fails, not hangs).
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (!go.load() && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+    std::memset(gd, 7, kBytes);
+    finished = true;
+  });
+  r.tm->release(g, r.compute);
+  r.tm->flush(g);
+  EXPECT_FALSE(finished.load()) << "flush waited for the kernel";
+  go = true;
+  EXPECT_EQ(r.tm->stats().device_to_host_copies, 1);
+  EXPECT_TRUE(r.tm->on_device(g));
+  const auto* h = static_cast<const unsigned char*>(r.tm->host_data(g, access::read));
+  for (std::size_t k = 0; k < kBytes; k += 4099) ASSERT_EQ(h[k], 7) << k;
+  EXPECT_EQ(h[kBytes - 1], 7);
+  // host_data waited for the flush's copy instead of making another; a second flush has nothing
+  // to do; the device copy is still there and still current (no copy up).
+  r.tm->flush(g);
+  EXPECT_EQ(r.tm->stats().device_to_host_copies, 1);
+  auto* again = static_cast<unsigned char*>(r.tm->acquire(g, r.compute, access::read));
+  EXPECT_EQ(again, gd);
+  EXPECT_EQ(r.tm->stats().host_to_device_copies, 0);
+  r.tm->release(g, r.compute);
+  r.tm->flush(g);  // read only: still nothing newer than home
+  EXPECT_EQ(r.tm->stats().device_to_host_copies, 1);
+  r.tm->check_invariants();
+}
+
+// A kernel that changes a tensor whose flush is still copying it down must start after that
+// copy: otherwise the copy would take some of the new bytes home.
+TEST(TierManager, AWriteAfterAFlushWaitsForTheCopyDown) {
+  constexpr std::size_t kBytes = 4 * MiB;
+  rig r(16 * MiB, /*bandwidth=*/200e6);  // 4 MiB: ~20 ms per copy
+  const tensor_id g = r.tm->add("g", kBytes, pattern(kBytes, 0).data());
+  const auto* home = static_cast<const unsigned char*>(r.tm->host_data(g));  // stays put: no NVMe
+  auto* gd = static_cast<unsigned char*>(r.tm->acquire(g, r.compute, access::write));
+  r.launch([gd] { std::memset(gd, 7, kBytes); });
+  r.tm->release(g, r.compute);
+  r.tm->flush(g);
+  gd = static_cast<unsigned char*>(r.tm->acquire(g, r.compute, access::update));
+  std::atomic<int> home_seen_wrong{0};
+  r.launch([gd, home, &home_seen_wrong] {
+    // By now the flush's copy must have brought every byte home.
+    for (std::size_t k = 0; k < kBytes; k += 4096) home_seen_wrong += home[k] != 7;
+    std::memset(gd, 8, kBytes);
+  });
+  r.tm->release(g, r.compute);
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(home_seen_wrong.load(), 0);
+  const auto* h = static_cast<const unsigned char*>(r.tm->host_data(g));
+  EXPECT_EQ(h[12345], 8);
+  EXPECT_EQ(r.tm->stats().device_to_host_copies, 2);
+}
+
+// host_data(id, access::write): the caller overwrites the home copy, so the newer device copy is
+// neither copied down nor kept.
+TEST(TierManager, HostDataForWritingCopiesNothingDownAndDropsTheDeviceCopy) {
+  constexpr std::size_t kBytes = 256 * KiB;
+  rig r(4 * MiB);
+  const tensor_id w = r.tm->add("w", kBytes, pattern(kBytes, 3).data());
+  auto* wd = static_cast<unsigned char*>(r.tm->acquire(w, r.compute, access::update));
+  r.launch([wd] { std::memset(wd, 5, kBytes); });
+  r.tm->release(w, r.compute);
+  const tier_stats before = r.tm->stats();
+  auto* wh = static_cast<unsigned char*>(r.tm->host_data(w, access::write));
+  EXPECT_EQ(r.tm->stats().device_to_host_copies, before.device_to_host_copies);
+  EXPECT_FALSE(r.tm->on_device(w));
+  std::memset(wh, 6, kBytes);  // no host_modified: access::write implies it
+  auto* again = static_cast<unsigned char*>(r.tm->acquire(w, r.compute, access::read));
+  std::atomic<int> seen{-1};
+  r.launch([again, &seen] { seen = again[777]; });
+  r.tm->release(w, r.compute);
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(seen.load(), 6);
+  EXPECT_EQ(r.tm->stats().host_to_device_copies, before.host_to_device_copies + 1);
+  // The kernel's 5s never come home, even through an eviction or host_data.
+  EXPECT_EQ(static_cast<const unsigned char*>(r.tm->host_data(w))[100], 6);
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, MisuseIsAClearError) {
   rig r(1 * MiB);
   const tensor_id a = r.tm->add("a", 512 * KiB, pattern(512 * KiB, 0).data());
@@ -256,6 +345,9 @@ TEST(TierManager, MisuseIsAClearError) {
   r.tm->acquire(a, r.compute);
   r.tm->acquire(b, r.compute);
   EXPECT_THROW(r.tm->host_data(a), logic_error);  // acquired
+  EXPECT_THROW(r.tm->host_data(a, access::write), logic_error);
+  EXPECT_THROW(r.tm->flush(a), logic_error);
+  EXPECT_THROW(r.tm->flush(99), logic_error);
   try {
     r.tm->acquire(c, r.compute);  // a and b are pinned and fill the budget
     FAIL() << "no out_of_memory";

@@ -9,11 +9,14 @@
 //     not hand the block out again before that stream's work (at free time) is done;
 //   - a copy down of a tensor written on a compute stream first waits for the event recorded at
 //     release on that stream;
-//   - a compute stream waits for the event of the copy up before using the block.
+//   - a compute stream waits for the event of the copy up before using the block;
+//   - a compute stream that acquires a tensor to change it waits for the event of a copy down
+//     still in flight (a flush), so the copy reads the block before the kernels change it.
 #include "terrace/tier_manager.hpp"
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -300,14 +303,15 @@ struct tier_manager::impl {
   bool host_limited() const { return nvme != nullptr && options.host_budget != 0; }
 
   // The home copy used farthest in the future that can move to NVMe now: not on the device (its
-  // copies there would need it), not being read from NVMe.
-  tensor_id host_victim(tensor_id keep, std::size_t later_than) const {
+  // copies there would need it), not being read from NVMe, not `chosen` already.
+  tensor_id host_victim(tensor_id keep, std::size_t later_than, const std::vector<tensor_id>& chosen) const {
     tensor_id best = static_cast<tensor_id>(-1);
     std::size_t best_next = 0;
     std::uint64_t best_last = 0;
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       const tensor& t = tensors[i];
       if (i == keep || t.host == nullptr || t.dev != nullptr || t.nvme_reading) continue;
+      if (std::find(chosen.begin(), chosen.end(), i) != chosen.end()) continue;
       const std::size_t next = next_use(t);
       if (later_than != kNever && next <= later_than) continue;
       if (best == static_cast<tensor_id>(-1) || next > best_next ||
@@ -320,37 +324,73 @@ struct tier_manager::impl {
     return best;
   }
 
-  // Moves a home copy to NVMe and frees its pinned buffer. The write is waited for: the buffer
-  // cannot be reused before it is on disk. (A copy up or down may still touch the buffer: both
-  // are waited for first.)
-  void evict_host(tensor_id id) {
-    tensor& t = tensors[id];
-    if (t.up.native != nullptr) device.synchronize(t.up);
-    if (t.down_pending) {
-      device.synchronize(t.down);
-      t.down_pending = false;
+  // Moves home copies to NVMe and frees their pinned buffers. The puts of one round are issued
+  // together and then waited for together, so the engine runs them side by side; each buffer is
+  // freed only once its own put landed (the caller needs the room at once, so the round itself
+  // cannot return before that). A copy up or down may still touch a buffer: both are waited for
+  // first. A put that fails leaves its tensor at home, unchanged; the others are settled and the
+  // first error propagates.
+  void evict_hosts(const std::vector<tensor_id>& victims) {
+    struct write {
+      tensor_id id;
+      io_handle put;  // default: nothing to write (already on NVMe, or never written)
+    };
+    std::vector<write> writes;
+    std::exception_ptr failure;
+    for (tensor_id id : victims) {
+      tensor& t = tensors[id];
+      if (t.up.native != nullptr) device.synchronize(t.up);
+      if (t.down_pending) {
+        device.synchronize(t.down);
+        t.down_pending = false;
+      }
+      write w{id, {}};
+      if (t.host_written && !t.nvme_current) {
+        try {
+          w.put = nvme->put(t.name, t.host, t.bytes);
+        } catch (...) {
+          failure = std::current_exception();  // the store is full: evict no more
+          break;
+        }
+      }
+      writes.push_back(w);
     }
-    if (t.host_written && !t.nvme_current) {
-      nvme->put(t.name, t.host, t.bytes).wait();
-      t.nvme_current = true;
-      counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+    for (write& w : writes) {
+      tensor& t = tensors[w.id];
+      try {
+        w.put.wait();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+        continue;
+      }
+      if (t.host_written && !t.nvme_current) {
+        t.nvme_current = true;
+        counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+      }
+      host.deallocate(t.host);
+      t.host = nullptr;
+      t.host_written = false;
+      host_bytes -= t.bytes;
+      counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+      ++counters.host_evictions;
     }
-    host.deallocate(t.host);
-    t.host = nullptr;
-    t.host_written = false;
-    host_bytes -= t.bytes;
-    counters.host_bytes = static_cast<std::int64_t>(host_bytes);
-    ++counters.host_evictions;
+    if (failure) std::rethrow_exception(failure);
   }
 
+  // Evicts home copies (Belady) until `bytes` more fit the host budget; false if not enough can
+  // leave (what could leave has left).
   bool make_host_room(std::size_t bytes, tensor_id keep, std::size_t later_than) {
     if (!host_limited()) return true;
-    while (host_bytes + bytes > options.host_budget) {
-      const tensor_id v = host_victim(keep, later_than);
-      if (v == static_cast<tensor_id>(-1)) return false;
-      evict_host(v);
+    std::vector<tensor_id> victims;
+    std::size_t leaving = 0;
+    while (host_bytes - leaving + bytes > options.host_budget) {
+      const tensor_id v = host_victim(keep, later_than, victims);
+      if (v == static_cast<tensor_id>(-1)) break;
+      victims.push_back(v);
+      leaving += tensors[v].bytes;
     }
-    return true;
+    evict_hosts(victims);
+    return host_bytes + bytes <= options.host_budget;
   }
 
   void take_host_buffer(tensor& t) {
@@ -450,6 +490,13 @@ struct tier_manager::impl {
         device.wait(stream, t.up);
       }
     }
+    if (mode != access::read && t.down_pending) {
+      if (device.query(t.down)) {
+        t.down_pending = false;
+      } else {
+        device.wait(stream, t.down);  // a flush still reading the block the caller will change
+      }
+    }
     if (stream.native != copy.native) memory.record_stream(t.dev, stream);
     ++t.pins;
     if (mode != access::read) t.dev_newer = true;
@@ -476,13 +523,14 @@ struct tier_manager::impl {
     t.done_recorded = true;
   }
 
-  void* host_data(tensor_id id) {
+  void* host_data(tensor_id id, access mode) {
     std::lock_guard lock(mutex);
     tensor& t = at(id, "host_data");
     if (t.pins > 0) {
       throw logic_error("terrace: tier manager: host_data of '" + t.name +
                         "' while it is acquired on the device (release it first)");
     }
+    if (mode == access::write) return overwrite_home(id);
     if (t.dev == nullptr || !t.dev_newer) ensure_home(id);
     if (t.dev != nullptr && t.dev_newer) copy_down(t);
     // A copy up (perhaps a prefetch since evicted) may still be reading the home copy that the
@@ -494,6 +542,45 @@ struct tier_manager::impl {
       t.down_pending = false;
     }
     return t.host;
+  }
+
+  // host_data(id, access::write): a home buffer whose old contents nobody needs.
+  void* overwrite_home(tensor_id id) {
+    tensor& t = tensors[id];
+    if (t.nvme_reading) {
+      try {
+        finish_read(t);  // the read is writing into the buffer: it must land (or fail) first
+      } catch (const io_error&) {
+        // Those contents are about to be replaced anyway; finish_read gave the buffer back.
+      }
+    }
+    if (t.host == nullptr) ensure_home(id, /*need_data=*/false);
+    // A copy up still reading the buffer, or a copy down (a flush) still writing it, must be done
+    // before the caller writes it.
+    if (t.up.native != nullptr) device.synchronize(t.up);
+    t.up_pending = false;
+    if (t.down_pending) {
+      device.synchronize(t.down);
+      t.down_pending = false;
+    }
+    if (t.dev != nullptr) drop_device_copy(id);
+    t.host_written = true;
+    t.nvme_current = false;
+    t.dev_newer = false;
+    return t.host;
+  }
+
+  void flush(tensor_id id) {
+    std::lock_guard lock(mutex);
+    tensor& t = at(id, "flush");
+    if (t.pins > 0) {
+      throw logic_error("terrace: tier manager: flush of '" + t.name +
+                        "' while it is acquired on the device (release it first)");
+    }
+    if (t.dev == nullptr || !t.dev_newer) return;  // the home copy is current
+    // A tensor on the device always has its home buffer (host eviction skips them), and no NVMe
+    // read into it is in flight (acquire finished it or never started one).
+    copy_down(t);  // after t.done, the event recorded at release: never blocks the host
   }
 
   void host_modified(tensor_id id) {
@@ -619,7 +706,9 @@ void* tier_manager::acquire(tensor_id id, stream_ref stream, access mode) {
   return impl_->acquire(id, stream, mode);
 }
 void tier_manager::release(tensor_id id, stream_ref stream) { impl_->release(id, stream); }
-void* tier_manager::host_data(tensor_id id) { return impl_->host_data(id); }
+void* tier_manager::host_data(tensor_id id) { return impl_->host_data(id, access::update); }
+void* tier_manager::host_data(tensor_id id, access mode) { return impl_->host_data(id, mode); }
+void tier_manager::flush(tensor_id id) { impl_->flush(id); }
 void tier_manager::host_modified(tensor_id id) { impl_->host_modified(id); }
 
 void tier_manager::begin_iteration() {

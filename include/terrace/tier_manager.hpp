@@ -112,10 +112,26 @@ class tier_manager {
   void release(tensor_id id, stream_ref stream);
 
   /// @brief The home (pinned host) copy, made current: waits for a copy down in flight, and copies
-  /// a newer device copy down first. For the CPU optimizer and for checkpoints.
+  /// a newer device copy down first. For the CPU optimizer and for checkpoints. Same as
+  /// host_data(id, access::update).
   /// @throws logic_error for an unknown id or a tensor that is acquired (its device copy may be
   ///         changing).
   void* host_data(tensor_id id);
+  /// @brief host_data with what the caller will do: access::read and access::update make the home
+  /// copy current as host_data(id) does (after an update, call host_modified). access::write
+  /// says the caller overwrites the whole home copy: nothing is read back from NVMe or copied down
+  /// from the device, the device copy is dropped and the home copy counts as modified (no
+  /// host_modified needed). Copies in flight that touch the home buffer are waited for first.
+  /// @throws logic_error as host_data(id); out_of_memory when the home copy was on NVMe and the
+  ///         host budget has no room for it.
+  void* host_data(tensor_id id, access mode);
+  /// @brief Starts copying a device copy that is newer than the home copy down to it, on the copy
+  /// stream after the work queued so far on the stream the tensor was last released on, without
+  /// blocking the host; a later host_data() waits for that copy. The device copy stays (and stays
+  /// usable). No-op when the home copy is current or the tensor is not on the device. For
+  /// gradients, offloaded as backward produces them.
+  /// @throws logic_error for an unknown id or a tensor that is acquired.
+  void flush(tensor_id id);
   /// @brief Says the home copy was changed on the host: the device copy is dropped.
   void host_modified(tensor_id id);
 
