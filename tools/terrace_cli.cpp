@@ -18,6 +18,7 @@
 
 #include "tools/html_report.hpp"
 #include "tools/replay.hpp"
+#include "tools/train.hpp"
 #include "tools/replay_format.hpp"
 #include "tools/trace_import.hpp"
 
@@ -269,6 +270,121 @@ int run_report(const compare_args& args) {
   return 0;
 }
 
+// ------------------------------------------------------------------------------------- train
+
+struct train_args {
+  terrace::tools::train_options options;
+  std::string dir;
+  std::string report;
+  std::string log;
+  std::string device_memory = "28MiB";
+  std::string device_budget = "0";
+  std::string host_budget = "0";
+  std::string optimizer_host_budget = "64MiB";
+  std::string pinned_limit = "0";
+  std::string store_capacity = "0";
+  double bandwidth_gbs = 8;
+  bool no_report = false;
+  bool quiet = false;
+};
+
+CLI::App* setup_train(CLI::App& app, train_args& args) {
+  terrace::tools::train_options& o = args.options;
+  CLI::App* cmd = app.add_subcommand(
+      "train",
+      "Train a char-level MLP language model whose state (bf16 params, fp32 grads, fp32 master "
+      "weights and Adam moments: 18 B per parameter) is many times the device memory: params "
+      "stream to the device layer by layer ahead of use, gradients stream back as backward makes "
+      "them, the CPU Adam steps the master weights in host memory and on NVMe. Prints a progress "
+      "bar (stderr), a summary and writes a memory report (HTML).");
+  // The last occurrence of an option wins, so that a script can override its own defaults.
+  cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  cmd->add_option("--steps", o.steps, "training steps (in all, a resumed run included)")
+      ->capture_default_str();
+  cmd->add_option("--layers", o.model.layers, "residual blocks")->capture_default_str();
+  cmd->add_option("--width", o.model.width, "hidden width")->capture_default_str();
+  cmd->add_option("--batch", o.model.batch, "predictions per step")->capture_default_str();
+  cmd->add_option("--context", o.model.context, "characters of context")->capture_default_str();
+  cmd->add_option("--embed", o.model.embed, "embedding width")->capture_default_str();
+  cmd->add_option("--threads", o.model.cpu_threads,
+                  "OpenBLAS threads on the sim device (0: the machine's)")
+      ->capture_default_str();
+  cmd->add_option("--lr", o.lr, "AdamW learning rate")->capture_default_str();
+  cmd->add_option("--clip", o.clip, "clip the global gradient norm to this (0: no clipping)")
+      ->capture_default_str();
+  cmd->add_option("--seed", o.seed, "initial weights and batch sampling")->capture_default_str();
+  cmd->add_option("--corpus", o.corpus, "the text to learn")->capture_default_str();
+  cmd->add_option("--device", o.device, "sim (host memory with a capacity and a copy bandwidth) "
+                                        "or cuda")
+      ->check(CLI::IsMember({"sim", "cuda"}))
+      ->capture_default_str();
+  cmd->add_option("--device-memory", args.device_memory, "sim: the device's capacity")
+      ->capture_default_str();
+  cmd->add_option("--bandwidth", args.bandwidth_gbs,
+                  "sim: host<->device copy bandwidth in GB/s (0: as fast as memcpy)")
+      ->capture_default_str();
+  cmd->add_option("--device-budget", args.device_budget,
+                  "device bytes the engine may use (0: the whole device)")
+      ->capture_default_str();
+  cmd->add_option("--host-budget", args.host_budget,
+                  "pinned bytes for home copies of params and grads (0: all of them); the rest "
+                  "waits on NVMe")
+      ->capture_default_str();
+  cmd->add_option("--optimizer-host-budget", args.optimizer_host_budget,
+                  "bytes of optimizer state (master, m, v) kept in host memory; the rest on NVMe")
+      ->capture_default_str();
+  cmd->add_option("--pinned-limit", args.pinned_limit,
+                  "most pinned host bytes (0: no limit of terrace's own)")
+      ->capture_default_str();
+  cmd->add_option("--dir", args.dir,
+                  "the NVMe store's directory (default: <build>/train-state; needs O_DIRECT, so "
+                  "not a tmpfs)");
+  cmd->add_option("--store-capacity", args.store_capacity,
+                  "bytes of the store (0: what the configuration needs)")
+      ->capture_default_str();
+  cmd->add_option("--checkpoint-every", o.checkpoint_every,
+                  "checkpoint every this many steps (0: only at the end)")
+      ->capture_default_str();
+  cmd->add_flag("--resume", o.resume, "continue from the last checkpoint in --dir");
+  cmd->add_flag("--fresh", o.fresh, "discard a checkpoint in --dir and start over");
+  cmd->add_flag("--resident", o.resident,
+                "budgets so large that nothing is offloaded (the peer run)");
+  cmd->add_option("--report", args.report,
+                  "the memory report (HTML; default: <dir>/memory-report.html)");
+  cmd->add_flag("--no-report", args.no_report, "write no memory report");
+  cmd->add_option("--log", args.log,
+                  "append one line per step: step, loss (exact, as a hex float), loss, seconds, "
+                  "bytes up, down, NVMe read, written, exposed wait, transfer seconds");
+  cmd->add_flag("--quiet", args.quiet, "no progress bar");
+  return cmd;
+}
+
+int run_train(train_args& args) {
+  terrace::tools::train_options& o = args.options;
+  o.device_memory = terrace::parse_size(args.device_memory);
+  o.device_budget = terrace::parse_size(args.device_budget);
+  o.host_budget = terrace::parse_size(args.host_budget);
+  o.optimizer_host_budget = terrace::parse_size(args.optimizer_host_budget);
+  o.pinned_limit = terrace::parse_size(args.pinned_limit);
+  o.store_capacity = terrace::parse_size(args.store_capacity);
+  if (!(args.bandwidth_gbs >= 0)) throw terrace::logic_error("--bandwidth must be >= 0 GB/s");
+  o.copy_bandwidth = args.bandwidth_gbs * 1e9;
+  o.dir_is_default = args.dir.empty();
+  o.dir = args.dir.empty() ? terrace::tools::default_dir() : std::filesystem::path(args.dir);
+  o.report = args.report;
+  o.log = args.log;
+  o.write_report = !args.no_report;
+  o.progress = args.quiet ? nullptr : stderr;
+  try {
+    const auto result = terrace::tools::run_train(o);
+    fmt::print("{}", terrace::tools::format_train_summary(o, result));
+  } catch (const terrace::tools::train_setup_error& e) {
+    fmt::print(stderr, "terrace train: error: {}\n", e.what());
+    return kExitBadInput;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -280,6 +396,8 @@ int main(int argc, char** argv) {
   compare_args compare, report;
   CLI::App* compare_cmd = setup_compare(app, compare);
   CLI::App* report_cmd = setup_report(app, report);
+  train_args train;
+  CLI::App* train_cmd = setup_train(app, train);
 
   try {
     app.parse(argc, argv);
@@ -301,6 +419,10 @@ int main(int argc, char** argv) {
     if (report_cmd->parsed()) {
       command = "terrace report";
       return run_report(report);
+    }
+    if (train_cmd->parsed()) {
+      command = "terrace train";
+      return run_train(train);
     }
   } catch (const terrace::logic_error& e) {
     fmt::print(stderr, "{}: error: {}\n", command, e.what());

@@ -1,0 +1,717 @@
+// SPDX-License-Identifier: Apache-2.0
+// The offload training engine (include/terrace/offload_engine.hpp): a layered model's params and
+// gradients as tier_manager tensors, its optimizer state in an offload_adam, one store for both.
+//
+// The optimizer phase has two shapes. With every home copy in pinned memory (no host budget) the
+// CPU Adam reads the gradients and writes the bf16 params in place, over all layers in one step,
+// so its NVMe pipeline runs over the whole model. Under a host budget a host_data() call may move
+// another home copy to NVMe, invalidating a pointer obtained before it, so a batch of layers is
+// staged (step_staged). Either way the update is elementwise and its scalars depend only on the
+// step count, so an offloaded run's losses are bitwise those of a resident one.
+#include "terrace/offload_engine.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "optimizer/half.hpp"
+#include "terrace/error.hpp"
+#include "terrace/pinned_pool.hpp"
+#include "terrace/tensor_store.hpp"
+
+namespace terrace {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+constexpr std::size_t kKiB = 1024;
+constexpr std::size_t kMiB = 1024 * kKiB;
+// The store allocates extents in 4 KiB units (O_DIRECT alignment).
+constexpr std::uint64_t kExtent = 4 * kKiB;
+// The engine's record: one 4 KiB block (an O_DIRECT unit), magic + version + fields.
+constexpr std::size_t kRecordBytes = 4 * kKiB;
+constexpr std::uint64_t kRecordMagic = 0x3164726365727274ull;  // "trrecrd1", little endian
+constexpr const char* kRecordName = "engine.record";
+
+std::uint64_t round_up(std::uint64_t n, std::uint64_t unit) { return (n + unit - 1) / unit * unit; }
+
+std::string bytes_text(std::uint64_t b) {
+  char buf[64];
+  if (b >= (std::uint64_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(b) / (1 << 30));
+  } else if (b >= kMiB) {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / kMiB);
+  } else if (b >= kKiB) {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", static_cast<double>(b) / kKiB);
+  } else {
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(b));
+  }
+  return buf;
+}
+
+double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+// The record's layout in its 4 KiB block. `layout` fingerprints the model (layer count and
+// sizes), so that a resume against another model is refused instead of reading garbage.
+struct record_block {
+  std::uint64_t magic;
+  std::uint64_t version;
+  std::int64_t step;
+  std::uint64_t data_cursor;
+  std::uint64_t seed;
+  std::uint64_t layout;
+};
+
+std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= (v >> (8 * i)) & 0xff;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+allocator_config offload_engine_options::default_device_allocator() {
+  allocator_config c;
+  // Tensors streaming through a budget of a few layers must not fragment it, so every request gets
+  // a segment of its own size (rounded to 4 KiB), never split, and reused only for a request at
+  // most 64 KiB smaller: a free gradient's 4 MiB is not whittled into a param's 2 MiB plus a hole,
+  // and every free block is a whole segment that the allocator's release-and-retry can give back.
+  // With PyTorch's defaults a 513 KiB tensor takes a slice of a 2 MiB small-pool segment and a
+  // 5 MiB one a slice of a 20 MiB segment, which a small device cannot hand back while any slice
+  // of it is live (measured: the demo ran out of a 32 MiB device with 7.8 MiB reserved but unused).
+  c.small_size = 0;
+  c.min_large_alloc = 1;
+  c.large_round = 4 * kKiB;
+  c.max_split_size = 1;
+  c.large_segment_size = 64 * kKiB;
+  return c;
+}
+
+// ------------------------------------------------------------------------------------- the books
+
+struct offload_engine::impl {
+  struct layer {
+    std::string name;
+    std::size_t elements = 0;
+    tensor_id param = 0;
+    tensor_id grad = 0;
+    group_id group = 0;
+  };
+
+  device_backend& device;
+  offload_engine_options options;
+  // Declaration order is teardown order reversed: the model's activations go back to the
+  // allocator before it dies; the tier manager returns its blocks and buffers before the pools,
+  // the allocator and the store it uses.
+  caching_allocator memory;
+  stream_ref compute{};
+  event_ref copy_fence{};  // see the backward loop in step()
+  std::optional<tensor_store> nvme;
+  std::unique_ptr<pinned_host_pool> pinned;
+  std::unique_ptr<tier_manager> tm;
+  std::unique_ptr<offload_adam> adam;
+  std::unique_ptr<layered_model> model;
+  std::vector<layer> layers;
+  std::size_t tensor_budget = 0;
+  std::size_t params = 0;
+  std::uint64_t store_bytes_needed = 0;
+  std::optional<offload_engine_record> resumed;
+  bool created_store = false;
+  void* record_buffer = nullptr;  // a pinned 4 KiB block for the record's O_DIRECT I/O
+  // Under a host budget: the optimizer's inputs and outputs for a batch of layers (step_staged).
+  std::size_t stage_elements = 0;
+  float* grad_stage = nullptr;
+  std::uint16_t* param_stage = nullptr;
+
+  impl(device_backend& d, const offload_engine_options& o)
+      : device(d), options(o), memory(d, o.device_allocator) {}
+
+  ~impl() {
+    // The model first: its activations are blocks of `memory`, freed on the compute stream.
+    model.reset();
+    adam.reset();
+    tm.reset();
+    if (record_buffer != nullptr) pinned->deallocate(record_buffer);
+    if (grad_stage != nullptr) pinned->deallocate(grad_stage);
+    if (param_stage != nullptr) pinned->deallocate(param_stage);
+    if (compute.native != nullptr) {
+      try {
+        device.synchronize(compute);
+      } catch (...) {
+        // An error of the stream was reported by the step that caused it.
+      }
+    }
+    // After the stream that waits on it is done.
+    if (copy_fence.native != nullptr) device.destroy_event(copy_fence);
+    if (compute.native != nullptr) device.destroy_stream(compute);
+  }
+
+  std::uint64_t layout_fingerprint() const {
+    std::uint64_t h = 0xcbf29ce484222325ull;
+    h = fnv1a(h, layers.size());
+    for (const layer& l : layers) h = fnv1a(h, l.elements);
+    return h;
+  }
+
+  std::size_t state_per_element() const {
+    // bf16 param + fp32 grad + fp32 master + m + v (m and v in the optimizer's state dtype).
+    return 2 + 4 + 4 + 2 * size_of(options.optimizer.adam.state_dtype);
+  }
+
+  // ---------------------------------------------------------------- checks before training
+
+  void check_device_budget() {
+    const std::size_t capacity = device.properties().capacity;
+    if (options.device_budget == 0) options.device_budget = capacity;
+    TERRACE_EXPECTS(options.device_budget <= capacity,
+                    "offload engine: device budget " + bytes_text(options.device_budget) +
+                        " exceeds the device's capacity (" + bytes_text(capacity) + ")");
+    const std::size_t activations = model->activation_bytes();
+    // Slack for the allocator: a block reused for a request up to large_segment_size smaller
+    // (with the default allocator settings), rounding, and the small pool's segments if a caller's
+    // settings have one.
+    const std::size_t small_pool = options.device_allocator.small_size > 0
+                                       ? 2 * options.device_allocator.small_segment_size
+                                       : 0;
+    const std::size_t slack = kMiB + small_pool + options.device_budget / 32;
+    std::size_t worst = 0;
+    const layer* worst_layer = &layers.front();
+    for (const layer& l : layers) {
+      const std::size_t need = l.elements * 6;
+      if (need > worst) {
+        worst = need;
+        worst_layer = &l;
+      }
+    }
+    const std::size_t fixed = activations + slack;
+    if (options.device_budget < fixed + worst) {
+      throw out_of_memory(
+          "terrace: offload engine: the device budget of " + bytes_text(options.device_budget) +
+          " cannot hold one layer: '" + worst_layer->name + "' needs " +
+          bytes_text(worst_layer->elements * 2) + " of bf16 params + " +
+          bytes_text(worst_layer->elements * 4) + " of fp32 gradient, and the model's " +
+          "activations take " + bytes_text(activations) + " plus " + bytes_text(slack) +
+          " of allocator slack: at least " + bytes_text(fixed + worst) + " are needed");
+    }
+    tensor_budget = options.device_budget - fixed;
+  }
+
+  // Every tensor on the device keeps its home copy in pinned memory (it is where an eviction
+  // writes it back), so the host budget must cover the device's tensors plus the layer the
+  // optimizer is stepping.
+  void check_host_budget() {
+    if (options.host_budget == 0) return;
+    std::size_t worst = 0;
+    const layer* worst_layer = &layers.front();
+    for (const layer& l : layers) {
+      if (l.elements * 6 > worst) {
+        worst = l.elements * 6;
+        worst_layer = &l;
+      }
+    }
+    if (options.host_budget < tensor_budget + worst) {
+      throw out_of_memory(
+          "terrace: offload engine: the host budget of " + bytes_text(options.host_budget) +
+          " is too small: it must hold the home copies of everything on the device (" +
+          bytes_text(tensor_budget) + ") and one more layer for the optimizer ('" +
+          worst_layer->name + "': " + bytes_text(worst_layer->elements * 2) +
+          " of bf16 params + " + bytes_text(worst_layer->elements * 4) +
+          " of fp32 gradient): at least " + bytes_text(tensor_budget + worst));
+    }
+  }
+
+  // Bytes of the optimizer state that will live on NVMe (`all`: of every group, as a checkpoint
+  // writes the host-resident groups too), in the store's chunks. Assumes offload_adam keeps groups
+  // on the host in order while the budget allows and puts the rest on NVMe (the larger of the two
+  // readings of "while", so the estimate never falls short).
+  std::uint64_t optimizer_store_bytes(bool all) const {
+    const std::size_t per = 4 + 2 * size_of(options.optimizer.adam.state_dtype);
+    const std::size_t chunk = options.optimizer.chunk_elements;
+    std::uint64_t on_host = 0, in_store = 0;
+    bool spilled = false;
+    for (const layer& l : layers) {
+      const std::uint64_t bytes = std::uint64_t{l.elements} * per;
+      if (!spilled && (options.optimizer_host_budget == SIZE_MAX ||
+                       on_host + bytes <= options.optimizer_host_budget)) {
+        on_host += bytes;
+        if (!all) continue;
+      } else {
+        spilled = true;
+      }
+      // One store tensor per chunk of master, m and v, each rounded to whole extents.
+      for (std::size_t first = 0; first < l.elements; first += chunk) {
+        const std::size_t n = std::min(chunk, l.elements - first);
+        in_store += round_up(std::uint64_t{n} * per, kExtent);
+      }
+    }
+    return in_store;
+  }
+
+  std::uint64_t compute_store_bytes() const {
+    if (options.nvme_dir.empty()) return 0;
+    // A checkpoint writes the host-resident optimizer state too.
+    std::uint64_t state = optimizer_store_bytes(options.checkpoints) + kRecordBytes;
+    std::uint64_t largest = kRecordBytes;
+    if (options.host_budget != 0) {
+      // Any param or gradient may be moved to NVMe to make room in the host budget.
+      for (const layer& l : layers) {
+        state += round_up(l.elements * 2, kExtent) + round_up(l.elements * 4, kExtent);
+        largest = std::max<std::uint64_t>(largest, round_up(l.elements * 4, kExtent));
+      }
+    }
+    const std::size_t per = 4 + 2 * size_of(options.optimizer.adam.state_dtype);
+    largest = std::max<std::uint64_t>(
+        largest, round_up(std::uint64_t{options.optimizer.chunk_elements} * per, kExtent));
+    // A replacing put takes its new extent before it frees the old one: two largest tensors of
+    // room. Checkpoints: a tensor replaced after a commit keeps its committed extent until the
+    // next commit, so twice the state, and an eighth more for the holes that chunks of several
+    // sizes leave between held extents (measured: the demo's store of 2 x state + one chunk ran
+    // out with 13 MiB free in holes of at most 3 MiB, for a 6 MiB chunk). The optimizer's
+    // step-counter record and the store's bookkeeping: 1 MiB covers them.
+    const std::uint64_t room = 2 * largest + kMiB;
+    return options.checkpoints ? 2 * state + state / 8 + room : state + room;
+  }
+
+  // ---------------------------------------------------------------- setup
+
+  // The store lives in <nvme_dir>/store, a folder the engine creates on a fresh run: if setting
+  // up fails after that, removing the folder leaves the directory as it was.
+  std::filesystem::path store_dir() const { return options.nvme_dir / "store"; }
+
+  void open_store() {
+    if (options.nvme_dir.empty()) {
+      TERRACE_EXPECTS(!options.resume, "offload engine: resume needs an NVMe dir");
+      TERRACE_EXPECTS(options.host_budget == 0,
+                      "offload engine: a host budget needs an NVMe dir to put the rest in");
+      return;
+    }
+    store_bytes_needed = compute_store_bytes();
+    tensor_store_options so;
+    if (options.resume) {
+      nvme.emplace(tensor_store::open(store_dir(), so));
+    } else {
+      so.capacity = options.store_capacity != 0 ? options.store_capacity : store_bytes_needed;
+      if (so.capacity < store_bytes_needed) {
+        throw out_of_memory(
+            "terrace: offload engine: the NVMe store of " + bytes_text(so.capacity) + " in " +
+            options.nvme_dir.string() + " cannot hold the state: it needs " +
+            bytes_text(store_bytes_needed) + " (" +
+            bytes_text(optimizer_store_bytes(options.checkpoints)) + " of optimizer state" +
+            (options.host_budget != 0 ? std::string(", every param and gradient") : "") +
+            (options.checkpoints ? ", twice over for checkpoints" : "") + ")");
+      }
+      std::error_code ec;
+      if (!std::filesystem::create_directory(store_dir(), ec)) {
+        throw io_error("terrace: offload engine: cannot start a fresh store in " +
+                           store_dir().string() + ": " +
+                           (ec ? ec.message() : std::string("it exists (resume from it, or remove it)")),
+                       ec.value());
+      }
+      created_store = true;
+      try {
+        nvme.emplace(tensor_store::create(store_dir(), so));
+      } catch (const io_error& e) {
+        throw io_error("terrace: offload engine: cannot create the NVMe store of " +
+                           bytes_text(so.capacity) + " in " + store_dir().string() + ": " +
+                           e.what(),
+                       e.code());
+      }
+    }
+    if (nvme->capacity() < store_bytes_needed) {
+      throw out_of_memory("terrace: offload engine: the NVMe store in " + store_dir().string() +
+                          " holds " + bytes_text(nvme->capacity()) +
+                          " but this configuration needs " + bytes_text(store_bytes_needed));
+    }
+  }
+
+  // Undoes a fresh store after a failed setup: nothing is left that a later run would mistake
+  // for a checkpoint.
+  void discard_created_store() noexcept {
+    if (!created_store) return;
+    adam.reset();
+    tm.reset();
+    nvme.reset();
+    std::error_code ec;
+    std::filesystem::remove_all(store_dir(), ec);
+  }
+
+  // Runs `fn`, saying what was being placed when memory (pinned buffers, the store) refused.
+  template <class F>
+  auto placing(const std::string& what, F&& fn) -> decltype(fn()) {
+    try {
+      return fn();
+    } catch (const out_of_memory& e) {
+      throw out_of_memory("terrace: offload engine: cannot place " + what + " before training (" +
+                          bytes_text(static_cast<std::uint64_t>(
+                              pinned->stats().reserved_bytes.current)) +
+                          " pinned so far" +
+                          (options.pinned_limit != 0
+                               ? ", pinned limit " + bytes_text(options.pinned_limit)
+                               : std::string()) +
+                          "): " + e.what());
+    }
+  }
+
+  void read_record() {
+    if (!nvme->contains(kRecordName)) {
+      throw io_error("terrace: offload engine: " + store_dir().string() +
+                     " holds no checkpoint of the engine (no '" + kRecordName + "')");
+    }
+    nvme->get(kRecordName, record_buffer, kRecordBytes).wait();
+    record_block r{};
+    std::memcpy(&r, record_buffer, sizeof r);
+    if (r.magic != kRecordMagic || r.version != 1) {
+      throw io_error("terrace: offload engine: the record in " + options.nvme_dir.string() +
+                     " is not an engine record of this version");
+    }
+    if (r.layout != layout_fingerprint()) {
+      throw logic_error("terrace: offload engine: the checkpoint in " +
+                        options.nvme_dir.string() +
+                        " was made for another model (its layers differ from this one's)");
+    }
+    if (r.seed != options.seed) {
+      throw logic_error("terrace: offload engine: the checkpoint in " +
+                        options.nvme_dir.string() + " was made with seed " +
+                        std::to_string(r.seed) + ", not " + std::to_string(options.seed));
+    }
+    resumed = offload_engine_record{r.step, r.data_cursor, r.seed};
+  }
+
+  void setup(const layered_model_factory& make_model) {
+    compute = device.create_stream();
+    copy_fence = device.create_event();
+    model = make_model(memory, compute);
+    TERRACE_EXPECTS(model != nullptr && model->layer_count() > 0,
+                    "offload engine: the model has no layers");
+    for (std::size_t i = 0; i < model->layer_count(); ++i) {
+      layer l;
+      l.name = model->layer_name(i);
+      l.elements = model->layer_elements(i);
+      TERRACE_EXPECTS(l.elements > 0, "offload engine: layer '" + l.name + "' has no elements");
+      params += l.elements;
+      layers.push_back(std::move(l));
+    }
+    check_device_budget();
+    check_host_budget();
+    check_pinned_limit();
+    open_store();
+    try {
+      place();
+    } catch (...) {
+      discard_created_store();
+      throw;
+    }
+  }
+
+  // The home copies of params and gradients that stay in pinned memory must fit the pinned
+  // limit; checked before the store is created (the optimizer's own buffers come on top and are
+  // checked as they are placed).
+  void check_pinned_limit() const {
+    if (options.pinned_limit == 0) return;
+    std::size_t home = 0;
+    for (const layer& l : layers) {
+      home += round_up(l.elements * 2, kExtent) + round_up(l.elements * 4, kExtent);
+    }
+    if (options.host_budget != 0) home = std::min(home, options.host_budget);
+    if (options.pinned_limit < home + kRecordBytes) {
+      throw out_of_memory(
+          "terrace: offload engine: cannot place the home copies of params and gradients before "
+          "training: they need " + bytes_text(home) + " of pinned host memory, above the pinned "
+          "limit of " + bytes_text(options.pinned_limit) +
+          " (raise the limit, or set a host budget with an NVMe dir)");
+    }
+  }
+
+  // The pools, the tier manager and the optimizer, then every layer's state in them.
+  void place() {
+    pinned_pool_options po;
+    po.capacity = options.pinned_limit;
+    // Regions of 64 MiB: large enough to amortise locking, small enough not to pin much more
+    // than a small configuration uses.
+    po.region_size = 64 * kMiB;
+    pinned = std::make_unique<pinned_host_pool>(device, po);
+    record_buffer = placing("the engine's record", [&] { return pinned->allocate(kRecordBytes); });
+    if (options.host_budget != 0) {
+      // The staging holds at least the largest layer, at most 4 Mi elements (24 MiB): a batch
+      // that large already keeps the optimizer's pipeline busy.
+      std::size_t largest = 0;
+      for (const layer& l : layers) largest = std::max(largest, l.elements);
+      stage_elements = std::max(largest, std::min(params, std::size_t{1} << 22));
+      grad_stage = static_cast<float*>(placing("the optimizer's gradient staging", [&] {
+        return pinned->allocate(stage_elements * 4);
+      }));
+      param_stage = static_cast<std::uint16_t*>(placing("the optimizer's param staging", [&] {
+        return pinned->allocate(stage_elements * 2);
+      }));
+    }
+
+    tier_manager_options to;
+    to.device_budget = tensor_budget;
+    to.prefetch_window = options.prefetch_window;
+    to.host_budget = options.host_budget;
+    tm = std::make_unique<tier_manager>(device, memory, *pinned, to, nvme ? &*nvme : nullptr);
+
+    offload_adam_options ao = options.optimizer;
+    ao.host_state_budget = nvme ? options.optimizer_host_budget : 0;
+    adam = std::make_unique<offload_adam>(ao, *pinned, nvme ? &*nvme : nullptr);
+
+    if (options.resume) read_record();
+
+    std::vector<float> master;
+    std::vector<std::uint16_t> bf16;
+    for (layer& l : layers) {
+      master.resize(l.elements);
+      bf16.resize(l.elements);
+      if (options.resume) {
+        l.group = placing("the optimizer state of '" + l.name + "'",
+                          [&] { return adam->add(l.name, l.elements); });
+        adam->read_master(l.group, master.data());
+      } else {
+        model->init_layer(static_cast<std::size_t>(&l - layers.data()), master.data());
+        l.group = placing("the optimizer state of '" + l.name + "'",
+                          [&] { return adam->add(l.name, l.elements, master.data()); });
+      }
+      // bf16(master), rounded to nearest even exactly as the optimizer's param copies are: the
+      // forward of a resumed step sees the same bits as the uninterrupted run's.
+      for (std::size_t i = 0; i < l.elements; ++i) bf16[i] = detail::float_to_bf16(master[i]);
+      l.param = placing("the bf16 params of '" + l.name + "'", [&] {
+        return tm->add("param/" + l.name, l.elements * 2, bf16.data());
+      });
+      // Gradients are written by backward before anything reads them: no initial contents.
+      l.grad = placing("the gradient of '" + l.name + "'",
+                       [&] { return tm->add("grad/" + l.name, l.elements * 4); });
+    }
+    if (resumed) adam->set_step_count(resumed->step);
+  }
+
+  // ---------------------------------------------------------------- one step
+
+  struct step_counters {
+    tier_stats tiers;
+    offload_adam_stats opt;
+  };
+
+  // Global gradient norm and finiteness, one layer at a time (the same summation whatever the
+  // budgets, so resident and offloaded runs agree bit for bit). Returns the seconds spent waiting
+  // for gradients to come home.
+  double grad_norm(double& norm, bool& finite) {
+    double sum = 0, waited = 0;
+    finite = true;
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+      const auto t = clock_type::now();
+      const void* g = tm->host_data(it->grad);
+      waited += seconds_since(t);
+      const offload_group_step s{it->group, g, nullptr};
+      const grad_norm_result r = adam->grad_norm({&s, 1}, dtype::f32);
+      if (!r.finite) finite = false;
+      sum += r.norm * r.norm;
+    }
+    norm = std::sqrt(sum);
+    return waited;
+  }
+
+  // Everything in pinned memory (no host budget): the optimizer reads the gradients and writes
+  // the bf16 params straight in their home copies, all layers in one step, so its NVMe pipeline
+  // runs over the whole model. Nothing can move a home copy out meanwhile.
+  double step_in_place(const adam_step_options& so) {
+    double waited = 0;
+    std::vector<offload_group_step> groups;
+    // Last layer first: its gradient was copied home first.
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+      const auto t = clock_type::now();
+      void* p = tm->host_data(it->param, access::write);
+      const void* g = tm->host_data(it->grad);
+      waited += seconds_since(t);
+      groups.push_back({it->group, g, p});
+    }
+    // host_data(access::write) already counted the home copies as modified and dropped the stale
+    // device copies: the next forward fetches what this step writes.
+    adam->step(groups, so);
+    return waited;
+  }
+
+  // Under a host budget a host_data() call may move another home copy to NVMe, invalidating a
+  // pointer obtained before it. So the gradients of a batch of layers are copied out into staging
+  // buffers one by one, the batch is stepped there, and the bf16 params are copied into their
+  // home copies one by one, each right after its host_data(). The update is elementwise and its
+  // scalars depend only on the step count (reset before each batch), so the batching changes no
+  // bit of the result.
+  double step_staged(const adam_step_options& so) {
+    double waited = 0;
+    const std::int64_t before = adam->step_count();
+    std::size_t i = layers.size();
+    while (i > 0) {
+      std::size_t first = i, elements = 0;
+      while (first > 0 && (first == i || elements + layers[first - 1].elements <= stage_elements)) {
+        elements += layers[--first].elements;
+      }
+      std::vector<offload_group_step> groups;
+      std::size_t at = 0;
+      for (std::size_t k = i; k-- > first;) {
+        const layer& l = layers[k];
+        const auto t = clock_type::now();
+        const void* g = tm->host_data(l.grad);
+        waited += seconds_since(t);
+        std::memcpy(grad_stage + at, g, l.elements * 4);
+        groups.push_back({l.group, grad_stage + at, param_stage + at});
+        at += l.elements;
+      }
+      adam->set_step_count(before);
+      adam->step(groups, so);
+      at = 0;
+      for (std::size_t k = i; k-- > first;) {
+        const layer& l = layers[k];
+        std::memcpy(tm->host_data(l.param, access::write), param_stage + at, l.elements * 2);
+        at += l.elements;
+      }
+      i = first;
+    }
+    return waited;
+  }
+
+  offload_step_stats step(const void* batch) {
+    TERRACE_EXPECTS(batch != nullptr, "offload engine: step of a null batch");
+    offload_step_stats s;
+    const auto start = clock_type::now();
+    const step_counters before{tm->stats(), adam->stats()};
+    const double wait_before = model->wait_seconds();
+
+    tm->begin_iteration();
+    model->begin_batch(batch);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+      const auto* p = static_cast<const std::uint16_t*>(tm->acquire(layers[i].param, compute));
+      model->forward(i, p);
+      tm->release(layers[i].param, compute);
+    }
+    s.loss = model->loss();
+    for (std::size_t i = layers.size(); i-- > 0;) {
+      const auto* p = static_cast<const std::uint16_t*>(tm->acquire(layers[i].param, compute));
+      auto* g = static_cast<float*>(tm->acquire(layers[i].grad, compute, access::write));
+      // WORKAROUND (tier_manager ordering gap): a gradient acquired with access::write gets a
+      // device block without any copy up, so the compute stream is not ordered after the copy
+      // stream's earlier use of that block: the copy down (flush) of the gradient that held it
+      // before, or the copy up of a prefetch evicted before it landed. Under a tight budget the
+      // block is reused at once, and the model overwrote it while the copy stream still used it
+      // (seen: losses drifting from the resident run's from step 3 on). So the compute stream waits
+      // for everything the copy stream has queued so far. The cost is exposed copy time (the
+      // prefetches queued by these two acquires are waited for before this layer's backward
+      // instead of behind it); the real fix belongs in tier_manager::acquire (order the caller's
+      // stream after the block's last copy only).
+      device.record(copy_fence, tm->copy_stream());
+      device.wait(compute, copy_fence);
+      model->backward(i, p, g);
+      tm->release(layers[i].param, compute);
+      tm->release(layers[i].grad, compute);
+      tm->flush(layers[i].grad);  // home while the layers below run their backward
+    }
+    s.forward_backward_seconds = seconds_since(start);
+    s.exposed_transfer_seconds = model->wait_seconds() - wait_before;
+
+    const auto opt_start = clock_type::now();
+    adam_step_options so;
+    so.grad_dtype = dtype::f32;
+    so.copy_dtype = dtype::bf16;
+    bool finite = true;
+    if (options.clip_norm > 0 || options.skip_nonfinite) {
+      s.exposed_transfer_seconds += grad_norm(s.grad_norm, finite);
+      so.grads_known_finite = finite;
+      if (options.clip_norm > 0) so.clip_coef = clip_coefficient(s.grad_norm, options.clip_norm);
+    }
+    if (finite || !options.skip_nonfinite) {
+      s.exposed_transfer_seconds +=
+          options.host_budget == 0 ? step_in_place(so) : step_staged(so);
+    } else {
+      s.skipped = true;
+    }
+    s.optimizer_seconds = seconds_since(opt_start);
+    s.seconds = seconds_since(start);
+    s.step = adam->step_count();
+
+    const step_counters after{tm->stats(), adam->stats()};
+    s.host_to_device_bytes = after.tiers.host_to_device_bytes - before.tiers.host_to_device_bytes;
+    s.device_to_host_bytes = after.tiers.device_to_host_bytes - before.tiers.device_to_host_bytes;
+    s.nvme_read_bytes = (after.tiers.nvme_read_bytes - before.tiers.nvme_read_bytes) +
+                        (after.opt.nvme_read_bytes - before.opt.nvme_read_bytes);
+    s.nvme_write_bytes = (after.tiers.nvme_write_bytes - before.tiers.nvme_write_bytes) +
+                         (after.opt.nvme_write_bytes - before.opt.nvme_write_bytes);
+    s.optimizer_io_wait_seconds = after.opt.io_wait_seconds - before.opt.io_wait_seconds;
+    const double moved = static_cast<double>(s.host_to_device_bytes + s.device_to_host_bytes);
+    if (options.copy_bandwidth > 0 && moved > 0) {
+      s.transfer_seconds = moved / options.copy_bandwidth;
+      s.transfer_hidden =
+          std::clamp(1.0 - s.exposed_transfer_seconds / s.transfer_seconds, 0.0, 1.0);
+    } else {
+      s.transfer_hidden = std::numeric_limits<double>::quiet_NaN();
+    }
+    return s;
+  }
+
+  std::uint64_t checkpoint(std::uint64_t data_cursor) {
+    TERRACE_EXPECTS(nvme.has_value(), "offload engine: checkpoint without an NVMe dir");
+    record_block r{kRecordMagic, 1, adam->step_count(), data_cursor, options.seed,
+                   layout_fingerprint()};
+    std::memset(record_buffer, 0, kRecordBytes);
+    std::memcpy(record_buffer, &r, sizeof r);
+    // Put, then let the optimizer's checkpoint commit it together with its state: one commit, so
+    // a crash leaves either both the old or both the new.
+    nvme->put(kRecordName, record_buffer, kRecordBytes).wait();
+    return adam->checkpoint();
+  }
+};
+
+// ------------------------------------------------------------------------------------- the API
+
+offload_engine::offload_engine(device_backend& device, const layered_model_factory& make_model,
+                               const offload_engine_options& options)
+    : impl_(std::make_unique<impl>(device, options)) {
+  TERRACE_EXPECTS(static_cast<bool>(make_model), "offload engine: no model factory");
+  impl_->setup(make_model);
+}
+
+offload_engine::~offload_engine() = default;
+
+offload_step_stats offload_engine::step(const void* batch) { return impl_->step(batch); }
+
+std::uint64_t offload_engine::checkpoint(std::uint64_t data_cursor) {
+  return impl_->checkpoint(data_cursor);
+}
+
+const std::optional<offload_engine_record>& offload_engine::resumed_from() const noexcept {
+  return impl_->resumed;
+}
+
+std::int64_t offload_engine::step_count() const noexcept { return impl_->adam->step_count(); }
+
+std::size_t offload_engine::state_bytes() const noexcept {
+  return impl_->params * impl_->state_per_element();
+}
+
+std::size_t offload_engine::parameter_count() const noexcept { return impl_->params; }
+
+std::uint64_t offload_engine::required_store_bytes() const noexcept {
+  return impl_->store_bytes_needed;
+}
+
+std::size_t offload_engine::tensor_device_budget() const noexcept { return impl_->tensor_budget; }
+
+tier_manager& offload_engine::tiers() noexcept { return *impl_->tm; }
+offload_adam& offload_engine::optimizer() noexcept { return *impl_->adam; }
+caching_allocator& offload_engine::device_memory() noexcept { return impl_->memory; }
+layered_model& offload_engine::model() noexcept { return *impl_->model; }
+tensor_store* offload_engine::store() noexcept {
+  return impl_->nvme ? &*impl_->nvme : nullptr;
+}
+
+std::size_t offload_engine::pinned_bytes() const {
+  return static_cast<std::size_t>(impl_->pinned->stats().reserved_bytes.current);
+}
+
+}  // namespace terrace

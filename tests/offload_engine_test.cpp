@@ -1,0 +1,318 @@
+// SPDX-License-Identifier: Apache-2.0
+// The offload training engine (include/terrace/offload_engine.hpp) with the demo's char model on
+// the sim device: offloading changes no bit of the losses, a run killed with SIGKILL resumes
+// where its last checkpoint left off, every configuration that cannot train fails before the
+// first step with an error that says why, and with a fast copy engine the copies hide behind
+// compute.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "scratch_dir.hpp"
+#include "terrace/error.hpp"
+#include "terrace/offload_engine.hpp"
+#include "tools/train.hpp"
+
+namespace terrace {
+namespace {
+
+using tools::train_options;
+using tools::train_result;
+
+// Small enough for a test, large enough that a tiny device budget holds about two layers.
+model::char_model_config small_model() {
+  model::char_model_config c;
+  c.layers = 6;
+  c.width = 256;
+  c.embed = 16;
+  c.context = 8;
+  c.batch = 16;
+  c.cpu_threads = 1;  // the GEMMs' blocking may depend on it: fixed, for bitwise comparisons
+  return c;
+}
+
+train_options base_options(const std::filesystem::path& dir, int steps) {
+  train_options o;
+  o.model = small_model();
+  o.steps = steps;
+  o.dir = dir;
+  o.dir_is_default = false;
+  o.write_report = false;
+  o.checkpoint_every = 0;
+  o.copy_bandwidth = 0;  // as fast as memcpy: the tests are about bits, not time
+  o.optimizer_threads = 1;
+  o.chunk_elements = 1 << 14;  // several chunks per layer: the NVMe pipeline really pipelines
+  return o;
+}
+
+// The offloaded configuration: every layer is evicted from a device that holds about two, home
+// copies of params and gradients spill to NVMe, and all optimizer state lives on NVMe.
+train_options offloaded(const std::filesystem::path& dir, int steps) {
+  train_options o = base_options(dir, steps);
+  const std::size_t activations = tools::char_model_activation_bytes(o.model);
+  const std::size_t block = 256 * 257;  // elements of one residual block
+  // The engine keeps 1 MiB and 1/32 of the budget as the allocator's slack (offload_engine.cpp);
+  // what is left for params and gradients holds between one and two layers.
+  o.device_memory = activations + (1u << 20) + 2 * block * 6 + (256u << 10);
+  const std::size_t tensors = o.device_memory - activations - (1u << 20) - o.device_memory / 32;
+  // Pinned memory for the device's home copies and two layers more: less than the model's.
+  o.host_budget = tensors + 2 * block * 6;
+  o.optimizer_host_budget = 0;
+  return o;
+}
+
+std::vector<float> losses(const train_result& r) {
+  std::vector<float> out;
+  for (const auto& s : r.steps) out.push_back(s.loss);
+  return out;
+}
+
+bool bitwise_equal(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+// ----------------------------------------------------------------------------- equality
+
+TEST(OffloadEngine, OffloadedLossesEqualResidentBitwise) {
+  testing::scratch_dir resident_dir("engine-resident"), offloaded_dir("engine-offloaded");
+  train_options ro = base_options(resident_dir.path(), 10);
+  ro.resident = true;
+  const train_result resident = tools::run_train(ro);
+  const train_result off = tools::run_train(offloaded(offloaded_dir.path(), 10));
+
+  // The offloaded run really offloaded: layers were evicted and fetched again every step, home
+  // copies went to NVMe and came back, and the optimizer's state lived there.
+  EXPECT_GT(off.tiers.evictions, 10 * 4);
+  EXPECT_GT(off.tiers.nvme_write_bytes, 0);
+  EXPECT_GT(off.tiers.nvme_read_bytes, 0);
+  EXPECT_EQ(off.optimizer.host_state_bytes, 0u);
+  EXPECT_GT(off.optimizer.nvme_state_bytes, 0u);
+  const double params_and_grads = static_cast<double>(off.parameters) * 6;
+  EXPECT_LT(static_cast<double>(off.tensor_device_budget), params_and_grads / 3);
+  // And the resident one did not: nothing was evicted and no state went to NVMe.
+  EXPECT_EQ(resident.tiers.evictions, 0);
+  EXPECT_EQ(resident.optimizer.nvme_state_bytes, 0u);
+
+  const auto a = losses(resident), b = losses(off);
+  ASSERT_EQ(a.size(), 10u);
+  ASSERT_EQ(b.size(), 10u);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(a[i], b[i])) << "step " << i + 1 << ": resident " << a[i]
+                                           << ", offloaded " << b[i];
+  }
+  // It learns: the last loss is well below the first (ln 256 = 5.55 for an untrained model).
+  EXPECT_LT(a.back(), a.front() - 0.5f);
+}
+
+// ----------------------------------------------------------------------------- kill and resume
+
+// A child trains with a checkpoint every 3 steps and tells the parent through a pipe when one is
+// committed; the parent SIGKILLs it right after the first, in the middle of the next steps. The
+// resumed run continues from the last committed checkpoint, and its losses are bitwise those of
+// an uninterrupted run from there on.
+TEST(OffloadEngine, KilledRunResumesFromItsLastCheckpoint) {
+  constexpr int kSteps = 9;
+  testing::scratch_dir reference_dir("engine-ref"), dir("engine-kill");
+  const train_result reference = tools::run_train(offloaded(reference_dir.path(), kSteps));
+  ASSERT_EQ(reference.steps.size(), static_cast<std::size_t>(kSteps));
+
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::close(fds[0]);
+    train_options o = offloaded(dir.path(), kSteps);
+    o.checkpoint_every = 3;
+    o.on_step = [&](const offload_step_stats& s, bool checkpointed) {
+      if (!checkpointed) return;
+      const std::int64_t step = s.step;
+      (void)!::write(fds[1], &step, sizeof step);
+    };
+    try {
+      tools::run_train(o);
+    } catch (...) {
+      ::_exit(3);
+    }
+    ::_exit(0);
+  }
+  ::close(fds[1]);
+  std::int64_t checkpointed = 0;
+  ASSERT_EQ(::read(fds[0], &checkpointed, sizeof checkpointed),
+            static_cast<ssize_t>(sizeof checkpointed));
+  ASSERT_EQ(::kill(child, SIGKILL), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ::close(fds[0]);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "the child finished before it was killed";
+  EXPECT_EQ(WTERMSIG(status), SIGKILL);
+  EXPECT_EQ(checkpointed, 3);
+
+  train_options o = offloaded(dir.path(), kSteps);
+  o.resume = true;
+  const train_result resumed = tools::run_train(o);
+  // The last committed checkpoint is step 3, or step 6 if the kill landed after that commit.
+  ASSERT_TRUE(resumed.first_step == 4 || resumed.first_step == 7) << resumed.first_step;
+  ASSERT_EQ(resumed.steps.size(), static_cast<std::size_t>(kSteps - resumed.first_step + 1));
+  for (std::size_t i = 0; i < resumed.steps.size(); ++i) {
+    const std::size_t at = static_cast<std::size_t>(resumed.first_step - 1) + i;
+    EXPECT_EQ(resumed.steps[i].step, static_cast<std::int64_t>(at + 1));
+    EXPECT_TRUE(bitwise_equal(resumed.steps[i].loss, reference.steps[at].loss))
+        << "step " << at + 1 << ": resumed " << resumed.steps[i].loss << ", uninterrupted "
+        << reference.steps[at].loss;
+  }
+}
+
+TEST(OffloadEngine, ResumeRefusesAnotherSeedAndAnEmptyDirectory) {
+  testing::scratch_dir dir("engine-seed"), empty("engine-empty");
+  train_options o = offloaded(dir.path(), 2);
+  tools::run_train(o);
+  o.resume = true;
+  o.seed = 2;
+  try {
+    tools::run_train(o);
+    FAIL() << "a resume with another seed trained";
+  } catch (const tools::train_setup_error& e) {
+    EXPECT_NE(std::string(e.what()).find("seed"), std::string::npos) << e.what();
+  }
+  train_options none = offloaded(empty.path(), 2);
+  none.resume = true;
+  EXPECT_THROW(tools::run_train(none), tools::train_setup_error);
+  // A fresh run in a directory holding a checkpoint is refused unless asked to start over.
+  train_options again = offloaded(dir.path(), 2);
+  EXPECT_THROW(tools::run_train(again), tools::train_setup_error);
+  again.fresh = true;
+  EXPECT_EQ(tools::run_train(again).steps.size(), 2u);
+}
+
+// ----------------------------------------------------------------------------- bad input
+
+// The engine made directly, so that the error types are the engine's own.
+struct engine_fixture {
+  explicit engine_fixture(std::size_t device_memory) {
+    device_options d;
+    d.capacity = device_memory;
+    device = make_device("sim", d);
+  }
+  std::unique_ptr<offload_engine> make(const offload_engine_options& o) {
+    return std::make_unique<offload_engine>(
+        *device,
+        [&](caching_allocator& activations, stream_ref compute) {
+          return tools::make_char_layered_model(small_model(), 1, *device, activations, compute);
+        },
+        o);
+  }
+  std::unique_ptr<device_backend> device;
+};
+
+template <class F>
+std::string oom_message(F&& f) {
+  try {
+    f();
+  } catch (const out_of_memory& e) {
+    return e.what();
+  }
+  return "(no out_of_memory)";
+}
+
+TEST(OffloadEngineBadInput, DeviceBudgetBelowOneLayer) {
+  engine_fixture f(64u << 20);
+  offload_engine_options o;
+  o.device_budget = 1u << 20;  // activations + slack take it all: no room for a layer
+  const std::string what = oom_message([&] { f.make(o); });
+  EXPECT_NE(what.find("device budget"), std::string::npos) << what;
+  EXPECT_NE(what.find("cannot hold one layer"), std::string::npos) << what;
+  EXPECT_NE(what.find("activations"), std::string::npos) << what;
+  // A budget past the device is a logic error, not a shortage.
+  o.device_budget = 128u << 20;
+  EXPECT_THROW(f.make(o), logic_error);
+}
+
+TEST(OffloadEngineBadInput, HostBudgetBelowOneLayer) {
+  testing::scratch_dir dir("engine-host");
+  engine_fixture f(16u << 20);
+  offload_engine_options o;
+  o.nvme_dir = dir.path();
+  o.host_budget = 64u << 10;
+  const std::string what = oom_message([&] { f.make(o); });
+  EXPECT_NE(what.find("host budget"), std::string::npos) << what;
+  EXPECT_NE(what.find("at least"), std::string::npos) << what;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "store")) << "a store was created anyway";
+  // Without a store, a host budget has nowhere to put the rest.
+  offload_engine_options no_dir;
+  no_dir.host_budget = 64u << 20;
+  EXPECT_THROW(f.make(no_dir), logic_error);
+}
+
+TEST(OffloadEngineBadInput, DiskSmallerThanTheState) {
+  testing::scratch_dir dir("engine-disk");
+  engine_fixture f(16u << 20);
+  offload_engine_options o;
+  o.nvme_dir = dir.path();
+  o.optimizer_host_budget = 0;  // all optimizer state on NVMe
+  o.store_capacity = 1u << 20;
+  const std::string what = oom_message([&] { f.make(o); });
+  EXPECT_NE(what.find("cannot hold the state"), std::string::npos) << what;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "store")) << "a store was created anyway";
+  // What it asks for is enough.
+  o.store_capacity = 0;
+  auto engine = f.make(o);
+  EXPECT_GT(engine->required_store_bytes(), 1u << 20);
+  EXPECT_GE(engine->store()->capacity(), engine->required_store_bytes());
+}
+
+TEST(OffloadEngineBadInput, PinnedMemoryRefused) {
+  engine_fixture f(16u << 20);
+  offload_engine_options o;
+  o.pinned_limit = 256u << 10;  // less than the params and gradients' home copies
+  std::string what = oom_message([&] { f.make(o); });
+  EXPECT_NE(what.find("cannot place"), std::string::npos) << what;
+  EXPECT_NE(what.find("before training"), std::string::npos) << what;
+  // The host refusing to lock memory (as mlock under RLIMIT_MEMLOCK would), injected.
+  offload_engine_options plain;
+  f.device->inject_out_of_memory(100);  // the pool retries once: refuse every reservation
+  what = oom_message([&] { f.make(plain); });
+  f.device->inject_out_of_memory(0);
+  EXPECT_NE(what.find("injected"), std::string::npos) << what;
+  EXPECT_NE(what.find("cannot place"), std::string::npos) << what;
+  // The device is fine afterwards: the same configuration trains.
+  auto engine = f.make(plain);
+  const auto batch = tools::sample_batch(std::vector<std::uint8_t>(1000, 'a'), small_model(), 1, 0);
+  EXPECT_TRUE(std::isfinite(engine->step(batch.data()).loss));
+}
+
+// ----------------------------------------------------------------------------- overlap
+
+// With a copy engine far faster than the step needs, the host hardly waits on copies: the
+// generous bound (the benchmark carries the 5% target) keeps a loaded machine from failing it.
+TEST(OffloadEngine, FastCopiesHideBehindCompute) {
+  testing::scratch_dir dir("engine-overlap");
+  train_options o = offloaded(dir.path(), 8);
+  o.model.width = 512;
+  // Enough rows that a layer's GEMMs outlast its copies several times over: what is measured is
+  // the scheduling, not a machine too slow to compute.
+  o.model.batch = 256;
+  const std::size_t block = 512 * 513;
+  o.device_memory = tools::char_model_activation_bytes(o.model) + (1u << 20) + 3 * block * 6 +
+                    (512u << 10);
+  o.host_budget = 0;
+  o.optimizer_host_budget = SIZE_MAX;
+  o.copy_bandwidth = 50e9;
+  const train_result r = tools::run_train(o);
+  double exposed = 0, fb = 0;
+  for (std::size_t i = 2; i < r.steps.size(); ++i) {  // after the schedule is recorded
+    exposed += r.steps[i].exposed_transfer_seconds;
+    fb += r.steps[i].forward_backward_seconds;
+    EXPECT_GT(r.steps[i].transfer_seconds, 0.0);
+  }
+  EXPECT_GT(r.tiers.prefetch_hits, 0);
+  EXPECT_LE(exposed, 0.25 * fb) << "exposed " << exposed << " s of " << fb
+                                << " s forward+backward";
+}
+
+}  // namespace
+}  // namespace terrace

@@ -1,0 +1,130 @@
+// SPDX-License-Identifier: Apache-2.0
+// `terrace train` as a user runs it: the built program, its progress lines, summary, memory
+// report, per-step log, resume, and its exit code 2 with a message for each configuration that
+// cannot train.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "run_command.hpp"
+#include "scratch_dir.hpp"
+
+#ifndef TERRACE_CLI_PATH
+#error "TERRACE_CLI_PATH must name the built terrace program"
+#endif
+
+namespace {
+
+using terrace::testing::run_command;
+using terrace::testing::run_result;
+using terrace::testing::scratch_dir;
+
+// A model small enough for a test; one OpenBLAS thread so that runs compare bitwise.
+const std::string kSmall =
+    " --layers 3 --width 128 --embed 16 --batch 16 --threads 1 --quiet --device-memory 12MiB ";
+
+run_result train(const std::string& args) {
+  return run_command(std::string("'") + TERRACE_CLI_PATH + "' train" + kSmall + args);
+}
+
+std::vector<std::string> lines_of(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  std::vector<std::string> out;
+  for (std::string line; std::getline(in, line);) out.push_back(line);
+  return out;
+}
+
+// The exact loss (the log's second field, a hex float) of each logged step.
+std::vector<std::string> exact_losses(const std::filesystem::path& log) {
+  std::vector<std::string> out;
+  for (const std::string& line : lines_of(log)) {
+    std::istringstream fields(line);
+    std::string step, loss;
+    fields >> step >> loss;
+    out.push_back(step + " " + loss);
+  }
+  return out;
+}
+
+TEST(TrainCli, TrainsAndWritesSummaryLogAndReport) {
+  scratch_dir dir("cli-train");
+  const auto report = dir.path() / "report.html";
+  const auto log = dir.path() / "steps.log";
+  // Without --quiet the progress bar goes to stderr, one plain line per step (not a tty here).
+  const run_result r = run_command(std::string("'") + TERRACE_CLI_PATH + "' train --layers 3 " +
+                                   "--width 128 --embed 16 --batch 16 --threads 1 --steps 4 " +
+                                   "--device-memory 12MiB --dir '" + dir.path().string() +
+                                   "' --report '" + report.string() + "' --log '" + log.string() +
+                                   "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* want : {"step 1/4", "step 4/4", "loss", "dev<->host", "host<->nvme", "hidden",
+                           "[checkpoint]", "model state", "device<->host", "host<->NVMe",
+                           "memory report", "peak reserved"}) {
+    EXPECT_NE(r.output.find(want), std::string::npos) << "no '" << want << "' in:\n" << r.output;
+  }
+  EXPECT_EQ(r.output.find('\r'), std::string::npos) << "a redrawn bar on a pipe";
+  const auto lines = lines_of(log);
+  ASSERT_EQ(lines.size(), 4u);
+  EXPECT_EQ(lines[0].rfind("1 0x", 0), 0u) << lines[0];
+  EXPECT_NE(lines[3].find("checkpoint"), std::string::npos) << lines[3];
+  std::ifstream page(report);
+  std::stringstream html;
+  html << page.rdbuf();
+  EXPECT_NE(html.str().find("<svg"), std::string::npos);
+  EXPECT_NE(html.str().find("terrace train"), std::string::npos);
+}
+
+TEST(TrainCli, ResumeContinuesTheLossCurve) {
+  scratch_dir whole("cli-whole"), parts("cli-parts");
+  const auto whole_log = whole.path() / "log", parts_log = parts.path() / "log";
+  ASSERT_EQ(train("--steps 6 --no-report --dir '" + whole.path().string() + "' --log '" +
+                  whole_log.string() + "'")
+                .exit_code,
+            0);
+  // Three steps, stop (a checkpoint at the end), then resume up to six.
+  ASSERT_EQ(train("--steps 3 --no-report --dir '" + parts.path().string() + "' --log '" +
+                  parts_log.string() + "'")
+                .exit_code,
+            0);
+  const run_result resumed = train("--steps 6 --no-report --resume --dir '" +
+                                   parts.path().string() + "' --log '" + parts_log.string() + "'");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("steps           4..6"), std::string::npos) << resumed.output;
+  EXPECT_EQ(exact_losses(parts_log), exact_losses(whole_log));
+  // A fresh run in a directory the user named, which holds a checkpoint, is refused.
+  const run_result again = train("--steps 2 --no-report --dir '" + parts.path().string() + "'");
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+  EXPECT_NE(again.output.find("--resume continues it, --fresh discards it"), std::string::npos)
+      << again.output;
+}
+
+TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
+  scratch_dir dir("cli-bad");
+  const std::string d = " --no-report --dir '" + dir.path().string() + "' ";
+  struct bad_case {
+    std::string args;
+    std::string message;
+  };
+  const std::vector<bad_case> cases = {
+      {"--device-memory 1MiB --steps 2", "cannot hold one layer"},
+      {"--host-budget 64KiB --steps 2", "host budget"},
+      {"--optimizer-host-budget 0 --store-capacity 1MiB --steps 2", "cannot hold the state"},
+      {"--pinned-limit 64KiB --steps 2", "cannot place"},
+      {"--corpus /nonexistent/corpus.txt --steps 2", "cannot read the corpus"},
+      {"--resume --steps 2", "holds no checkpoint"},
+      {"--steps 0", "--steps must be at least 1"},
+  };
+  for (const bad_case& c : cases) {
+    const run_result r = train(c.args + d);
+    EXPECT_EQ(r.exit_code, 2) << c.args << ":\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << ":\n" << r.output;
+    EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << c.args << " trained:\n" << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "store"))
+        << c.args << " left a store behind";
+  }
+}
+
+}  // namespace

@@ -1,0 +1,391 @@
+// SPDX-License-Identifier: Apache-2.0
+// `terrace train`, the driver: makes the device and the offload engine from the options, runs the
+// steps with checkpoints, draws the progress bar and writes the memory report.
+#include "tools/train.hpp"
+
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
+#include <string>
+
+#include "terrace/error.hpp"
+#include "tools/replay_format.hpp"
+
+namespace terrace::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string bytes(std::int64_t b) { return format_bytes(b); }
+
+// ------------------------------------------------------------------------------- the directory
+
+// The engine keeps its store in <dir>/store (offload_engine_options::nvme_dir).
+bool holds_store(const fs::path& dir) {
+  std::error_code ec;
+  return fs::exists(dir / "store", ec);
+}
+
+// Removes the engine's store folder and nothing else, after making sure no other process has it
+// open (the store's own lock).
+void remove_store(const fs::path& dir) {
+  const fs::path lock = dir / "store" / "lock";
+  const int fd = ::open(lock.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (fd >= 0) {
+    const bool busy = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+    ::close(fd);  // closing releases the lock
+    if (busy) throw train_setup_error("the store in " + dir.string() + " is open in another process");
+  }
+  std::error_code ec;
+  fs::remove_all(dir / "store", ec);
+  if (ec) throw train_setup_error("cannot remove " + (dir / "store").string() + ": " + ec.message());
+}
+
+void prepare_dir(const train_options& o) {
+  const fs::path& dir = o.dir;
+  if (o.resume) {
+    if (!holds_store(dir)) {
+      throw train_setup_error("--resume: " + dir.string() +
+                              " holds no checkpoint (no store folder there)");
+    }
+    return;
+  }
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw train_setup_error("cannot create " + dir.string() + ": " + ec.message());
+  if (!holds_store(dir)) return;
+  // A fresh run over an earlier one's checkpoint: the default directory is the demo's scratch and
+  // is reused; a directory the user named is only cleared when asked.
+  if (!o.dir_is_default && !o.fresh) {
+    throw train_setup_error(dir.string() + " holds the checkpoint of an earlier run: --resume "
+                            "continues it, --fresh discards it");
+  }
+  remove_store(dir);
+}
+
+// ------------------------------------------------------------------------------- the progress bar
+
+std::string format_seconds(double s) {
+  char buf[32];
+  if (s < 1) {
+    std::snprintf(buf, sizeof buf, "%.0f ms", s * 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f s", s);
+  }
+  return buf;
+}
+
+std::string gigabytes(double b) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3g GB", b / 1e9);
+  return buf;
+}
+
+std::string percent(double fraction) {
+  if (std::isnan(fraction)) return "n/a";
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%.1f%%", 100 * fraction);
+  return buf;
+}
+
+class progress_bar {
+ public:
+  progress_bar(std::FILE* out, int steps) : out_(out), steps_(steps) {
+    tty_ = out_ != nullptr && ::isatty(::fileno(out_)) != 0;
+  }
+  ~progress_bar() { finish(); }
+
+  void line(const offload_step_stats& s, bool checkpointed) {
+    if (out_ == nullptr) return;
+    const int digits = static_cast<int>(std::to_string(steps_).size());
+    std::string text = "step " + pad(std::to_string(s.step), digits) + "/" +
+                       std::to_string(steps_) + "  loss " + fixed(s.loss, 4) + "  " +
+                       format_seconds(s.seconds) + "/step  dev<->host " +
+                       bytes(s.host_to_device_bytes + s.device_to_host_bytes) + "  host<->nvme " +
+                       bytes(s.nvme_read_bytes + s.nvme_write_bytes) + "  hidden " +
+                       percent(s.transfer_hidden) + (s.skipped ? "  (skipped: inf/nan)" : "") +
+                       (checkpointed ? "  [checkpoint]" : "");
+    if (tty_) {
+      // Redraw one line: carriage return, the text, clear what a longer line left.
+      std::fprintf(out_, "\r%s\x1b[K", text.c_str());
+      drawn_ = true;
+    } else {
+      std::fprintf(out_, "%s\n", text.c_str());
+    }
+    std::fflush(out_);
+  }
+
+  void finish() {
+    if (drawn_) {
+      std::fputc('\n', out_);
+      std::fflush(out_);
+      drawn_ = false;
+    }
+  }
+
+ private:
+  static std::string pad(std::string s, int width) {
+    while (static_cast<int>(s.size()) < width) s.insert(s.begin(), ' ');
+    return s;
+  }
+  static std::string fixed(double v, int decimals) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.*f", decimals, v);
+    return buf;
+  }
+
+  std::FILE* out_;
+  int steps_;
+  bool tty_ = false;
+  bool drawn_ = false;
+};
+
+// ------------------------------------------------------------------------------- setup
+
+device_options device_options_for(const train_options& o, std::size_t resident_memory) {
+  device_options d;
+  if (o.device == "sim") {
+    d.capacity = o.resident ? std::max(o.device_memory, resident_memory) : o.device_memory;
+    d.copy_bandwidth = o.copy_bandwidth;
+  }
+  return d;
+}
+
+// What a resident run needs on the device: every param and gradient, the activations, and the
+// allocator's slack (a quarter more, plus two small-pool segments per stream).
+std::size_t resident_device_memory(const model::char_model_config& config) {
+  const std::size_t tensors = model::parameter_count(config) * 6;
+  return tensors + tensors / 4 + char_model_activation_bytes(config) + (16u << 20);
+}
+
+offload_engine_options engine_options_for(const train_options& o, const device_backend& device) {
+  offload_engine_options e;
+  e.device_budget = o.device_budget;
+  e.device_allocator.record_trace = o.write_report;
+  e.host_budget = o.host_budget;
+  e.optimizer_host_budget = o.optimizer_host_budget;
+  e.pinned_limit = o.pinned_limit;
+  e.nvme_dir = o.dir;
+  e.store_capacity = o.store_capacity;
+  e.checkpoints = o.checkpoints;
+  e.resume = o.resume;
+  e.optimizer.adam.lr = o.lr;
+  e.optimizer.adam.threads = o.optimizer_threads;
+  e.optimizer.chunk_elements = o.chunk_elements;
+  e.clip_norm = o.clip;
+  e.seed = o.seed;
+  e.copy_bandwidth = device.properties().name == "sim" ? o.copy_bandwidth : 0.0;
+  if (o.resident) {
+    // Nothing offloaded: the whole device for tensors, prefetch as far as it likes, optimizer
+    // state and home copies in host memory.
+    e.device_budget = 0;
+    e.prefetch_window = device.properties().capacity;
+    e.host_budget = 0;
+    e.optimizer_host_budget = SIZE_MAX;
+  }
+  return e;
+}
+
+std::string model_text(const model::char_model_config& c) {
+  return std::to_string(c.layers) + " blocks x " + std::to_string(c.width) + ", context " +
+         std::to_string(c.context) + ", batch " + std::to_string(c.batch);
+}
+
+}  // namespace
+
+fs::path default_dir() {
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const std::string folder = exe.parent_path().filename().string();
+    // <build>/tools/terrace, <build>/tests/..., <build>/tools/bench_train: the build tree is on
+    // the disk the build lives on (O_DIRECT-capable, unlike a tmpfs /tmp).
+    if (folder == "tools" || folder == "tests") return exe.parent_path().parent_path() / "train-state";
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  return fs::path(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") / "terrace-train";
+}
+
+train_result run_train(const train_options& options) {
+  train_options o = options;
+  if (o.dir.empty()) o.dir = default_dir();
+  if (o.steps < 1) throw train_setup_error("--steps must be at least 1");
+  if (o.checkpoint_every < 0) throw train_setup_error("--checkpoint-every must be >= 0");
+  if (o.device != "sim" && o.device != "cuda") {
+    throw train_setup_error("--device must be sim or cuda, not '" + o.device + "'");
+  }
+  try {
+    model::validate(o.model);
+  } catch (const logic_error& e) {
+    throw train_setup_error(e.what());
+  }
+  const std::vector<std::uint8_t> corpus = load_corpus(o.corpus, o.model.context);
+  prepare_dir(o);
+
+  std::unique_ptr<device_backend> device;
+  std::unique_ptr<offload_engine> engine;
+  try {
+    device = make_device(o.device, device_options_for(o, resident_device_memory(o.model)));
+    const offload_engine_options eo = engine_options_for(o, *device);
+    engine = std::make_unique<offload_engine>(
+        *device,
+        [&](caching_allocator& activations, stream_ref compute) {
+          return make_char_layered_model(o.model, o.seed, *device, activations, compute);
+        },
+        eo);
+  } catch (const out_of_memory& e) {
+    throw train_setup_error(e.what());
+  } catch (const logic_error& e) {
+    throw train_setup_error(e.what());
+  } catch (const io_error& e) {
+    throw train_setup_error(e.what());
+  }
+
+  train_result r;
+  r.dir = o.dir;
+  r.parameters = engine->parameter_count();
+  r.state_bytes = engine->state_bytes();
+  r.device_memory = device->properties().capacity;
+  r.tensor_device_budget = engine->tensor_device_budget();
+
+  std::FILE* log = nullptr;
+  if (!o.log.empty()) {
+    log = std::fopen(o.log.c_str(), "a");
+    if (log == nullptr) {
+      throw train_setup_error("cannot open the log '" + o.log.string() + "': " +
+                              std::strerror(errno));
+    }
+  }
+  struct closer {
+    std::FILE* f;
+    ~closer() {
+      if (f != nullptr) std::fclose(f);
+    }
+  } close_log{log};
+
+  std::uint64_t cursor = 0;
+  if (const auto& from = engine->resumed_from()) cursor = from->data_cursor;
+  r.first_step = engine->step_count() + 1;
+  {
+    progress_bar bar(o.progress, o.steps);
+    for (std::int64_t s = r.first_step; s <= o.steps; ++s) {
+      const std::vector<std::uint8_t> batch = sample_batch(corpus, o.model, o.seed, cursor);
+      const offload_step_stats st = engine->step(batch.data());
+      ++cursor;
+      const bool checkpoint = o.checkpoints && ((o.checkpoint_every > 0 && s % o.checkpoint_every == 0) ||
+                                                s == o.steps);
+      if (checkpoint) engine->checkpoint(cursor);
+      r.steps.push_back(st);
+      if (log != nullptr) {
+        // Flushed per step: a run killed mid-way leaves every finished step in the log.
+        std::fprintf(log, "%lld %a %.6f %.6f %lld %lld %lld %lld %.6f %.6f%s\n",
+                     static_cast<long long>(st.step), static_cast<double>(st.loss), st.loss,
+                     st.seconds, static_cast<long long>(st.host_to_device_bytes),
+                     static_cast<long long>(st.device_to_host_bytes),
+                     static_cast<long long>(st.nvme_read_bytes),
+                     static_cast<long long>(st.nvme_write_bytes), st.exposed_transfer_seconds,
+                     st.transfer_seconds, checkpoint ? " checkpoint" : "");
+        std::fflush(log);
+      }
+      bar.line(st, checkpoint);
+      if (o.on_step) o.on_step(st, checkpoint);
+    }
+  }
+
+  r.tiers = engine->tiers().stats();
+  r.optimizer = engine->optimizer().stats();
+  r.pinned_bytes = engine->pinned_bytes();
+  r.device_peak_reserved = engine->device_memory().stats().reserved_bytes[0].peak;
+  if (tensor_store* store = engine->store()) {
+    r.store_capacity = store->capacity();
+    r.store_used = store->used_bytes();
+  }
+  if (o.write_report) {
+    r.report = o.report.empty() ? o.dir / "memory-report.html" : o.report;
+    r.report_summary = write_memory_report(
+        engine->device_memory().snapshot(), engine->device_memory().config(), r.report,
+        "terrace train: " + model_text(o.model) + " on " + device->properties().name);
+  }
+  return r;
+}
+
+std::string format_train_summary(const train_options& o, const train_result& r) {
+  std::string s;
+  char buf[512];
+  const auto add = [&](const char* fmt, auto... args) {
+    std::snprintf(buf, sizeof buf, fmt, args...);
+    s += buf;
+  };
+  add("terrace train: %.1f M-parameter char MLP (%s)\n", static_cast<double>(r.parameters) / 1e6,
+      model_text(o.model).c_str());
+  add("  model state     %s (bf16 params, fp32 grads, fp32 master, m, v) = %.1fx the device "
+      "memory (%s)\n",
+      bytes(static_cast<std::int64_t>(r.state_bytes)).c_str(),
+      static_cast<double>(r.state_bytes) / static_cast<double>(r.device_memory),
+      bytes(static_cast<std::int64_t>(r.device_memory)).c_str());
+  if (r.steps.empty()) {
+    add("  steps           none: the checkpoint in %s is already at step %lld of %d\n",
+        r.dir.c_str(), static_cast<long long>(r.first_step - 1), o.steps);
+    return s;
+  }
+  std::vector<double> times;
+  double fb = 0, opt = 0, exposed = 0, transfer = 0;
+  std::int64_t up = 0, down = 0, nvme_r = 0, nvme_w = 0;
+  for (const auto& st : r.steps) {
+    times.push_back(st.seconds);
+    fb += st.forward_backward_seconds;
+    opt += st.optimizer_seconds;
+    exposed += st.exposed_transfer_seconds;
+    transfer += st.transfer_seconds;
+    up += st.host_to_device_bytes;
+    down += st.device_to_host_bytes;
+    nvme_r += st.nvme_read_bytes;
+    nvme_w += st.nvme_write_bytes;
+  }
+  std::sort(times.begin(), times.end());
+  const double n = static_cast<double>(r.steps.size());
+  add("  steps           %lld..%lld, loss %.4f -> %.4f\n", static_cast<long long>(r.first_step),
+      static_cast<long long>(r.steps.back().step), r.steps.front().loss, r.steps.back().loss);
+  add("  step time       median %s (mean forward+backward %s, optimizer %s)\n",
+      format_seconds(times[times.size() / 2]).c_str(), format_seconds(fb / n).c_str(),
+      format_seconds(opt / n).c_str());
+  add("  device<->host   %s up, %s down; the host waited %s on copies that take %s at %s/s: "
+      "%s hidden\n",
+      bytes(up).c_str(), bytes(down).c_str(), format_seconds(exposed).c_str(),
+      transfer > 0 ? format_seconds(transfer).c_str() : "n/a",
+      o.device == "sim" ? gigabytes(o.copy_bandwidth).c_str() : "?",
+      transfer > 0 ? percent(std::clamp(1.0 - exposed / transfer, 0.0, 1.0)).c_str() : "n/a");
+  add("  host<->NVMe     %s read, %s written (optimizer state: %s on the host, %s on NVMe; "
+      "the optimizer waited %s for I/O)\n",
+      bytes(nvme_r).c_str(), bytes(nvme_w).c_str(),
+      bytes(static_cast<std::int64_t>(r.optimizer.host_state_bytes)).c_str(),
+      bytes(static_cast<std::int64_t>(r.optimizer.nvme_state_bytes)).c_str(),
+      format_seconds(r.optimizer.io_wait_seconds).c_str());
+  add("  tiers           device: %s for params and grads (peak %s), %s reserved at peak; pinned "
+      "host: %s; NVMe store: %s used of %s\n",
+      bytes(static_cast<std::int64_t>(r.tensor_device_budget)).c_str(),
+      bytes(r.tiers.device_bytes_peak).c_str(), bytes(r.device_peak_reserved).c_str(),
+      bytes(static_cast<std::int64_t>(r.pinned_bytes)).c_str(),
+      bytes(static_cast<std::int64_t>(r.store_used)).c_str(),
+      bytes(static_cast<std::int64_t>(r.store_capacity)).c_str());
+  add("  prefetch        %lld hits, %lld on demand, %lld evictions, %lld schedule misses\n",
+      static_cast<long long>(r.tiers.prefetch_hits), static_cast<long long>(r.tiers.demand_fetches),
+      static_cast<long long>(r.tiers.evictions), static_cast<long long>(r.tiers.schedule_misses));
+  if (o.checkpoints) {
+    add("  checkpoint      step %lld in %s (continue with --resume --dir %s)\n",
+        static_cast<long long>(r.steps.back().step), r.dir.c_str(), r.dir.c_str());
+  }
+  if (!r.report.empty()) {
+    add("  memory report   %s\n", r.report.c_str());
+    s += "\n" + r.report_summary;
+  }
+  return s;
+}
+
+}  // namespace terrace::tools

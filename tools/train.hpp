@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: Apache-2.0
+/// @file train.hpp
+/// @brief `terrace train`: the char-level demo model trained through the offload engine, with its
+/// state across device, pinned host memory and NVMe. The engine under the command line, kept free
+/// of argument parsing so that tests and bench_train call it directly.
+///
+///   train.cpp         the driver: device, engine, steps, checkpoints, progress, summary
+///   train_model.cpp   the char model as a layered_model, the corpus and its batches
+///   train_report.cpp  the memory report from the device allocator's recorded trace
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/char_model.hpp"
+#include "terrace/offload_engine.hpp"
+
+namespace terrace::tools {
+
+/// @brief A configuration that cannot train (budgets, a missing corpus, a directory that holds a
+/// checkpoint on a fresh run): raised before the first step. The command line exits 2 on it.
+class train_setup_error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+struct train_options {
+  // ---- the model and the data
+  model::char_model_config model{};  ///< width, layers, batch, ... (cpu_threads for OpenBLAS)
+  std::string corpus = "/usr/share/common-licenses/GPL-3";
+  std::uint64_t seed = 1;
+  int steps = 250;
+  double lr = 3e-4;
+  double clip = 1.0;  ///< global gradient norm clip; 0: none
+
+  // ---- the device
+  std::string device = "sim";          ///< sim (default) or cuda
+  /// sim: the device's capacity. The default makes the demo's state (297 MiB) 10.6x the device.
+  std::size_t device_memory = 28u << 20;
+  double copy_bandwidth = 8e9;         ///< sim: host<->device bytes/s
+  std::size_t device_budget = 0;       ///< what the engine may use (0: all of the device)
+
+  // ---- host and NVMe
+  std::size_t host_budget = 0;         ///< pinned home copies of params + grads (0: all)
+  std::size_t optimizer_host_budget = 64u << 20;  ///< master + m + v in host memory; rest on NVMe
+  std::size_t pinned_limit = 0;        ///< most pinned bytes (0: no limit of terrace's own)
+  std::size_t chunk_elements = std::size_t{1} << 19;  ///< optimizer pipeline chunk
+  unsigned optimizer_threads = 0;      ///< CPU Adam threads (0: all cores)
+  std::filesystem::path dir;           ///< the store's directory (see default_dir)
+  bool dir_is_default = true;          ///< a fresh run may replace a store there
+  bool fresh = false;                  ///< discard a store in `dir` (given dir) and start over
+  bool resume = false;                 ///< continue from the last checkpoint in `dir`
+  std::uint64_t store_capacity = 0;    ///< 0: what the configuration needs
+  int checkpoint_every = 50;           ///< steps; 0: only at the end
+  /// No checkpoints at all: the store then needs room for the state once, not twice (the
+  /// capacity benchmark). A run without checkpoints cannot be resumed.
+  bool checkpoints = true;
+  /// Budgets so large that nothing is offloaded: the device holds every param and gradient, the
+  /// optimizer state stays in host memory (the peer run; NVMe only for checkpoints).
+  bool resident = false;
+
+  // ---- output
+  std::FILE* progress = nullptr;       ///< the progress bar (stderr in the CLI); nullptr: none
+  std::filesystem::path report;        ///< the memory report (empty: <dir>/memory-report.html)
+  bool write_report = true;
+  /// One line per step (appended, flushed): step, loss as a C99 hex float (exact), loss, seconds,
+  /// bytes up, down, NVMe read, NVMe written, exposed wait, transfer seconds. Empty: none.
+  std::filesystem::path log;
+  /// Called after every step (after its checkpoint, if any, with `checkpointed` set).
+  std::function<void(const offload_step_stats& step, bool checkpointed)> on_step;
+};
+
+struct train_result {
+  std::vector<offload_step_stats> steps;  ///< this run's steps, in order
+  std::int64_t first_step = 1;            ///< the step number of steps[0] (after a resume: > 1)
+  std::size_t parameters = 0;
+  std::size_t state_bytes = 0;            ///< 18 B per parameter (bf16, fp32 grad, master, m, v)
+  std::size_t device_memory = 0;          ///< the device's capacity
+  std::size_t tensor_device_budget = 0;   ///< the tier manager's share of it
+  std::size_t pinned_bytes = 0;
+  std::uint64_t store_capacity = 0;       ///< 0 without NVMe
+  std::uint64_t store_used = 0;
+  tier_stats tiers{};                     ///< the tier manager's counters at the end
+  offload_adam_stats optimizer{};
+  std::int64_t device_peak_reserved = 0;  ///< the device allocator's peak reserved bytes
+  std::filesystem::path dir;
+  std::filesystem::path report;           ///< written (empty when not)
+  std::string report_summary;             ///< the report's plain-text summary
+};
+
+/// @brief `<build dir>/train-state` for the running executable (its folder's parent when it lives
+/// in <build>/tools), else $TMPDIR (or /tmp) /terrace-train.
+std::filesystem::path default_dir();
+
+/// @brief Trains (or resumes) as `options` say. Progress goes to options.progress.
+/// @throws train_setup_error for a configuration that cannot train, before any step; what the
+///         engine throws during training otherwise.
+train_result run_train(const train_options& options);
+
+/// @brief The closing summary the command prints (stdout).
+std::string format_train_summary(const train_options& options, const train_result& result);
+
+// ---- train_model.cpp
+
+/// @brief The bytes of a text corpus. @throws train_setup_error when it cannot be read or holds
+/// fewer than context + 1 bytes.
+std::vector<std::uint8_t> load_corpus(const std::string& path, int context);
+
+/// @brief Batch number `index` of `config.batch` rows of context + 1 bytes taken from `corpus` at
+/// offsets drawn from (seed, index): the same batch for the same index on every run, which is
+/// what lets a resumed run continue where the checkpoint left off.
+std::vector<std::uint8_t> sample_batch(const std::vector<std::uint8_t>& corpus,
+                                       const model::char_model_config& config, std::uint64_t seed,
+                                       std::uint64_t index);
+
+/// @brief Device bytes the char model's activations and per-call scratch take at most, as the
+/// engine's device allocator rounds them.
+std::size_t char_model_activation_bytes(const model::char_model_config& config);
+
+/// @brief The char model as the engine's layered_model (init from `seed`).
+std::unique_ptr<layered_model> make_char_layered_model(const model::char_model_config& config,
+                                                       std::uint64_t seed, device_backend& device,
+                                                       caching_allocator& activations,
+                                                       stream_ref stream);
+
+// ---- train_report.cpp
+
+/// @brief Writes the profiler's HTML report (tools/html_report.hpp) for the device allocator's
+/// recorded trace: the trace replayed under caching, expandable and planned, the segments at the
+/// peak and the largest holders. @returns the report's plain-text summary.
+/// @throws std::runtime_error when the file cannot be written.
+std::string write_memory_report(const memory_snapshot& recorded, const allocator_config& config,
+                                const std::filesystem::path& path, const std::string& title);
+
+}  // namespace terrace::tools
