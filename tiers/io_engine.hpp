@@ -7,8 +7,9 @@
 // offset L lives in file (L / B) % N at offset (L / B / N) * B + L % B. A request is cut into
 // blocks of `block_size` bytes (counted from the request's start); up to `queue_depth` pieces are
 // in flight at once across all requests. One engine thread owns the ring: it submits, reaps, retries
-// short transfers, EINTR and EAGAIN, and runs the per-block hooks; submitters only enqueue, so they
-// never block on the device.
+// short transfers, EINTR and EAGAIN; a second engine thread runs the per-block hooks (checksums), so
+// the ring thread never computes over data; submitters only enqueue, so they never block on the
+// device.
 //
 // REQUIRES (direct files): logical offsets are multiples of kDirectAlign. Buffers and lengths may be
 // anything: blocks whose memory or length is not aligned go through registered bounce buffers.
@@ -63,10 +64,14 @@ struct engine_options {
 
 enum class io_op { read, write };
 
-/// Runs on the engine thread for each block, with the block's bytes as the caller sees them
-/// (`offset` counts from the request's start). Writes: before the block is submitted. Reads:
-/// after it has fully arrived in the caller's buffer. Throwing fails the request with that
-/// exception (the remaining blocks are still drained, never abandoned in flight).
+/// Runs on the engine's hook thread for each block, with the block's bytes as the caller sees them
+/// (`offset` counts from the request's start). Writes: while the block is in flight (the buffer
+/// must not change until the completion is done, so the hook sees the bytes the device gets).
+/// Reads: after the block has fully arrived in the caller's buffer. The completion is finished only
+/// after every hook of the request has returned. Throwing fails the request with that exception
+/// (no further blocks start; those in flight are drained, never abandoned; the request's remaining
+/// hooks are skipped). Hooks of one request may run concurrently with its transfers, never with
+/// each other.
 using block_hook = std::function<void(std::size_t offset, const std::byte* data, std::size_t size)>;
 
 struct io_request {
@@ -82,7 +87,8 @@ class io_engine {
  public:
   virtual ~io_engine() = default;
 
-  /// Queues a request and returns at once. The buffer must stay valid until the completion is done.
+  /// Queues a request and returns at once. The buffer must stay valid (and, for a write, unchanged)
+  /// until the completion is done.
   virtual std::shared_ptr<io_completion> submit(io_request request) = 0;
 
   /// Arms the fault seam (see terrace::io_fault). Thread-safe.
