@@ -113,7 +113,6 @@ struct offload_engine::impl {
   // the allocator and the store it uses.
   caching_allocator memory;
   stream_ref compute{};
-  event_ref copy_fence{};  // see the backward loop in step()
   std::optional<tensor_store> nvme;
   std::unique_ptr<pinned_host_pool> pinned;
   std::unique_ptr<tier_manager> tm;
@@ -149,8 +148,6 @@ struct offload_engine::impl {
         // An error of the stream was reported by the step that caused it.
       }
     }
-    // After the stream that waits on it is done.
-    if (copy_fence.native != nullptr) device.destroy_event(copy_fence);
     if (compute.native != nullptr) device.destroy_stream(compute);
   }
 
@@ -387,7 +384,6 @@ struct offload_engine::impl {
 
   void setup(const layered_model_factory& make_model) {
     compute = device.create_stream();
-    copy_fence = device.create_event();
     model = make_model(memory, compute);
     TERRACE_EXPECTS(model != nullptr && model->layer_count() > 0,
                     "offload engine: the model has no layers");
@@ -457,6 +453,11 @@ struct offload_engine::impl {
     to.device_budget = tensor_budget;
     to.prefetch_window = options.prefetch_window;
     to.host_budget = options.host_budget;
+    // The optimizer step replaces every bf16 param's home copy (host_data(param, access::write)
+    // drops its device copy): a prefetch that wrapped from the end of backward into the next
+    // forward's params would copy up what is thrown away. step() restarts prefetch right after the
+    // optimizer instead (begin_iteration).
+    to.prefetch_across_iterations = false;
     tm = std::make_unique<tier_manager>(device, memory, *pinned, to, nvme ? &*nvme : nullptr);
 
     offload_adam_options ao = options.optimizer;
@@ -584,6 +585,9 @@ struct offload_engine::impl {
     const step_counters before{tm->stats(), adam->stats()};
     const double wait_before = model->wait_seconds();
 
+    // The first step's acquires are recorded as the schedule (the call after its optimizer step
+    // ends the recording); later this restarts the schedule, which that call already did unless
+    // the previous step threw before reaching it.
     tm->begin_iteration();
     model->begin_batch(batch);
     for (std::size_t i = 0; i < layers.size(); ++i) {
@@ -595,18 +599,9 @@ struct offload_engine::impl {
     for (std::size_t i = layers.size(); i-- > 0;) {
       const auto* p = static_cast<const std::uint16_t*>(tm->acquire(layers[i].param, compute));
       auto* g = static_cast<float*>(tm->acquire(layers[i].grad, compute, access::write));
-      // WORKAROUND (tier_manager ordering gap): a gradient acquired with access::write gets a
-      // device block without any copy up, so the compute stream is not ordered after the copy
-      // stream's earlier use of that block: the copy down (flush) of the gradient that held it
-      // before, or the copy up of a prefetch evicted before it landed. Under a tight budget the
-      // block is reused at once, and the model overwrote it while the copy stream still used it
-      // (seen: losses drifting from the resident run's from step 3 on). So the compute stream waits
-      // for everything the copy stream has queued so far. The cost is exposed copy time (the
-      // prefetches queued by these two acquires are waited for before this layer's backward
-      // instead of behind it); the real fix belongs in tier_manager::acquire (order the caller's
-      // stream after the block's last copy only).
-      device.record(copy_fence, tm->copy_stream());
-      device.wait(compute, copy_fence);
+      // The gradient's block may have held a tensor whose copy down (flush) or copy up is still
+      // queued: acquire(write) has ordered `compute` after exactly those copies (the tier
+      // manager's fences), so the prefetches queued since stay hidden behind this backward.
       model->backward(i, p, g);
       tm->release(layers[i].param, compute);
       tm->release(layers[i].grad, compute);
@@ -632,6 +627,9 @@ struct offload_engine::impl {
       s.skipped = true;
     }
     s.optimizer_seconds = seconds_since(opt_start);
+    // The params' home copies are final: the next forward's first params start coming up now,
+    // while the caller gets its next batch.
+    tm->begin_iteration();
     s.seconds = seconds_since(start);
     s.step = adam->step_count();
 

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The host and device tiers over the simulated device: data stays right through evictions and
-// write-backs, Belady beats LRU on a cyclic schedule, prefetch hides copies behind compute,
-// deviations are served, and misuse is a clear error.
+// write-backs, Belady beats LRU on a cyclic schedule, prefetch hides copies behind compute (and
+// skips what will be overwritten, and can stop at the iteration's end), a reused device block is
+// written only after the copies still using it, deviations are served, and misuse is a clear error.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -33,7 +34,8 @@ struct rig {
   std::unique_ptr<tier_manager> tm;
   stream_ref compute;
 
-  explicit rig(std::size_t budget, double bandwidth = 0.0, std::size_t window = 0) {
+  explicit rig(std::size_t budget, double bandwidth = 0.0, std::size_t window = 0,
+               bool prefetch_across_iterations = true) {
     device_options o;
     o.capacity = 256 * MiB;
     o.copy_bandwidth = bandwidth;
@@ -45,6 +47,7 @@ struct rig {
     tier_manager_options to;
     to.device_budget = budget;
     to.prefetch_window = window;
+    to.prefetch_across_iterations = prefetch_across_iterations;
     tm = std::make_unique<tier_manager>(*dev, *memory, *host, to);
     compute = dev->create_stream();
   }
@@ -203,6 +206,86 @@ TEST(TierManager, PrefetchHidesCopiesBehindCompute) {
                                    << " s, copies " << copies << " s";
 }
 
+// By default prefetch wraps from the end of the schedule to the next iteration's first tensors.
+// Without prefetch_across_iterations it stops at the iteration's last tensor (the caller may replace
+// the first ones in between, as the training engine's optimizer step replaces params), and
+// begin_iteration starts it again.
+TEST(TierManager, PrefetchAcrossIterationsCanBeTurnedOff) {
+  constexpr std::size_t kBytes = 256 * KiB;
+  for (const bool across : {true, false}) {
+    SCOPED_TRACE(across ? "across iterations" : "within the iteration");
+    rig r(3 * kBytes, 0.0, 3 * kBytes, across);
+    std::vector<tensor_id> ids;
+    for (int i = 0; i < 6; ++i) ids.push_back(r.tm->add("l" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
+    const auto iteration = [&] {
+      for (tensor_id id : ids) {
+        r.tm->acquire(id, r.compute);
+        r.tm->release(id, r.compute);
+      }
+    };
+    r.tm->begin_iteration();
+    iteration();             // recorded
+    r.tm->begin_iteration();
+    iteration();             // follows the schedule
+    EXPECT_EQ(r.tm->on_device(ids[0]), across) << "the next iteration's first tensor";
+    // Between iterations the caller replaces the first tensor's home copy: a copy prefetched
+    // across the iterations' boundary is thrown away (host_data(write) drops it).
+    std::memset(r.tm->host_data(ids[0], access::write), 0x77, kBytes);
+    EXPECT_FALSE(r.tm->on_device(ids[0]));
+    const std::int64_t up_before = r.tm->stats().host_to_device_copies;
+    r.tm->begin_iteration();  // starts prefetch at once, without an acquire
+    EXPECT_TRUE(r.tm->on_device(ids[0]));
+    EXPECT_GT(r.tm->stats().host_to_device_copies, up_before);
+    auto* d = static_cast<const unsigned char*>(r.tm->acquire(ids[0], r.compute));
+    std::atomic<int> seen{0};
+    r.launch([d, &seen] { seen = d[4321]; });
+    r.tm->release(ids[0], r.compute);
+    r.dev->synchronize(r.compute);
+    EXPECT_EQ(seen.load(), 0x77);
+    r.tm->check_invariants();
+  }
+}
+
+// The recorded schedule keeps each acquire's access mode. A use that overwrites the tensor
+// (access::write, a gradient) needs none of its data: prefetch does not copy it up, and for
+// eviction it counts as no use at all.
+TEST(TierManager, UsesThatOverwriteAreNeitherPrefetchedNorCountedAsUses) {
+  constexpr std::size_t kW = 64 * KiB, kG = 100 * KiB;  // gradients' copies stand out by size
+  rig r(2 * kW + kG, 0.0, 2 * kW + kG);
+  std::vector<tensor_id> w;
+  for (int i = 0; i < 4; ++i) w.push_back(r.tm->add("w" + std::to_string(i), kW, pattern(kW, i).data()));
+  const tensor_id g = r.tm->add("g", kG);
+  std::atomic<int> wrong{0};
+  const auto iteration = [&](int it) {
+    for (int i = 0; i < 4; ++i) {
+      r.tm->acquire(w[i], r.compute);
+      if (i == 1) {  // a "backward" in the middle writes the gradient, which goes home at once
+        auto* gd = static_cast<unsigned char*>(r.tm->acquire(g, r.compute, access::write));
+        r.launch([gd, it] { std::memset(gd, it, kG); });
+        r.tm->release(g, r.compute);
+        r.tm->flush(g);
+      }
+      r.tm->release(w[i], r.compute);
+    }
+    r.dev->synchronize(r.compute);
+    const auto* h = static_cast<const unsigned char*>(r.tm->host_data(g, access::read));
+    if (h[0] != it || h[kG - 1] != it) wrong.fetch_add(1);
+  };
+  r.tm->begin_iteration();
+  iteration(1);
+  r.tm->begin_iteration();
+  const tier_stats before = r.tm->stats();
+  for (int it = 2; it < 8; ++it) iteration(it);
+  const tier_stats after = r.tm->stats();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(after.prefetches, before.prefetches);
+  EXPECT_GT(after.evictions, before.evictions);  // the budget holds three of the five
+  // Every byte copied up belongs to a w: the gradient, whose home copy is current after each
+  // flush, was never copied up to be overwritten.
+  EXPECT_EQ((after.host_to_device_bytes - before.host_to_device_bytes) % kW, 0);
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, OffScheduleAcquiresAreServedAndCounted) {
   rig r(2 * MiB);
   std::vector<tensor_id> ids;
@@ -306,6 +389,111 @@ TEST(TierManager, AWriteAfterAFlushWaitsForTheCopyDown) {
   const auto* h = static_cast<const unsigned char*>(r.tm->host_data(g));
   EXPECT_EQ(h[12345], 8);
   EXPECT_EQ(r.tm->stats().device_to_host_copies, 2);
+}
+
+// Stream-ordered reuse of device blocks (the fence list in tier_manager.cpp). The manager
+// allocates blocks on its copy stream, so the allocator may hand a block that was just given back
+// to the next tensor while a copy on the copy stream still uses it. When that tensor is acquired
+// with no copy up (access::write, or a tensor that has no data yet), the caller's kernel starts at
+// once and must first wait for that copy. The sim device runs each copy's memcpy when the copy
+// reaches the head of the copy stream and then holds the link for bytes / bandwidth, so a slow
+// copy queued first keeps the copy under test waiting long enough for an unordered kernel to get
+// in ahead of it.
+constexpr std::size_t kReuseBytes = 2 * MiB;
+constexpr double kSlowBandwidth = 100e6;  // 2 MiB: ~21 ms per copy
+
+// Holds the copy stream for one slow copy: a tensor written on the device and flushed. Returns
+// its block.
+void* occupy_copy_stream(rig& r, tensor_id slow) {
+  auto* d = static_cast<unsigned char*>(r.tm->acquire(slow, r.compute, access::write));
+  r.launch([d] { std::memset(d, 0x5a, kReuseBytes); });
+  r.tm->release(slow, r.compute);
+  r.tm->flush(slow);
+  return d;
+}
+
+// A flushed tensor is evicted and its block reused by a tensor acquired without a copy up, while
+// the flush's copy down still waits its turn: the kernel writing the new tensor must not run before
+// that copy has read the block (else the old tensor's home copy gets the new bytes).
+TEST(TierManagerBlockReuse, AnAcquireWithoutCopyUpWaitsForTheFlushOfTheBlocksLastOwner) {
+  for (const access mode : {access::write, access::update}) {
+    SCOPED_TRACE(mode == access::write ? "access::write" : "access::update of a tensor never written");
+    rig r(2 * kReuseBytes, kSlowBandwidth);  // room for two tensors
+    const tensor_id old_owner = r.tm->add("old", kReuseBytes);
+    const tensor_id slow = r.tm->add("slow", kReuseBytes);
+    // No initial data either way: the update acquire has nothing to copy up.
+    const tensor_id reuser = r.tm->add("new", kReuseBytes);
+    const auto old_bytes = pattern(kReuseBytes, 1), new_bytes = pattern(kReuseBytes, 2);
+
+    auto* od = static_cast<unsigned char*>(r.tm->acquire(old_owner, r.compute, access::write));
+    r.launch([od, &old_bytes] { std::memcpy(od, old_bytes.data(), kReuseBytes); });
+    r.tm->release(old_owner, r.compute);
+    occupy_copy_stream(r, slow);  // ~21 ms ahead of the next copy
+    r.tm->flush(old_owner);       // queued behind it
+    // The allocator reuses a block used on the compute stream only once that stream's work (at
+    // free time) is done: let it finish, so the reuse below happens now, not after the copies.
+    r.dev->synchronize(r.compute);
+    ASSERT_EQ(r.tm->stats().device_to_host_copies, 2);
+
+    // `old` is least recently used: making room for `new` evicts it (its home copy counts as
+    // current once the flush is queued, so nothing more is copied) and frees its block.
+    auto* nd = static_cast<unsigned char*>(r.tm->acquire(reuser, r.compute, mode));
+    ASSERT_FALSE(r.tm->on_device(old_owner));
+    ASSERT_EQ(nd, od) << "the scenario needs the allocator to reuse the evicted block";
+    EXPECT_EQ(r.tm->stats().host_to_device_copies, 0);
+    EXPECT_EQ(r.tm->stats().fence_waits, 1);  // ordered after the flush of 'old', nothing else
+    r.launch([nd, &new_bytes] { std::memcpy(nd, new_bytes.data(), kReuseBytes); });
+    r.tm->release(reuser, r.compute);
+    r.dev->synchronize_device();
+
+    const auto* old_home = static_cast<const unsigned char*>(r.tm->host_data(old_owner, access::read));
+    EXPECT_EQ(std::memcmp(old_home, old_bytes.data(), kReuseBytes), 0)
+        << "the flush of 'old' copied bytes the kernel of 'new' wrote into the reused block";
+    const auto* new_home = static_cast<const unsigned char*>(r.tm->host_data(reuser, access::read));
+    EXPECT_EQ(std::memcmp(new_home, new_bytes.data(), kReuseBytes), 0);
+    r.tm->check_invariants();
+  }
+}
+
+// A prefetch is evicted before its copy up landed and its block goes to a tensor acquired for
+// writing: the kernel writing it must wait for that copy up, or the copy lands on top of what the
+// kernel wrote.
+TEST(TierManagerBlockReuse, AWriteAcquireWaitsForTheCopyUpOfAnEvictedPrefetch) {
+  rig r(2 * kReuseBytes, kSlowBandwidth, 2 * kReuseBytes);  // room for two tensors
+  const tensor_id first = r.tm->add("first", kReuseBytes);
+  const tensor_id prefetched = r.tm->add("prefetched", kReuseBytes, pattern(kReuseBytes, 2).data());
+  const tensor_id written = r.tm->add("written", kReuseBytes);
+  const tensor_id slow = r.tm->add("slow", kReuseBytes);
+  const auto new_bytes = pattern(kReuseBytes, 3);
+
+  // Before any schedule exists (no prefetch yet): ~21 ms of copy down ahead of what follows.
+  void* slow_block = occupy_copy_stream(r, slow);
+  r.dev->synchronize(r.compute);
+  r.tm->set_schedule({first, prefetched, written});
+  // `first` needs no copy up; its acquire prefetches `prefetched`, evicting `slow` (not in the
+  // schedule) for the room: the copy up goes into slow's old block, behind slow's copy down.
+  r.tm->acquire(first, r.compute, access::write);
+  ASSERT_TRUE(r.tm->on_device(prefetched));
+  ASSERT_FALSE(r.tm->on_device(slow));
+  ASSERT_EQ(r.tm->stats().prefetches, 1);
+  // Skipping ahead to `written` (with `first` still pinned) leaves `prefetched` as the only
+  // tensor that can make room: it goes while its copy up still waits behind the slow copy.
+  auto* wd = static_cast<unsigned char*>(r.tm->acquire(written, r.compute, access::write));
+  ASSERT_FALSE(r.tm->on_device(prefetched));
+  ASSERT_EQ(r.tm->stats().evictions, 2);
+  ASSERT_EQ(wd, slow_block) << "the scenario needs the allocator to reuse the evicted block";
+  EXPECT_EQ(r.tm->stats().fence_waits, 1);
+  r.launch([wd, &new_bytes] { std::memcpy(wd, new_bytes.data(), kReuseBytes); });
+  r.tm->release(written, r.compute);
+  r.tm->release(first, r.compute);
+  r.dev->synchronize_device();
+  const auto* home = static_cast<const unsigned char*>(r.tm->host_data(written, access::read));
+  EXPECT_EQ(std::memcmp(home, new_bytes.data(), kReuseBytes), 0)
+      << "the evicted prefetch's copy up landed on what the kernel wrote";
+  // The evicted tensor's home copy was only read: still its own data.
+  const auto* p = static_cast<const unsigned char*>(r.tm->host_data(prefetched, access::read));
+  EXPECT_EQ(std::memcmp(p, pattern(kReuseBytes, 2).data(), kReuseBytes), 0);
+  r.tm->check_invariants();
 }
 
 // host_data(id, access::write): the caller overwrites the home copy, so the newer device copy is

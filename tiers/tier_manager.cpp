@@ -7,6 +7,15 @@
 //     reused for the next copy up is ordered behind the eviction's copy down on that stream;
 //   - a compute stream that uses a block is registered with record_stream, so the allocator does
 //     not hand the block out again before that stream's work (at free time) is done;
+//   - the allocator hands a block freed on the copy stream out again at once, as stream-ordered
+//     allocation does (cudaMallocAsync): safe on the copy stream, not on another one. So a block
+//     given back while a copy on it may still be queued (a flush's copy down, the copy up of a
+//     prefetch evicted before it landed) leaves a fence: its address range and an event recorded
+//     right after its last copy. A caller's stream that gets a block without waiting for a copy up
+//     into it (access::write, a tensor with no data yet, or one acquired again later) first waits
+//     for the fences overlapping the block -- only those, not the whole copy stream, so prefetches
+//     queued since stay hidden behind compute. A copy up needs no fence: it is queued on the copy
+//     stream after them, and the caller waits for it;
 //   - a copy down of a tensor written on a compute stream first waits for the event recorded at
 //     release on that stream;
 //   - a compute stream waits for the event of the copy up before using the block;
@@ -15,7 +24,9 @@
 #include "terrace/tier_manager.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <limits>
 #include <mutex>
@@ -46,7 +57,13 @@ struct tier_manager::impl {
     int pins = 0;
     event_ref up, down, done;   // created lazily
     bool up_pending = false, down_pending = false, done_recorded = false;
-    std::vector<std::size_t> uses;  // positions in the schedule, ascending
+    // Recorded on the copy stream after each copy into or out of the current block: when the block
+    // is given back, the fence (see the file comment). Separate from `up`/`down`, which keep
+    // serving host-side waits on the home buffer after the block is gone.
+    event_ref last_copy;
+    bool block_copied = false;  // a copy touched the current block (last_copy is meaningful)
+    std::vector<std::size_t> uses;   // positions in the schedule, ascending
+    std::vector<std::size_t> reads;  // those of them that need the data (not access::write)
     std::uint64_t last_use = 0;     // tick of the last acquire, for LRU without a schedule
   };
 
@@ -63,12 +80,23 @@ struct tier_manager::impl {
   std::size_t device_bytes = 0;
   std::size_t host_bytes = 0;  // bytes of home copies in pinned memory
   std::vector<tensor_id> schedule;
+  std::vector<bool> overwrites;  // per schedule position: acquired with access::write
   std::vector<tensor_id> recording;
+  std::vector<bool> recording_overwrites;
   bool is_recording = false;
   bool schedule_given = false;
   std::size_t pos = 0;
   std::uint64_t tick = 0;
   tier_stats counters;
+
+  // Device blocks given back while a copy on the copy stream may still use them, oldest first
+  // (the order their events were recorded on the copy stream, hence the order they complete in).
+  struct fence {
+    std::uintptr_t begin, end;  // the bytes the copies touched: [dev, dev + bytes)
+    event_ref last_copy;        // completes once no copy uses them any more
+  };
+  std::deque<fence> fences;
+  std::vector<event_ref> spare_events;  // events of completed fences, for reuse
 
   impl(device_backend& d, caching_allocator& m, pinned_host_pool& h, tier_manager_options o,
        tensor_store* store)
@@ -99,12 +127,15 @@ struct tier_manager::impl {
           // The buffer is freed below either way; the error belonged to a read nobody waits for.
         }
       }
+      // The device is idle (synchronized above): no fence is needed for these blocks.
       if (t.dev != nullptr) memory.deallocate(t.dev, copy);
       if (t.host != nullptr) host.deallocate(t.host);
-      for (event_ref e : {t.up, t.down, t.done}) {
+      for (event_ref e : {t.up, t.down, t.done, t.last_copy}) {
         if (e.native != nullptr) device.destroy_event(e);
       }
     }
+    for (const fence& f : fences) device.destroy_event(f.last_copy);
+    for (event_ref e : spare_events) device.destroy_event(e);
     device.destroy_stream(copy);
   }
 
@@ -117,22 +148,85 @@ struct tier_manager::impl {
   }
 
   event_ref& ensure(event_ref& e) {
-    if (e.native == nullptr) e = device.create_event();
+    if (e.native == nullptr) {
+      if (spare_events.empty()) {
+        e = device.create_event();
+      } else {
+        e = spare_events.back();
+        spare_events.pop_back();
+      }
+    }
     return e;
+  }
+
+  // ------------------------------------------------------------------ fences on reused blocks
+
+  // After a copy into or out of t's block has been queued on the copy stream.
+  void note_block_copy(tensor& t) {
+    device.record(ensure(t.last_copy), copy);
+    t.block_copied = true;
+  }
+
+  // t's block is about to go back to the allocator: fence it if a copy on it may still be queued.
+  // The event moves into the fence (t gets another one for its next block), so later copies of t
+  // never move the point the fence stands for.
+  void fence_block(tensor& t) {
+    prune_fences();  // keeps the list short between acquires too
+    if (t.block_copied && !device.query(t.last_copy)) {
+      const auto begin = reinterpret_cast<std::uintptr_t>(t.dev);
+      fences.push_back({begin, begin + t.bytes, t.last_copy});
+      t.last_copy = event_ref{};
+    }
+    t.block_copied = false;
+  }
+
+  // Drops the fences whose copies are done. Never blocks: the copy stream completes in order, so
+  // the completed ones are a prefix of the list.
+  void prune_fences() {
+    while (!fences.empty() && device.query(fences.front().last_copy)) {
+      spare_events.push_back(fences.front().last_copy);
+      fences.pop_front();
+    }
+  }
+
+  // Orders `stream` after every copy still using memory of t's block: a wait on the newest fence
+  // that overlaps it (the copy stream is in order, so that covers the older ones too). The host
+  // does not block.
+  void order_after_fences(const tensor& t, stream_ref stream) {
+    prune_fences();
+    const auto begin = reinterpret_cast<std::uintptr_t>(t.dev);
+    const std::uintptr_t end = begin + t.bytes;
+    for (auto it = fences.rbegin(); it != fences.rend(); ++it) {
+      if (it->begin < end && begin < it->end) {
+        device.wait(stream, it->last_copy);
+        ++counters.fence_waits;
+        return;
+      }
+    }
   }
 
   // ------------------------------------------------------------------ schedule
 
   void build_uses() {
-    for (tensor& t : tensors) t.uses.clear();
-    for (std::size_t i = 0; i < schedule.size(); ++i) tensors[schedule[i]].uses.push_back(i);
+    overwrites.resize(schedule.size(), false);  // a given schedule says nothing: all reads
+    for (tensor& t : tensors) {
+      t.uses.clear();
+      t.reads.clear();
+    }
+    for (std::size_t i = 0; i < schedule.size(); ++i) {
+      tensors[schedule[i]].uses.push_back(i);
+      if (!overwrites[i]) tensors[schedule[i]].reads.push_back(i);
+    }
     pos = 0;
   }
 
   // Where this acquire stands in the schedule: in step, a little ahead (the iteration skipped
   // something), or off it (served on demand, counted).
-  void follow_schedule(tensor_id id) {
-    if (is_recording) recording.push_back(id);
+  void follow_schedule(tensor_id id, access mode) {
+    if (is_recording) {
+      recording.push_back(id);
+      recording_overwrites.push_back(mode == access::write);
+    }
     if (schedule.empty()) return;
     if (pos >= schedule.size()) pos = 0;  // the next iteration began without begin_iteration
     if (schedule[pos] == id) {
@@ -149,14 +243,24 @@ struct tier_manager::impl {
     }
   }
 
-  // Accesses until `t` is used again, counted from the next expected one; kNever if not scheduled.
-  std::size_t next_use(const tensor& t) const {
-    if (t.uses.empty()) return kNever;
+  // Accesses until the first of `uses` (positions, ascending), counted from the next expected
+  // one; kNever if there is none.
+  std::size_t next_of(const std::vector<std::size_t>& uses) const {
+    if (uses.empty()) return kNever;
     const std::size_t p = pos >= schedule.size() ? 0 : pos;
-    const auto it = std::lower_bound(t.uses.begin(), t.uses.end(), p);
-    if (it != t.uses.end()) return *it - p;
-    return t.uses.front() + schedule.size() - p;
+    const auto it = std::lower_bound(uses.begin(), uses.end(), p);
+    if (it != uses.end()) return *it - p;
+    return uses.front() + schedule.size() - p;
   }
+  // Accesses until `t` is used again (the host tier: its home copy is wanted then).
+  std::size_t next_use(const tensor& t) const { return next_of(t.uses); }
+  // Accesses until a use that needs `t`'s device data. A use that overwrites it (access::write)
+  // needs none: dropping the device copy before then costs no copy up, just like dropping one that
+  // is never used again. (The engine's gradients: every use is a write, so among them the least
+  // recently used goes first, whose copy down is the most likely to be done, so that a write can
+  // take its block without a fence wait; counting writes as uses would pick the gradient flushed
+  // last, still copying down.)
+  std::size_t next_read(const tensor& t) const { return next_of(t.reads); }
 
   // ------------------------------------------------------------------ room on the device
 
@@ -169,7 +273,7 @@ struct tier_manager::impl {
     for (tensor_id id : resident) {
       const tensor& t = tensors[id];
       if (id == keep || t.pins > 0) continue;
-      const std::size_t next = next_use(t);
+      const std::size_t next = next_read(t);
       if (later_than != kNever && next <= later_than) continue;
       if (best == static_cast<tensor_id>(-1) || next > best_next ||
           (next == best_next && t.last_use < best_last)) {
@@ -214,6 +318,7 @@ struct tier_manager::impl {
     if (t.done_recorded) device.wait(copy, t.done);
     device.copy_async(t.host, t.dev, t.bytes, copy_kind::device_to_host, copy);
     device.record(ensure(t.down), copy);
+    note_block_copy(t);
     t.down_pending = true;
     t.host_written = true;
     t.nvme_current = false;
@@ -224,6 +329,7 @@ struct tier_manager::impl {
 
   void drop_device_copy(tensor_id id) {
     tensor& t = tensors[id];
+    fence_block(t);  // the next owner of the memory may be handed it on another stream
     memory.deallocate(t.dev, copy);
     t.dev = nullptr;
     t.up_pending = false;
@@ -252,6 +358,7 @@ struct tier_manager::impl {
       // A copy down still in flight on the copy stream is ahead of this one: same stream.
       device.copy_async(t.dev, t.host, t.bytes, copy_kind::host_to_device, copy);
       device.record(ensure(t.up), copy);
+      note_block_copy(t);
       t.up_pending = true;
       counters.host_to_device_bytes += static_cast<std::int64_t>(t.bytes);
       ++counters.host_to_device_copies;
@@ -270,6 +377,14 @@ struct tier_manager::impl {
     return sum;
   }
 
+  // How many schedule positions from `pos` on prefetch may look at: the whole cycle, or (without
+  // prefetch_across_iterations) only what is left of this iteration.
+  std::size_t prefetch_horizon() const {
+    const std::size_t n = schedule.size();
+    if (options.prefetch_across_iterations) return n;
+    return pos >= n ? 0 : n - pos;
+  }
+
   // Copies the next tensors of the schedule up, in order of use, while the window and the budget
   // allow it without evicting anything needed before them.
   void prefetch() {
@@ -277,10 +392,12 @@ struct tier_manager::impl {
     std::size_t in_flight = prefetch_bytes_in_flight();
     const std::size_t n = schedule.size();
     const std::size_t start = pos >= n ? 0 : pos;
-    for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t horizon = prefetch_horizon();
+    for (std::size_t k = 0; k < horizon; ++k) {
       const tensor_id id = schedule[(start + k) % n];
       tensor& t = tensors[id];
       if (t.dev != nullptr) continue;
+      if (overwrites[(start + k) % n]) continue;  // its data is not wanted there: no copy up
       if (t.nvme_reading) {
         if (!t.nvme_io.ready()) continue;  // still on its way from NVMe: a later call takes it
         finish_read(t);
@@ -448,7 +565,8 @@ struct tier_manager::impl {
     if (!host_limited() || schedule.empty()) return;
     const std::size_t n = schedule.size();
     const std::size_t start = pos >= n ? 0 : pos;
-    for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t horizon = prefetch_horizon();
+    for (std::size_t k = 0; k < horizon; ++k) {
       const tensor_id id = schedule[(start + k) % n];
       tensor& t = tensors[id];
       if (t.host != nullptr || !t.nvme_current) continue;
@@ -466,7 +584,7 @@ struct tier_manager::impl {
   void* acquire(tensor_id id, stream_ref stream, access mode) {
     std::lock_guard lock(mutex);
     tensor& t = at(id, "acquire");
-    follow_schedule(id);
+    follow_schedule(id, mode);
     t.last_use = ++tick;
     if (t.dev != nullptr) {
       if (t.prefetched) ++counters.prefetch_hits;
@@ -483,13 +601,19 @@ struct tier_manager::impl {
       if (t.up_pending) ++counters.demand_fetches;
     }
     t.prefetched = false;
+    bool after_copy_up = false;
     if (t.up_pending) {
       if (device.query(t.up)) {
         t.up_pending = false;
       } else {
         device.wait(stream, t.up);
+        after_copy_up = true;
       }
     }
+    // Without a copy up to wait for (access::write, no data yet, or a tensor already on the device
+    // whose copy up, if any, is done), the caller's stream is not ordered after the copies that
+    // used this memory before it became t's. A pending copy up is itself queued after them.
+    if (!after_copy_up && stream.native != copy.native) order_after_fences(t, stream);
     if (mode != access::read && t.down_pending) {
       if (device.query(t.down)) {
         t.down_pending = false;
@@ -718,21 +842,29 @@ void tier_manager::begin_iteration() {
     if (!m.is_recording) {
       m.is_recording = true;
       m.recording.clear();
+      m.recording_overwrites.clear();
       return;
     }
     m.is_recording = false;
     m.schedule = std::move(m.recording);
+    m.overwrites = std::move(m.recording_overwrites);
     m.recording.clear();
+    m.recording_overwrites.clear();
     m.build_uses();
-    return;
+  } else {
+    m.pos = 0;
   }
-  m.pos = 0;
+  // The iteration's first tensors start coming up now, not at its first acquire (without
+  // prefetch_across_iterations nothing else starts them before that acquire).
+  m.prefetch();
+  m.prefetch_from_nvme();
 }
 
 void tier_manager::set_schedule(std::vector<tensor_id> order) {
   std::lock_guard lock(impl_->mutex);
   for (tensor_id id : order) (void)impl_->at(id, "set_schedule");
   impl_->schedule = std::move(order);
+  impl_->overwrites.clear();  // no access modes given: every use counts as a read
   impl_->schedule_given = true;
   impl_->is_recording = false;
   impl_->build_uses();

@@ -16,10 +16,15 @@
 ///
 /// acquire never blocks the host on a transfer: the compute stream is made to wait for the copy's
 /// event. The order of acquires in one iteration is recorded (between the first two calls of
-/// begin_iteration, or given by set_schedule); afterwards
-///   - eviction takes the unpinned tensor whose next use is farthest (Belady's rule);
+/// begin_iteration, with each acquire's access mode, or given by set_schedule); afterwards
+///   - eviction takes the unpinned tensor whose next use is farthest (Belady's rule), counting only
+///     uses that need the device data: one acquired with access::write next costs no copy up;
 ///   - prefetch copies the next tensors of the schedule up on a copy stream, in the order they will
-///     be used, as far as the budget allows without evicting anything needed sooner.
+///     be used (skipping uses with access::write), as far as the budget allows without evicting
+///     anything needed sooner; with prefetch_across_iterations off it stops at the iteration's end.
+/// Device blocks come from the caching allocator in stream order on the copy stream; a block given
+/// back while a copy still uses it is fenced, and a caller's stream that gets memory of it without
+/// a copy up to wait for (access::write) waits for exactly that copy (tier_manager.cpp).
 /// An acquire that does not match the schedule is served on demand and counted; it is never an
 /// error. A tensor written on the device is copied back home before its device memory is reused.
 ///
@@ -57,6 +62,13 @@ struct tier_manager_options {
   std::size_t resync_distance = 64;
   /// With an NVMe store: bytes of home copies kept in pinned host memory (0: all of them).
   std::size_t host_budget = 0;
+  /// Whether prefetch (device and NVMe) runs past the end of the schedule into the next
+  /// iteration's first tensors. Set it to false when something between iterations replaces those
+  /// tensors' home copies (an optimizer step: host_data(access::write), host_modified), which would
+  /// drop what was prefetched: prefetch then stops at the iteration's last tensor, and
+  /// begin_iteration() starts it again from the first -- call it as soon as the home copies are
+  /// final.
+  bool prefetch_across_iterations = true;
 };
 
 /// @brief Counters of a tier_manager (since construction).
@@ -70,6 +82,9 @@ struct tier_stats {
   std::int64_t prefetch_hits = 0;      ///< acquires that found their tensor prefetched
   std::int64_t demand_fetches = 0;     ///< acquires that had to start their own copy up
   std::int64_t schedule_misses = 0;    ///< acquires that did not follow the recorded schedule
+  /// Acquires whose stream was made to wait for a copy still using memory of the block they got
+  /// (a reused block: the flush or the evicted prefetch of its previous owner)
+  std::int64_t fence_waits = 0;
   std::int64_t device_bytes = 0;       ///< bytes of tensors on the device now
   std::int64_t device_bytes_peak = 0;
   std::int64_t nvme_read_bytes = 0;
@@ -136,7 +151,9 @@ class tier_manager {
   void host_modified(tensor_id id);
 
   /// @brief Marks the start of a training iteration. The acquires between the first and second
-  /// calls become the schedule (unless set_schedule gave one); later calls restart it.
+  /// calls become the schedule (unless set_schedule gave one); later calls restart it and start
+  /// prefetching its first tensors at once (without blocking on a transfer).
+  /// @throws io_error when making room in the host tier for an NVMe prefetch fails (as acquire).
   void begin_iteration();
   /// @brief Sets the access order of one iteration explicitly (replaces any recorded one).
   /// @throws logic_error for an unknown id.
