@@ -43,7 +43,23 @@ bool is_byte_family(std::string_view name) {
   return name.size() >= suffix.size() && name.substr(name.size() - suffix.size()) == suffix;
 }
 
-// "512 B", "1.50 MiB": three significant-ish digits are what a reader compares at a glance.
+std::string format_value(std::int64_t n, bool bytes) {
+  return bytes ? human_bytes(n) : std::to_string(n);
+}
+
+void append_row(std::string& out, std::string_view a, std::string_view b, std::string_view c,
+                std::string_view d, std::string_view e, std::string_view f) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%-22.*s %-10.*s %14.*s %14.*s %14.*s %14.*s\n",
+                static_cast<int>(a.size()), a.data(), static_cast<int>(b.size()), b.data(),
+                static_cast<int>(c.size()), c.data(), static_cast<int>(d.size()), d.data(),
+                static_cast<int>(e.size()), e.data(), static_cast<int>(f.size()), f.data());
+  out += buf;
+}
+
+}  // namespace
+
+// Three significant-ish digits are what a reader compares at a glance.
 std::string human_bytes(std::int64_t n) {
   static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   const bool negative = n < 0;
@@ -64,21 +80,6 @@ std::string human_bytes(std::int64_t n) {
   return buf;
 }
 
-std::string format_value(std::int64_t n, bool bytes) {
-  return bytes ? human_bytes(n) : std::to_string(n);
-}
-
-void append_row(std::string& out, std::string_view a, std::string_view b, std::string_view c,
-                std::string_view d, std::string_view e, std::string_view f) {
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "%-22.*s %-10.*s %14.*s %14.*s %14.*s %14.*s\n",
-                static_cast<int>(a.size()), a.data(), static_cast<int>(b.size()), b.data(),
-                static_cast<int>(c.size()), c.data(), static_cast<int>(d.size()), d.data(),
-                static_cast<int>(e.size()), e.data(), static_cast<int>(f.size()), f.data());
-  out += buf;
-}
-
-}  // namespace
 
 std::string to_json(const allocator_stats& s) {
   // nlohmann::json keeps keys sorted, which is also the order torch.cuda.memory_stats() returns.

@@ -13,6 +13,7 @@
 // '#' of an id always separates the name from the digits). One more tensor, kMetaId (which ends
 // in no digits, so no group's id can equal it), holds the step counter and the group table at the
 // last checkpoint.
+#include "terrace/stats.hpp"
 #include "terrace/offload_adam.hpp"
 
 #include <algorithm>
@@ -47,16 +48,6 @@ double seconds_since(clock_type::time_point t) {
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-std::string bytes_text(std::uint64_t n) {
-  char buf[64];
-  if (n >= (std::uint64_t{1} << 30))
-    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(n) / (1 << 30));
-  else if (n >= (std::uint64_t{1} << 20))
-    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(n) / (1 << 20));
-  else
-    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(n));
-  return buf;
-}
 
 // Rethrows the exception in flight with `prefix` in front of its message, keeping its type (a
 // checksum_error stays one, with its errno), so callers can still tell corruption from EIO.
@@ -354,10 +345,10 @@ struct offload_adam::impl {
     const std::uint64_t free = store->capacity() > used ? store->capacity() - used : 0;
     if (need + largest > free) {
       throw out_of_memory("terrace: offload_adam: the tensor store cannot hold group '" + g.name + "' (" +
-                          std::to_string(g.elements) + " elements, " + bytes_text(need) + " of state in " +
-                          std::to_string(g.chunks.size()) + " chunks, plus " + bytes_text(largest) +
-                          " of room to replace a chunk): " + bytes_text(free) + " of " +
-                          bytes_text(store->capacity()) + " is free; nothing was written");
+                          std::to_string(g.elements) + " elements, " + human_bytes(need) + " of state in " +
+                          std::to_string(g.chunks.size()) + " chunks, plus " + human_bytes(largest) +
+                          " of room to replace a chunk): " + human_bytes(free) + " of " +
+                          human_bytes(store->capacity()) + " is free; nothing was written");
     }
   }
 

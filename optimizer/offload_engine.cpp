@@ -8,6 +8,7 @@
 // another home copy to NVMe, invalidating a pointer obtained before it, so a batch of layers is
 // staged (step_staged). Either way the update is elementwise and its scalars depend only on the
 // step count, so an offloaded run's losses are bitwise those of a resident one.
+#include "terrace/stats.hpp"
 #include "terrace/offload_engine.hpp"
 
 #include <algorithm>
@@ -39,19 +40,6 @@ constexpr const char* kRecordName = "engine.record";
 
 std::uint64_t round_up(std::uint64_t n, std::uint64_t unit) { return (n + unit - 1) / unit * unit; }
 
-std::string bytes_text(std::uint64_t b) {
-  char buf[64];
-  if (b >= (std::uint64_t{1} << 30)) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(b) / (1 << 30));
-  } else if (b >= kMiB) {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / kMiB);
-  } else if (b >= kKiB) {
-    std::snprintf(buf, sizeof buf, "%.1f KiB", static_cast<double>(b) / kKiB);
-  } else {
-    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(b));
-  }
-  return buf;
-}
 
 double seconds_since(clock_type::time_point t) {
   return std::chrono::duration<double>(clock_type::now() - t).count();
@@ -169,8 +157,8 @@ struct offload_engine::impl {
     const std::size_t capacity = device.properties().capacity;
     if (options.device_budget == 0) options.device_budget = capacity;
     TERRACE_EXPECTS(options.device_budget <= capacity,
-                    "offload engine: device budget " + bytes_text(options.device_budget) +
-                        " exceeds the device's capacity (" + bytes_text(capacity) + ")");
+                    "offload engine: device budget " + human_bytes(options.device_budget) +
+                        " exceeds the device's capacity (" + human_bytes(capacity) + ")");
     const std::size_t activations = model->activation_bytes();
     // Slack for the allocator: a block reused for a request up to large_segment_size smaller
     // (with the default allocator settings), rounding, and the small pool's segments if a caller's
@@ -191,12 +179,12 @@ struct offload_engine::impl {
     const std::size_t fixed = activations + slack;
     if (options.device_budget < fixed + worst) {
       throw out_of_memory(
-          "terrace: offload engine: the device budget of " + bytes_text(options.device_budget) +
+          "terrace: offload engine: the device budget of " + human_bytes(options.device_budget) +
           " cannot hold one layer: '" + worst_layer->name + "' needs " +
-          bytes_text(worst_layer->elements * 2) + " of bf16 params + " +
-          bytes_text(worst_layer->elements * 4) + " of fp32 gradient, and the model's " +
-          "activations take " + bytes_text(activations) + " plus " + bytes_text(slack) +
-          " of allocator slack: at least " + bytes_text(fixed + worst) + " are needed");
+          human_bytes(worst_layer->elements * 2) + " of bf16 params + " +
+          human_bytes(worst_layer->elements * 4) + " of fp32 gradient, and the model's " +
+          "activations take " + human_bytes(activations) + " plus " + human_bytes(slack) +
+          " of allocator slack: at least " + human_bytes(fixed + worst) + " are needed");
     }
     tensor_budget = options.device_budget - fixed;
   }
@@ -216,12 +204,12 @@ struct offload_engine::impl {
     }
     if (options.host_budget < tensor_budget + worst) {
       throw out_of_memory(
-          "terrace: offload engine: the host budget of " + bytes_text(options.host_budget) +
+          "terrace: offload engine: the host budget of " + human_bytes(options.host_budget) +
           " is too small: it must hold the home copies of everything on the device (" +
-          bytes_text(tensor_budget) + ") and one more layer for the optimizer ('" +
-          worst_layer->name + "': " + bytes_text(worst_layer->elements * 2) +
-          " of bf16 params + " + bytes_text(worst_layer->elements * 4) +
-          " of fp32 gradient): at least " + bytes_text(tensor_budget + worst));
+          human_bytes(tensor_budget) + ") and one more layer for the optimizer ('" +
+          worst_layer->name + "': " + human_bytes(worst_layer->elements * 2) +
+          " of bf16 params + " + human_bytes(worst_layer->elements * 4) +
+          " of fp32 gradient): at least " + human_bytes(tensor_budget + worst));
     }
   }
 
@@ -298,10 +286,10 @@ struct offload_engine::impl {
       so.capacity = options.store_capacity != 0 ? options.store_capacity : store_bytes_needed;
       if (so.capacity < store_bytes_needed) {
         throw out_of_memory(
-            "terrace: offload engine: the NVMe store of " + bytes_text(so.capacity) + " in " +
+            "terrace: offload engine: the NVMe store of " + human_bytes(so.capacity) + " in " +
             options.nvme_dir.string() + " cannot hold the state: it needs " +
-            bytes_text(store_bytes_needed) + " (" +
-            bytes_text(optimizer_store_bytes(options.checkpoints)) + " of optimizer state" +
+            human_bytes(store_bytes_needed) + " (" +
+            human_bytes(optimizer_store_bytes(options.checkpoints)) + " of optimizer state" +
             (options.host_budget != 0 ? std::string(", every param and gradient") : "") +
             (options.checkpoints ? ", twice over for checkpoints" : "") + ")");
       }
@@ -317,15 +305,15 @@ struct offload_engine::impl {
         nvme.emplace(tensor_store::create(store_dir(), so));
       } catch (const io_error& e) {
         throw io_error("terrace: offload engine: cannot create the NVMe store of " +
-                           bytes_text(so.capacity) + " in " + store_dir().string() + ": " +
+                           human_bytes(so.capacity) + " in " + store_dir().string() + ": " +
                            e.what(),
                        e.code());
       }
     }
     if (nvme->capacity() < store_bytes_needed) {
       throw out_of_memory("terrace: offload engine: the NVMe store in " + store_dir().string() +
-                          " holds " + bytes_text(nvme->capacity()) +
-                          " but this configuration needs " + bytes_text(store_bytes_needed));
+                          " holds " + human_bytes(nvme->capacity()) +
+                          " but this configuration needs " + human_bytes(store_bytes_needed));
     }
   }
 
@@ -347,11 +335,11 @@ struct offload_engine::impl {
       return fn();
     } catch (const out_of_memory& e) {
       throw out_of_memory("terrace: offload engine: cannot place " + what + " before training (" +
-                          bytes_text(static_cast<std::uint64_t>(
+                          human_bytes(static_cast<std::uint64_t>(
                               pinned->stats().reserved_bytes.current)) +
                           " pinned so far" +
                           (options.pinned_limit != 0
-                               ? ", pinned limit " + bytes_text(options.pinned_limit)
+                               ? ", pinned limit " + human_bytes(options.pinned_limit)
                                : std::string()) +
                           "): " + e.what());
     }
@@ -420,8 +408,8 @@ struct offload_engine::impl {
     if (options.pinned_limit < home + kRecordBytes) {
       throw out_of_memory(
           "terrace: offload engine: cannot place the home copies of params and gradients before "
-          "training: they need " + bytes_text(home) + " of pinned host memory, above the pinned "
-          "limit of " + bytes_text(options.pinned_limit) +
+          "training: they need " + human_bytes(home) + " of pinned host memory, above the pinned "
+          "limit of " + human_bytes(options.pinned_limit) +
           " (raise the limit, or set a host budget with an NVMe dir)");
     }
   }

@@ -9,6 +9,7 @@
 // with a sequence number; a checkpoint stamps its snapshot, and once it commits every extent freed
 // before that snapshot is released. New data therefore only ever lands in space no committed index
 // points at, so a crash at any moment leaves the committed generation's bytes intact.
+#include "terrace/stats.hpp"
 #include "terrace/tensor_store.hpp"
 
 #include <fcntl.h>
@@ -53,16 +54,6 @@ std::string sys(const std::string& what, int e) {
   return "terrace: " + what + ": " + std::strerror(e) + " (errno " + std::to_string(e) + ")";
 }
 
-std::string bytes_text(std::uint64_t n) {
-  char buf[64];
-  if (n >= (std::uint64_t{1} << 30))
-    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(n) / (1 << 30));
-  else if (n >= (std::uint64_t{1} << 20))
-    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(n) / (1 << 20));
-  else
-    std::snprintf(buf, sizeof buf, "%llu bytes", static_cast<unsigned long long>(n));
-  return buf;
-}
 
 bool is_ready(const completion_ptr& c) { return !c || c->done.load(std::memory_order_acquire); }
 void wait_quietly(const completion_ptr& c) {
@@ -200,9 +191,9 @@ class tensor_store_impl {
       std::uint64_t held = 0;
       for (auto& h : held_) held += h.size;
       throw out_of_memory("terrace: tensor store " + dir_ + " is full: put of tensor '" + id + "' needs " +
-                          bytes_text(alloc_->extent_size(size)) + " but " + bytes_text(alloc_->free_bytes()) +
-                          " of " + bytes_text(alloc_->capacity()) + " is free (largest hole " +
-                          bytes_text(alloc_->largest_hole()) + "); " + bytes_text(held) +
+                          human_bytes(alloc_->extent_size(size)) + " but " + human_bytes(alloc_->free_bytes()) +
+                          " of " + human_bytes(alloc_->capacity()) + " is free (largest hole " +
+                          human_bytes(alloc_->largest_hole()) + "); " + human_bytes(held) +
                           " is held for the committed checkpoint until the next checkpoint()");
     }
     if (auto it = entries_.find(id); it != entries_.end()) drop(it);
@@ -482,11 +473,11 @@ class tensor_store_impl {
           if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) rc = ::ftruncate(fd, static_cast<off_t>(index.file_size));
           if (rc != 0) {
             const int e = errno;
-            throw io_error(sys("cannot preallocate " + bytes_text(index.file_size) + " for " + path, e), e);
+            throw io_error(sys("cannot preallocate " + human_bytes(index.file_size) + " for " + path, e), e);
           }
           if (::fsync(dfd) != 0) throw io_error(sys("cannot fsync directory " + d.string(), errno), errno);
         } else {
-          struct stat st {};
+          struct ::stat st {};
           if (::fstat(fd, &st) != 0) throw io_error(sys("cannot stat " + path, errno), errno);
           if (static_cast<std::uint64_t>(st.st_size) != index.file_size)
             throw io_error("terrace: " + path + " is " + std::to_string(st.st_size) + " bytes; the index says " +
