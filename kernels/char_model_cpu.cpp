@@ -116,28 +116,6 @@ class cpu_char_model final : public char_model {
     r_.clear();
   }
 
-  // Per-call scratch, returned to the allocator at the end of the call. Neither copyable nor
-  // movable: returned only as a prvalue (guaranteed elision), so it is freed exactly once.
-  class scratch {
-   public:
-    scratch(caching_allocator& memory, stream_ref stream, float* p) : memory_(memory), stream_(stream), p(p) {}
-    scratch(const scratch&) = delete;
-    scratch& operator=(const scratch&) = delete;
-    ~scratch() {
-      try {
-        memory_.deallocate(p, stream_);
-      } catch (...) {
-        // Only a pointer the allocator does not know throws, and this one came from it.
-      }
-    }
-
-   private:
-    caching_allocator& memory_;
-    stream_ref stream_;
-
-   public:
-    float* const p;
-  };
   scratch widen(const std::uint16_t* params, std::size_t n) {
     float* w = allocate(n, "char_model.weights_f32");
     for (std::size_t i = 0; i < n; ++i) w[i] = terrace::detail::bf16_to_float(params[i]);

@@ -330,25 +330,6 @@ class cuda_char_model final : public char_model {
     r_.clear();
   }
 
-  class scratch {
-   public:
-    scratch(caching_allocator& memory, stream_ref stream, float* p) : memory_(memory), stream_(stream), p(p) {}
-    scratch(const scratch&) = delete;
-    scratch& operator=(const scratch&) = delete;
-    ~scratch() {
-      try {
-        memory_.deallocate(p, stream_);
-      } catch (...) {
-      }
-    }
-
-   private:
-    caching_allocator& memory_;
-    stream_ref stream_;
-
-   public:
-    float* const p;
-  };
   scratch allocate_scratch(std::size_t floats, const char* tag) {
     return scratch(memory_, stream_,
                    static_cast<float*>(memory_.allocate(floats * sizeof(float), stream_, tag)));

@@ -70,4 +70,28 @@ std::unique_ptr<char_model> make_cuda_char_model(const char_model_config& config
                                                  caching_allocator& activations, stream_ref stream);
 #endif
 
+// Per-call scratch of both implementations, returned to the allocator at the end of the call.
+// Neither copyable nor movable: returned only as a prvalue (guaranteed elision), so it is freed
+// exactly once.
+class scratch {
+ public:
+  scratch(caching_allocator& memory, stream_ref stream, float* p) : memory_(memory), stream_(stream), p(p) {}
+  scratch(const scratch&) = delete;
+  scratch& operator=(const scratch&) = delete;
+  ~scratch() {
+    try {
+      memory_.deallocate(p, stream_);
+    } catch (...) {
+      // Only a pointer the allocator does not know throws, and this one came from it.
+    }
+  }
+
+ private:
+  caching_allocator& memory_;
+  stream_ref stream_;
+
+ public:
+  float* const p;
+};
+
 }  // namespace terrace::model::detail
