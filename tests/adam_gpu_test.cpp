@@ -14,27 +14,15 @@
 #include "optimizer/adam_kernel.hpp"
 #include "optimizer/adam_reference.hpp"
 #include "tests/adam_test_support.hpp"
+#include "tests/cuda_test_support.hpp"
 
 namespace terrace {
 namespace {
 
-void cuda_ok(cudaError_t e, const char* call) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(call) + ": " + cudaGetErrorString(e));
-}
+using testing::cuda_ok;
+using testing::device_buffer;
 
-class AdamGpu : public ::testing::Test {
- protected:
-  void SetUp() override {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
-  }
-};
-
-struct device_buffer {
-  explicit device_buffer(std::size_t bytes) { cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc"); }
-  ~device_buffer() { cudaFree(ptr); }
-  void* ptr = nullptr;
-};
+class AdamGpu : public testing::gpu_test {};
 
 kernels::adam_gpu_scalars to_gpu(const detail::adam_scalars& s) {
   return {s.beta1, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.eps, s.step_size,

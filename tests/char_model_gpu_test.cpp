@@ -17,29 +17,15 @@
 #include "kernels/char_model.hpp"
 #include "terrace/caching_allocator.hpp"
 #include "tests/char_model_test_support.hpp"
+#include "tests/cuda_test_support.hpp"
 
 namespace terrace::model {
 namespace {
 
-void cuda_ok(cudaError_t e, const char* call) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(call) + ": " + cudaGetErrorString(e));
-}
+using terrace::testing::cuda_ok;
+using terrace::testing::device_buffer;
 
-class CharModelGpu : public ::testing::Test {
- protected:
-  void SetUp() override {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) GTEST_SKIP() << "no CUDA device";
-  }
-};
-
-struct device_buffer {
-  explicit device_buffer(std::size_t bytes) { cuda_ok(cudaMalloc(&ptr, bytes), "cudaMalloc"); }
-  ~device_buffer() { cudaFree(ptr); }
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
-  void* ptr = nullptr;
-};
+class CharModelGpu : public terrace::testing::gpu_test {};
 
 struct step_result {
   float loss = 0;

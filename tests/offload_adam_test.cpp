@@ -29,6 +29,7 @@
 namespace terrace {
 namespace {
 
+using testing::flip_byte;
 using testing::scratch_dir;
 
 constexpr std::size_t KiB = 1024;
@@ -691,17 +692,6 @@ TEST(OffloadAdam, AReadErrorNamesTheStoreTensorOfTheChunk) {
     EXPECT_NE(what.find("group 'layer0' chunk 1 of 2 (store tensor 'layer0#1')"), std::string::npos) << what;
   }
   EXPECT_EQ(r.opt->step_count(), 0);
-}
-
-void flip_byte(const std::filesystem::path& file, std::uint64_t offset) {
-  const int fd = ::open(file.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0);
-  unsigned char b = 0;
-  ASSERT_EQ(::pread(fd, &b, 1, static_cast<off_t>(offset)), 1);
-  b ^= 0x40;
-  ASSERT_EQ(::pwrite(fd, &b, 1, static_cast<off_t>(offset)), 1);
-  ::fsync(fd);
-  ::close(fd);
 }
 
 TEST(OffloadAdam, CorruptStateOnDiskIsAChecksumErrorNamingTheChunk) {

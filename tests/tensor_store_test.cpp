@@ -28,6 +28,7 @@
 namespace terrace {
 namespace {
 
+using testing::flip_byte;
 using testing::scratch_dir;
 constexpr std::size_t KiB = 1024;
 constexpr std::size_t MiB = 1024 * KiB;
@@ -57,17 +58,6 @@ void expect_tensor(tensor_store& s, const std::string& id, const std::vector<uns
   std::vector<unsigned char> got(want.size() + 1);
   s.get(id, got.data() + 1, want.size()).wait();  // +1: deliberately unaligned
   ASSERT_TRUE(want.empty() || std::memcmp(got.data() + 1, want.data(), want.size()) == 0) << id;
-}
-
-void flip_byte(const std::filesystem::path& file, std::uint64_t offset) {
-  const int fd = ::open(file.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0);
-  unsigned char b = 0;
-  ASSERT_EQ(::pread(fd, &b, 1, static_cast<off_t>(offset)), 1);
-  b ^= 0x40;
-  ASSERT_EQ(::pwrite(fd, &b, 1, static_cast<off_t>(offset)), 1);
-  ::fsync(fd);
-  ::close(fd);
 }
 
 TEST(TensorStore, RoundTripsOddSizesAndAlignments) {
