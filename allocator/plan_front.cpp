@@ -3,13 +3,19 @@
 // plan (offsets per allocation of one iteration), and its O(1) replay with a safety check that
 // makes correctness independent of the plan being right.
 //
-// Safety argument. The plan's offsets never overlap for slots whose planned lifetimes overlap. While
-// in sync, every allocation matched its slot (same size, stream and tag, in order) and, before slot k
-// is handed out, every slot whose planned free precedes slot k has been freed (checked through the
-// due lists) and every slot of the previous iteration is free (checked at the wrap). The live arena
-// blocks are then a subset of the slots whose planned lifetimes overlap slot k's, so slot k overlaps
-// none of them. Out of sync, nothing new goes to the arena. Each stream has its own arena region, so
-// an address is reused only in its stream's order, as the caching allocator does.
+// Safety argument. The plan's offsets never overlap for slots whose planned lifetimes overlap (same
+// stream; each stream has its own region and holes, so an address is reused only in its stream's
+// order, as the caching allocator does). In sync, a slot is handed out only to a request with its
+// key, at most once per iteration, and only when (space_free): every slot whose planned free
+// precedes it is free now (due lists, checked for every slot up to it, skipped ones included: a
+// freed slot stays free in the iteration, and a skipped slot is taken later only if it is due after
+// every slot handed out since); every live block of the previous iteration lies elsewhere (checked
+// by address); and, for a slot behind the cursor, its planned free comes after the alloc of every
+// slot handed out since. The live arena blocks of this iteration are then slots whose planned
+// lifetimes overlap its own, which the planner kept apart from it. At the wrap no block older than
+// the previous iteration may be live. Requests the plan does not serve go to the fallback, or to a
+// claimed hole's tail beyond every slot's extent (from_tail). Out of sync, nothing new goes to the
+// arena.
 // The "arena" is the open reservation plus the fallback's holes the plan claimed: a claimed hole is
 // an allocation of the fallback (it never hands it out) until the plan is uninstalled, which
 // happens only when no arena block is live. Holes are used only by slots of their own stream.
@@ -29,6 +35,14 @@ namespace {
 constexpr std::size_t kRound = 512;
 constexpr std::size_t kWindow = 16;                   // tokens in the window that proposes periods
 constexpr std::size_t kMaxRecordTokens = 1u << 22;    // a recording longer than this starts over
+// In sync, a request may take a slot up to this many slots ahead of the cursor (skipping the ones
+// between) or one skipped at most this far behind it: the same iteration with a request more or
+// less, or with two streams interleaved in another order, stays planned.
+constexpr std::size_t kLookahead = 16;
+// Consecutive requests that match no slot before the rest of the iteration goes to the fallback.
+constexpr std::uint32_t kMaxMisses = 8;
+// Keys of requests outside the plan remembered as recurring (served from hole tails).
+constexpr std::size_t kMaxRecurringMisses = 64;
 constexpr std::uint64_t kMod = (std::uint64_t{1} << 61) - 1;
 constexpr std::uint64_t kBase = 0x2545f4914f6cdd1dull % kMod;
 
@@ -211,6 +225,13 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
+  taken_gen_.assign(slots_.size(), 0);
+  skipped_.clear();
+  old_blocks_.clear();
+  gen_live_ = 0;
+  miss_keys_.clear();
+  recurring_misses_.clear();
+  fallback_misses_ = false;
   plan_hash_ = range_hash(lo, hi);
   plan_period_ = hi - lo;
   anchor_hash_ = range_hash(hi - std::min(kWindow, hi - lo), hi);
@@ -240,6 +261,8 @@ void plan_front::uninstall() {
   for (const fallback_hole& h : holes_) release_hole_(reinterpret_cast<void*>(h.addr));
   const bool had_holes = !holes_.empty();
   holes_.clear();
+  tails_.clear();
+  tail_live_.clear();  // empty: uninstalled only when no arena block is live
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   installed_ = false;
   stats_.arena_reserved_bytes = stats_.hole_bytes = 0;
@@ -392,6 +415,7 @@ bool plan_front::ensure_arena() {
     }
   }
   holes_.clear();
+  tails_.clear();
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   std::size_t hole_extent = 0;
   for (std::size_t h = 0; h < claimed.size(); ++h) {
@@ -400,6 +424,10 @@ bool plan_front::ensure_arena() {
       give_back(h);  // no slot landed there: the fallback keeps it
     } else {
       holes_.push_back(claimed[h]);
+      if (used[h] + kRound <= claimed[h].size) {
+        tails_.push_back({claimed[h].addr + round_up(used[h]), claimed[h].size - round_up(used[h]),
+                          claimed[h].stream});
+      }
       hole_bytes_ += claimed[h].size;
       if (claimed[h].small_pool) {
         ++small_holes_;
@@ -425,20 +453,48 @@ bool plan_front::ensure_arena() {
 }
 
 void plan_front::start_iteration() {
+  if (mode_ == mode::in_sync) {
+    // The last iteration followed the plan: its requests outside the plan may recur, and then
+    // take hole tails. Bounded: a plan that misses this much is not worth keeping anyway.
+    for (std::uint64_t k : miss_keys_) {
+      if (std::find(recurring_misses_.begin(), recurring_misses_.end(), k) == recurring_misses_.end() &&
+          recurring_misses_.size() < kMaxRecurringMisses) {
+        recurring_misses_.push_back(k);
+      }
+    }
+  }
+  miss_keys_.clear();
+  fallback_misses_ = false;
   if (!ensure_arena()) {
     mode_ = mode::seeking;
     return;
   }
   mode_ = mode::in_sync;
   cursor_ = 0;
+  checked_upto_ = 0;
   ++gen_;
+  // The last iteration's blocks still live (none from before it: every caller checks
+  // slot_live_ == gen_live_), where they lie.
+  old_blocks_.clear();
+  if (slot_live_ != 0) {
+    for (const auto& [addr, e] : live_) {
+      if (e.slot >= 0) {
+        old_blocks_.emplace_back(slot_pos(static_cast<std::size_t>(e.slot)), slots_[static_cast<std::size_t>(e.slot)].size);
+      }
+    }
+  }
+  gen_live_ = 0;
   iteration_deviated_ = false;
+  misses_in_row_ = 0;
+  skipped_.clear();
   ++stats_.iterations;
   // In sync nothing is recorded: the recording restarts at the next deviation.
   reset_recording();
 }
 
 void plan_front::deviate() {
+  miss_keys_.clear();  // an iteration of another shape: its misses say nothing about the plan's
+  fallback_misses_ = false;
   if (!iteration_deviated_) ++stats_.deviating_iterations;
   iteration_deviated_ = true;
   mode_ = mode::seeking;
@@ -459,6 +515,111 @@ void plan_front::track_unplanned(std::int64_t delta) noexcept {
   if (stats_.plans > 0) stats_.unplanned_live_peak = std::max(stats_.unplanned_live_peak, unplanned_live_);
 }
 
+// Where slot j lies: its address once installed, its offset in the plan without holes otherwise
+// (counterfactual); either way, two slots overlap in memory exactly when these ranges do.
+std::uintptr_t plan_front::slot_pos(std::size_t j) const noexcept {
+  return live_mode_ ? slots_[j].addr : slots_[j].offset;
+}
+
+bool plan_front::slot_held(std::size_t j) const noexcept {
+  return taken_gen_[j] == gen_ && freed_gen_[j] != gen_;
+}
+
+// Whether slot j's space is free now. Every slot the plan frees before j is allocated must be free
+// (due lists). A slot handed out behind the cursor (its request came late) must also overlap, in
+// the plan, every slot handed out after it, which the planner has kept apart from it in space:
+// those are the slots before the cursor, so its planned free must come after the cursor's.
+// Slots at or ahead of the cursor have not been handed out in this iteration.
+bool plan_front::space_free(std::size_t j) const noexcept {
+  const slot& s = slots_[j];
+  if (!s.planned) return true;  // the fallback serves it
+  // The last iteration's blocks still live (freed later than the plan's order said, typically by
+  // another stream): the plan does not keep them apart from this iteration's, so check the space.
+  if (!old_blocks_.empty()) {
+    const std::uintptr_t a = slot_pos(j);
+    for (const auto& [b, n] : old_blocks_) {
+      if (a < b + n && b < a + s.size) return false;
+    }
+  }
+  // Every slot whose planned free precedes j, i.e. due before any slot up to j: those due before
+  // checked_upto_ were found free when a slot was handed out and stay so (a slot is taken once
+  // per iteration, and one behind the cursor only if it is due at or after the cursor).
+  for (std::size_t k = checked_upto_; k <= j; ++k) {
+    for (std::uint32_t d : due_before_[k]) {
+      if (slot_held(d)) return false;  // a block the plan freed by now is still live
+    }
+  }
+  return j >= cursor_ || s.due_at >= cursor_;
+}
+
+// The slot to serve a request with `key` from, or -1 (then `blocked` names a slot with that key
+// whose space is not free yet, or -1). In order: a slot skipped earlier in this iteration (its
+// request comes late: the oldest first), the cursor's, then one at most kLookahead ahead (the
+// slots in between are skipped: requests that did not come, or that come later).
+std::int64_t plan_front::match_slot(std::uint64_t key, std::int64_t& blocked) const {
+  blocked = -1;
+  for (std::uint32_t j : skipped_) {
+    // A skipped slot whose space is not free stays skipped: the request may take another.
+    if (slots_[j].key == key && taken_gen_[j] != gen_ && space_free(j)) return j;
+  }
+  const std::size_t end = std::min(slots_.size(), static_cast<std::size_t>(cursor_) + kLookahead);
+  for (std::size_t j = cursor_; j < end; ++j) {
+    if (slots_[j].key != key) continue;
+    // The first slot ahead with this key is this request's (a later one is another request's).
+    if (space_free(j)) return static_cast<std::int64_t>(j);
+    blocked = static_cast<std::int64_t>(j);
+    return -1;
+  }
+  return -1;
+}
+
+// Hands slot j out (or, with served_elsewhere, marks it used by a request the fallback served) and
+// moves the cursor past it; the slots jumped over are remembered as skipped for kLookahead slots.
+void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
+  taken_gen_[j] = gen_;
+  if (served_elsewhere) {
+    freed_gen_[j] = gen_;  // nothing of it is live in the arena
+  } else {
+    checked_upto_ = std::max<std::size_t>(checked_upto_, j + 1);  // space_free(j) held
+  }
+  if (j >= cursor_) {
+    for (std::size_t k = cursor_; k < j; ++k) skipped_.push_back(static_cast<std::uint32_t>(k));
+    if (j > cursor_ && !iteration_deviated_) {
+      ++stats_.deviating_iterations;
+      iteration_deviated_ = true;
+    }
+    cursor_ = static_cast<std::uint32_t>(j + 1);
+  }
+  // Forget skipped slots that were taken or fell out of reach.
+  std::erase_if(skipped_, [&](std::uint32_t k) {
+    return taken_gen_[k] == gen_ || k + kLookahead < cursor_;
+  });
+}
+
+// A request outside the plan, served from the tail of a claimed hole: the part beyond the extent
+// the layout uses there, which no slot ever touches. Without it the fallback, whose free blocks the
+// plan claimed, would reserve a new segment for an occasional extra request (with PyTorch's
+// defaults, 20 MiB for a 2 MiB one). First fit; only the hole's own stream, so that the space is
+// reused in that stream's order, as the caching allocator does.
+void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
+  if (!live_mode_ || !installed_) return nullptr;
+  for (const tail_region& t : tails_) {
+    if (t.stream != stream || t.size < rounded) continue;
+    auto it = std::lower_bound(tail_live_.begin(), tail_live_.end(),
+                               std::pair<std::uintptr_t, std::size_t>{t.addr, 0});
+    std::uintptr_t at = t.addr;
+    for (; it != tail_live_.end() && it->first < t.addr + t.size; ++it) {
+      if (it->first - at >= rounded) break;
+      at = it->first + it->second;
+    }
+    if (at + rounded <= t.addr + t.size) {
+      tail_live_.insert(it, {at, rounded});
+      return reinterpret_cast<void*>(at);
+    }
+  }
+  return nullptr;
+}
+
 void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
   pending_slot_ = -1;
   const std::size_t rounded = round_up(bytes);
@@ -468,34 +629,37 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
   // Counted from the first planned iteration on: the allocations before it were learning.
   if (!slots_.empty() && stats_.iterations > 0) ++stats_.allocs_under_plan;
   if (mode_ == mode::in_sync && cursor_ == slots_.size() && !explicit_) {
-    // The previous iteration's allocations are done: this one starts the next, if every slot of
-    // the last one has been freed.
-    if (slot_live_ == 0) {
+    // The previous iteration's allocations are done: this one starts the next. Its blocks may
+    // still be live (another stream frees them later than the plan's order said); each stream's
+    // slots of the new iteration wait until that stream's old blocks are free (space_free).
+    if (slot_live_ == gen_live_) {
       start_iteration();
     } else {
-      deviate();
+      deviate();  // a block of the iteration before the last is still live: not this plan's
     }
   }
   if (mode_ == mode::in_sync) {
-    bool ok = cursor_ < slots_.size() && slots_[cursor_].key == key;
-    if (ok) {
-      for (std::uint32_t j : due_before_[cursor_]) {
-        if (freed_gen_[j] != gen_) {
-          ok = false;  // a block the plan freed by now is still live: its space is not free
-          break;
-        }
-      }
+    std::int64_t blocked = -1;
+    std::int64_t j = match_slot(key, blocked);
+    if (j < 0 && blocked < 0 && !explicit_ && slot_live_ == gen_live_ && key == slots_[0].key &&
+        cursor_ + kLookahead >= slots_.size()) {
+      // The iteration ended without its last few slots (skipped, not requested): the next one
+      // starts here, as it would have at the wrap.
+      start_iteration();
+      if (mode_ == mode::in_sync) j = match_slot(key, blocked);
     }
-    if (ok) {
-      const slot& s = slots_[cursor_];
-      const auto k = static_cast<std::int32_t>(cursor_++);
+    if (j >= 0) {
+      misses_in_row_ = 0;
+      const auto k = static_cast<std::size_t>(j);
+      take_slot(k);
+      const slot& s = slots_[k];
       if (!s.planned) {
         ++stats_.unplanned_allocs;
         return nullptr;
       }
       ++stats_.planned_hits;
       if (!live_mode_) {
-        pending_slot_ = k;  // counterfactual: served by the fallback, tracked as the slot
+        pending_slot_ = j;  // counterfactual: served by the fallback, tracked as the slot
         return nullptr;
       }
       void* p = reinterpret_cast<void*>(s.addr);
@@ -504,18 +668,55 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       e.size = rounded;
       e.requested = bytes;
       e.stream = st;
-      e.slot = k;
+      e.slot = static_cast<std::int32_t>(j);
       e.gen = gen_;
       e.in_arena = true;
       live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
       ++slot_live_;
+      ++gen_live_;
       ++arena_live_count_;
       arena_live_bytes_ += rounded;
       arena_live_requested_ += bytes;
       note_totals(last_totals_);
       return p;
     }
-    deviate();
+    if (mode_ == mode::in_sync) {
+      // A request the plan cannot serve now (an extra one, one whose slot's space is still held
+      // by a late free, or one too far from the cursor): the fallback serves it and the plan goes
+      // on, since the requests after it usually match again (a training step that fetches one
+      // block more than the last, or two streams interleaving differently). A slot whose space
+      // was held is used up: its request has been served. Many misses in a row mean another
+      // iteration altogether: then the rest of it goes to the fallback, as before.
+      if (blocked >= 0) take_slot(static_cast<std::size_t>(blocked), /*served_elsewhere=*/true);
+      if (!iteration_deviated_) ++stats_.deviating_iterations;
+      iteration_deviated_ = true;
+      // Only a request that was outside the plan in an earlier iteration that still followed the
+      // plan (recurring_misses_): a tail block keeps the arena installed while it lives, which
+      // for an iteration of another shape (a run of misses, then deviate) would set the arena
+      // beside the fallback's new segments.
+      miss_keys_.push_back(key);
+      const bool recurring = std::find(recurring_misses_.begin(), recurring_misses_.end(), key) !=
+                             recurring_misses_.end();
+      if (void* p = recurring ? from_tail(rounded, st) : nullptr) {
+        misses_in_row_ = 0;  // served, and the plan goes on
+        live_entry e;
+        e.key = key;
+        e.size = rounded;
+        e.requested = bytes;
+        e.stream = st;
+        e.in_arena = true;
+        live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
+        track_unplanned(static_cast<std::int64_t>(rounded));
+        ++arena_live_count_;
+        arena_live_bytes_ += rounded;
+        arena_live_requested_ += bytes;
+        note_totals(last_totals_);
+        return p;
+      }
+      fallback_misses_ = true;
+      if (++misses_in_row_ < kMaxMisses) return nullptr;  // on_fallback_alloc: unplanned
+      deviate();
+    }
   }
 
   // Learning or seeking: record the token; the fallback serves it.
@@ -540,6 +741,7 @@ void plan_front::on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream
     e.slot = static_cast<std::int32_t>(pending_slot_);
     e.gen = gen_;
     ++slot_live_;
+    ++gen_live_;
   } else {
     track_unplanned(static_cast<std::int64_t>(e.size));
     // The alloc was recorded last (learning / seeking) unless it was an unplanned slot in sync.
@@ -575,7 +777,15 @@ bool plan_front::on_free(void* p) {
     detect_steady_state();
   }
   if (e.slot >= 0) {
-    if (e.gen == gen_) freed_gen_[static_cast<std::size_t>(e.slot)] = gen_;
+    if (e.gen == gen_) {
+      freed_gen_[static_cast<std::size_t>(e.slot)] = gen_;
+      --gen_live_;
+    } else {
+      const std::uintptr_t pos = slot_pos(static_cast<std::size_t>(e.slot));
+      const auto o = std::find_if(old_blocks_.begin(), old_blocks_.end(),
+                                  [&](const auto& b) { return b.first == pos; });
+      if (o != old_blocks_.end()) old_blocks_.erase(o);
+    }
     --slot_live_;
   } else {
     track_unplanned(-static_cast<std::int64_t>(e.size));
@@ -592,6 +802,12 @@ bool plan_front::on_free(void* p) {
       }
       arena_streams_.erase(s);
     }
+  }
+  if (e.slot < 0) {
+    // A block from a hole's tail (from_tail).
+    const auto t = std::lower_bound(tail_live_.begin(), tail_live_.end(),
+                                    std::pair<std::uintptr_t, std::size_t>{addr, 0});
+    if (t != tail_live_.end() && t->first == addr) tail_live_.erase(t);
   }
   --arena_live_count_;
   arena_live_bytes_ -= e.size;

@@ -125,6 +125,12 @@ class plan_front {
                        std::string& heuristic) const;
   void release_idle_arena();
   bool boundary_anchor_matches(std::uint64_t key) const noexcept;
+  bool slot_held(std::size_t j) const noexcept;
+  std::uintptr_t slot_pos(std::size_t j) const noexcept;
+  bool space_free(std::size_t j) const noexcept;
+  std::int64_t match_slot(std::uint64_t key, std::int64_t& blocked) const;
+  void take_slot(std::size_t j, bool served_elsewhere = false);
+  void* from_tail(std::size_t rounded, std::uintptr_t stream);
   void track_unplanned(std::int64_t delta) noexcept;
 
   device_backend& device_;
@@ -171,6 +177,15 @@ class plan_front {
   // the holes as allocated; the accounting below counts them as the arena's instead.
   bool installed_ = false;
   std::vector<fallback_hole> holes_;
+  // The claimed holes' tails beyond the layout's extent, and the blocks served there (sorted by
+  // address): requests outside the plan use them (from_tail).
+  struct tail_region {
+    std::uintptr_t addr = 0;
+    std::size_t size = 0;
+    std::uintptr_t stream = 0;
+  };
+  std::vector<tail_region> tails_;
+  std::vector<std::pair<std::uintptr_t, std::size_t>> tail_live_;
   std::size_t hole_bytes_ = 0;
   std::size_t small_holes_ = 0, small_hole_bytes_ = 0;  // of those, in the small pool
   bool holes_since_reset_ = false;
@@ -189,6 +204,17 @@ class plan_front {
   std::uint32_t gen_ = 0;
   bool iteration_deviated_ = false;
   std::vector<std::uint32_t> freed_gen_;  // per slot: the generation in which it was freed
+  std::vector<std::uint32_t> taken_gen_;  // per slot: the generation in which it was handed out
+  std::vector<std::uint32_t> skipped_;    // slots the cursor jumped over, still takeable
+  std::size_t checked_upto_ = 0;          // due lists of slots below this were found free
+  std::uint32_t misses_in_row_ = 0;       // requests in a row that matched no slot
+  // The last iteration's slot-holding blocks still live, as (slot_pos, size); gen_live_ counts
+  // this iteration's. An iteration starts only when no block older than the last one is live.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> old_blocks_;
+  std::size_t gen_live_ = 0;
+  std::vector<std::uint64_t> miss_keys_;         // this iteration's requests outside the plan
+  std::vector<std::uint64_t> recurring_misses_;  // ... of earlier iterations that followed it
+  bool fallback_misses_ = false;                 // the fallback served some this iteration
   std::size_t slot_live_ = 0;             // live blocks holding a plan slot (arena or virtual)
   std::size_t arena_live_bytes_ = 0;
   std::size_t arena_live_requested_ = 0;

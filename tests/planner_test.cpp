@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <map>
 #include <random>
 #include <thread>
@@ -349,6 +350,98 @@ TEST(PlannedPolicy, RandomProgramsWithLongLivedBlocksNeverOverlap) {
     EXPECT_EQ(a.stats().allocated_bytes[0].current, 0) << seed;
   }
   EXPECT_GE(seeds_in_holes, 2);
+}
+
+// Two streams, as in an offloaded training step: a copy stream fetches "params" that the compute
+// stream's "activations" use. Every other iteration fetches one block more (a prefetch the eviction
+// policy repeats), and in those the copy stream's fetch lands before the compute stream's last
+// frees instead of after. The plan must stay in sync through both variants (requests outside the
+// plan go elsewhere, the rest keep their slots), never re-plan, never hand out overlapping blocks,
+// and keep its arena reserved once.
+TEST(PlannedPolicy, ExtraRequestsAndStreamInterleavingStayPlanned) {
+  auto dev = terrace::make_device("null");
+  const terrace::stream_ref copy = dev->create_stream(), compute = dev->create_stream();
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned"));
+  std::map<std::uintptr_t, std::size_t> live;
+  auto get = [&](std::size_t n, terrace::stream_ref s, const char* tag) {
+    void* p = a.allocate(n, s, tag);
+    const auto u = reinterpret_cast<std::uintptr_t>(p);
+    auto next = live.lower_bound(u);
+    if (next != live.end()) EXPECT_LE(u + n, next->first) << "overlap";
+    if (next != live.begin()) EXPECT_LE(std::prev(next)->first + std::prev(next)->second, u) << "overlap";
+    live[u] = n;
+    return p;
+  };
+  auto give = [&](void* p, terrace::stream_ref s) {
+    live.erase(reinterpret_cast<std::uintptr_t>(p));
+    a.deallocate(p, s);
+  };
+  std::int64_t reservations_after_warmup = -1;
+  for (int it = 0; it < 30; ++it) {
+    const bool variant = it % 2 == 1 && it > 6;  // learning sees only the first variant
+    std::vector<void*> params, acts;
+    for (int layer = 0; layer < 6; ++layer) {
+      params.push_back(get(std::size_t{2} << 20, copy, "param"));
+      for (int k = 0; k < 4; ++k) acts.push_back(get(std::size_t{256} << 10, compute, "act"));
+      void* scratch = get(std::size_t{1} << 20, compute, "scratch");
+      give(scratch, compute);
+    }
+    // Backward: activations go in reverse, params after their layer.
+    for (int layer = 5; layer >= 0; --layer) {
+      for (int k = 3; k >= 0; --k) {
+        give(acts.back(), compute);
+        acts.pop_back();
+      }
+      if (layer == 1 && variant) {
+        void* extra = get(std::size_t{2} << 20, copy, "param");  // one fetch more
+        give(extra, copy);
+      }
+      give(params.back(), copy);
+      params.pop_back();
+    }
+    if (it == 10) reservations_after_warmup = a.stats().num_device_alloc;
+  }
+  a.check_invariants();
+  const auto ps = a.plan_stats();
+  EXPECT_EQ(ps.plans, 1);  // no re-planning churn
+  EXPECT_GT(ps.deviating_iterations, 0);  // the variant was seen, and served outside the plan
+  EXPECT_GT(ps.hit_rate(), 0.9) << ps.planned_hits << " of " << ps.allocs_under_plan << ", "
+                                 << ps.unplanned_allocs << " unplanned, " << ps.deviations
+                                 << " deviations";
+  // The arena was reserved once, not again for every iteration that differs.
+  EXPECT_EQ(a.stats().num_device_alloc, reservations_after_warmup);
+  EXPECT_TRUE(live.empty());
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+}
+
+// tests/data/train_offload_trace.jsonl: the device allocator's trace recorded live by
+// `terrace train --steps 20 --save-trace ...` (default model, 28 MiB sim device; see
+// docs/planning.md). Its steps come in two variants (one param fetch more in about half of them,
+// and the copy stream's fetch before or after the compute stream's last frees). Before the
+// planner tolerated that, every other step deviated: hit rate 49%, 47 device allocations, steady
+// peak reserved 72 MiB against caching's 52.
+TEST(PlannedPolicy, RecordedTrainingTraceStaysPlannedAndBeatsCaching) {
+  const auto path = std::filesystem::path(__FILE__).parent_path() / "data" / "train_offload_trace.jsonl";
+  const auto events = terrace::tools::load_trace(path.string());
+  terrace::tools::replay_options planned, caching;
+  planned.config = terrace::parse_alloc_conf("policy:planned");
+  planned.check_invariants_every = 97;
+  const auto p = terrace::tools::replay(events, planned);
+  caching.config = terrace::parse_alloc_conf("policy:caching");
+  caching.steady_from_event = p.steady_from_event;
+  const auto c = terrace::tools::replay(events, caching);
+  ASSERT_LT(p.steady_from_event, events.size());
+  EXPECT_EQ(p.ooms, 0u);
+  EXPECT_EQ(p.plan.replans, 0);
+  EXPECT_GT(p.plan.hit_rate(), 0.95);  // measured 98.2%
+  EXPECT_LE(p.device_allocs, c.device_allocs + 4);  // measured 10 vs 8 (was 47)
+  // Measured 54.9 MiB, steady and whole trace, against caching's 52.0 (was 72.0): NOT yet within
+  // caching's. After the first iteration with the extra fetch the plan serves it from a claimed
+  // hole's tail (34.9 MiB in the iterations that follow), but its first occurrence goes to the
+  // fallback, whose free blocks the plan claimed, and PyTorch's defaults give a 2 MiB request a
+  // 20 MiB segment, which stays cached. Bounded here so that it does not grow; docs/planning.md.
+  EXPECT_LE(p.steady_peak_reserved_bytes, c.steady_peak_reserved_bytes + (3 << 20));
+  EXPECT_LE(p.peak_reserved_bytes, c.peak_reserved_bytes + (3 << 20));
 }
 
 TEST(PlannedPolicyConcurrent, ThreadsShareOnePlannedAllocator) {

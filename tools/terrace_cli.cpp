@@ -277,6 +277,7 @@ struct train_args {
   std::string dir;
   std::string report;
   std::string log;
+  std::string save_trace;
   std::string device_memory = "28MiB";
   std::string device_budget = "0";
   std::string host_budget = "0";
@@ -352,6 +353,9 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
   cmd->add_option("--report", args.report,
                   "the memory report (HTML; default: <dir>/memory-report.html)");
   cmd->add_flag("--no-report", args.no_report, "write no memory report");
+  cmd->add_option("--save-trace", args.save_trace,
+                  "write the device allocator's recorded trace here (terrace JSON lines, for "
+                  "`terrace compare` and `terrace replay`)");
   cmd->add_option("--log", args.log,
                   "append one line per step: step, loss (exact, as a hex float), loss, seconds, "
                   "bytes up, down, NVMe read, written, exposed wait, transfer seconds");
@@ -373,6 +377,7 @@ int run_train(train_args& args) {
   o.dir = args.dir.empty() ? terrace::tools::default_dir() : std::filesystem::path(args.dir);
   o.report = args.report;
   o.log = args.log;
+  o.save_trace = args.save_trace;
   o.write_report = !args.no_report;
   o.progress = args.quiet ? nullptr : stderr;
   try {

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
+#include <fstream>
 #include <string>
 
 #include "terrace/error.hpp"
@@ -167,7 +168,8 @@ std::size_t resident_device_memory(const model::char_model_config& config) {
 offload_engine_options engine_options_for(const train_options& o, const device_backend& device) {
   offload_engine_options e;
   e.device_budget = o.device_budget;
-  e.device_allocator.record_trace = o.write_report;
+  // The report replays the recorded trace; --save-trace writes it out.
+  e.device_allocator.record_trace = o.write_report || !o.save_trace.empty();
   e.host_budget = o.host_budget;
   e.optimizer_host_budget = o.optimizer_host_budget;
   e.pinned_limit = o.pinned_limit;
@@ -306,6 +308,15 @@ train_result run_train(const train_options& options) {
     r.store_capacity = store->capacity();
     r.store_used = store->used_bytes();
   }
+  if (!o.save_trace.empty()) {
+    const memory_snapshot snap = engine->device_memory().snapshot();
+    std::ofstream out(o.save_trace, std::ios::binary);
+    if (out) write_trace_jsonl(out, snap.trace);
+    out.close();
+    // Training is done at this point: a trace that cannot be written is an error, not a setup one.
+    if (!out) throw io_error("cannot write the trace '" + o.save_trace.string() + "'");
+    r.trace = o.save_trace;
+  }
   if (o.write_report) {
     r.report = o.report.empty() ? o.dir / "memory-report.html" : o.report;
     r.report_summary = write_memory_report(
@@ -381,6 +392,7 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
     add("  checkpoint      step %lld in %s (continue with --resume --dir %s)\n",
         static_cast<long long>(r.steps.back().step), r.dir.c_str(), r.dir.c_str());
   }
+  if (!r.trace.empty()) add("  device trace    %s\n", r.trace.c_str());
   if (!r.report.empty()) {
     add("  memory report   %s\n", r.report.c_str());
     s += "\n" + r.report_summary;

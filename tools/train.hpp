@@ -71,6 +71,9 @@ struct train_options {
   std::FILE* progress = nullptr;       ///< the progress bar (stderr in the CLI); nullptr: none
   std::filesystem::path report;        ///< the memory report (empty: <dir>/memory-report.html)
   bool write_report = true;
+  /// The device allocator's recorded trace, written as terrace JSON lines (trace.hpp) for
+  /// `terrace compare` / `terrace replay` and the planner's tests. Empty: not written.
+  std::filesystem::path save_trace;
   /// One line per step (appended, flushed): step, loss as a C99 hex float (exact), loss, seconds,
   /// bytes up, down, NVMe read, NVMe written, exposed wait, transfer seconds. Empty: none.
   std::filesystem::path log;
@@ -93,6 +96,7 @@ struct train_result {
   std::int64_t device_peak_reserved = 0;  ///< the device allocator's peak reserved bytes
   std::filesystem::path dir;
   std::filesystem::path report;           ///< written (empty when not)
+  std::filesystem::path trace;            ///< the saved device trace (empty when not)
   std::string report_summary;             ///< the report's plain-text summary
 };
 
