@@ -9,7 +9,9 @@
 //
 // cuBLAS works column-major; a row-major M x N matrix is its transpose in column-major, so
 // row-major Y = X W is computed as column-major Y^T = W^T X^T (see the gemm helpers).
-#include <cublas_v2.h>
+//
+// cuBLAS is not linked: its entry points come from kernels/cublas_loader.hpp's table, loaded when
+// the first model is made (make_cuda_char_model), so that nothing else needs libcublas.
 #include <cuda_runtime_api.h>
 
 #include <chrono>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "kernels/char_model_impl.hpp"
+#include "kernels/cublas_table.hpp"
 #include "terrace/error.hpp"
 
 namespace terrace::model::detail {
@@ -177,10 +180,10 @@ void launch_check(const char* kernel) {
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) throw_cuda(e, std::string("launching ") + kernel);
 }
-void cublas_check(cublasStatus_t s, const char* what) {
+void cublas_check(const cublas_api& blas, cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {
     throw device_error(std::string("terrace: char_model (cuda): ") + what + " failed: " +
-                       cublasGetStatusName(s) + " (" + cublasGetStatusString(s) + ")");
+                       blas.status_name(s) + " (" + blas.status_string(s) + ")");
   }
 }
 
@@ -209,9 +212,10 @@ using clock_type = std::chrono::steady_clock;
 
 class cuda_char_model final : public char_model {
  public:
-  cuda_char_model(const char_model_config& config, device_backend& device,
+  cuda_char_model(const cublas_api& blas, const char_model_config& config, device_backend& device,
                   caching_allocator& activations, stream_ref stream)
-      : config_(config),
+      : blas_(blas),
+        config_(config),
         memory_(activations),
         stream_(stream),
         native_(static_cast<cudaStream_t>(stream.native)),
@@ -219,11 +223,11 @@ class cuda_char_model final : public char_model {
         order_(layer_count(config)),
         row_loss_host_(static_cast<std::size_t>(config.batch)) {
     device_guard guard(device_index_);
-    cublas_check(cublasCreate(&handle_), "cublasCreate");
-    const cublasStatus_t s = cublasSetStream(handle_, native_);
+    cublas_check(blas_, blas_.create(&handle_), "cublasCreate");
+    const cublasStatus_t s = blas_.set_stream(handle_, native_);
     if (s != CUBLAS_STATUS_SUCCESS) {
-      cublasDestroy(handle_);
-      cublas_check(s, "cublasSetStream");
+      blas_.destroy(handle_);
+      cublas_check(blas_, s, "cublasSetStream");
     }
   }
 
@@ -231,7 +235,7 @@ class cuda_char_model final : public char_model {
     try {
       device_guard guard(device_index_);
       release_activations();
-      cublasDestroy(handle_);
+      blas_.destroy(handle_);
     } catch (...) {
       // A destructor only reports by leaving things behind: the runtime may be unloading.
     }
@@ -351,14 +355,16 @@ class cuda_char_model final : public char_model {
   // column-major y^T (out x batch) = W^T (out x in) x^T (in x batch).
   void gemm_forward(const float* x, const float* w, float* y, std::size_t in, std::size_t out) {
     const float one = 1.0f, zero = 0.0f;
-    cublas_check(cublasSgemm(handle_, CUBLAS_OP_N, CUBLAS_OP_N, int(out), int(batch()), int(in), &one, w,
+    cublas_check(blas_,
+                 blas_.sgemm(handle_, CUBLAS_OP_N, CUBLAS_OP_N, int(out), int(batch()), int(in), &one, w,
                              int(out), x, int(in), &zero, y, int(out)),
                  "cublasSgemm(forward)");
   }
   // Row-major dW (in x out) = x^T dy: column-major dW^T (out x in) = dy^T (out x batch) x (batch x in).
   void gemm_weight_grad(const float* x, const float* dy, float* dw, std::size_t in, std::size_t out) {
     const float one = 1.0f, zero = 0.0f;
-    cublas_check(cublasSgemm(handle_, CUBLAS_OP_N, CUBLAS_OP_T, int(out), int(in), int(batch()), &one, dy,
+    cublas_check(blas_,
+                 blas_.sgemm(handle_, CUBLAS_OP_N, CUBLAS_OP_T, int(out), int(in), int(batch()), &one, dy,
                              int(out), x, int(in), &zero, dw, int(out)),
                  "cublasSgemm(weight grad)");
   }
@@ -367,7 +373,8 @@ class cuda_char_model final : public char_model {
   void gemm_input_grad(const float* dy, const float* w, float* dx, std::size_t in, std::size_t out,
                        float beta) {
     const float one = 1.0f;
-    cublas_check(cublasSgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, int(in), int(batch()), int(out), &one, w,
+    cublas_check(blas_,
+                 blas_.sgemm(handle_, CUBLAS_OP_T, CUBLAS_OP_N, int(in), int(batch()), int(out), &one, w,
                              int(out), dy, int(out), &beta, dx, int(in)),
                  "cublasSgemm(input grad)");
   }
@@ -460,6 +467,7 @@ class cuda_char_model final : public char_model {
     launch_check("embedding_backward_kernel");
   }
 
+  const cublas_api& blas_;
   char_model_config config_;
   caching_allocator& memory_;
   stream_ref stream_;
@@ -486,7 +494,10 @@ class cuda_char_model final : public char_model {
 std::unique_ptr<char_model> make_cuda_char_model(const char_model_config& config,
                                                  device_backend& device,
                                                  caching_allocator& activations, stream_ref stream) {
-  return std::make_unique<cuda_char_model>(config, device, activations, stream);
+  // cuBLAS first, before the CUDA runtime is touched: a machine without it gets the loader's
+  // error (which library, why, what to do), not a failure further in.
+  const cublas_api& blas = cublas();
+  return std::make_unique<cuda_char_model>(blas, config, device, activations, stream);
 }
 
 }  // namespace terrace::model::detail

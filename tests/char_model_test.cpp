@@ -2,7 +2,8 @@
 // The char model (kernels/char_model.hpp) on the simulated device, i.e. the cpu implementation:
 // gradients against a float64 reference (itself checked by finite differences), determinism,
 // the untrained loss, learning, errors, activation accounting, the wait for the stream, and the
-// step time of the default configuration (printed).
+// step time of the default configuration (printed). In a CUDA build, also the run-time loading of
+// cuBLAS (kernels/cublas_loader.hpp), which needs no GPU: its errors, and the toolkit's library.
 //
 // Parameters and gradients live in plain host vectors: on the sim device, device memory is host
 // memory, and keeping them out of the allocator leaves its statistics to the model's activations.
@@ -11,13 +12,19 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <optional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "kernels/char_model.hpp"
+#if defined(TERRACE_TEST_MODEL_WITH_CUDA)
+#include "kernels/cublas_loader.hpp"
+#endif
 #include "optimizer/half.hpp"
 #include "terrace/caching_allocator.hpp"
 #include "terrace/error.hpp"
@@ -384,8 +391,7 @@ TEST(CharModel, DevicesWithoutHostMemoryOrAnotherAllocatorAreRefused) {
   EXPECT_THROW(make_char_model(tiny(), *r.dev, null_memory, r.stream), logic_error);
 }
 
-#if !defined(TERRACE_TEST_MODEL_WITH_CUDA)
-// A backend that calls itself "cuda", to ask a build without CUDA for the cuda implementation.
+// A backend that calls itself "cuda", to ask for the cuda implementation without a GPU.
 class named_cuda_device final : public device_backend {
  public:
   named_cuda_device() { properties_.name = "cuda"; properties_.capacity = 1 << 20; }
@@ -408,6 +414,7 @@ class named_cuda_device final : public device_backend {
   void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override { unused(); }
 };
 
+#if !defined(TERRACE_TEST_MODEL_WITH_CUDA)
 TEST(CharModel, CudaDeviceInABuildWithoutCudaIsAClearError) {
   named_cuda_device dev;
   caching_allocator memory(dev);
@@ -417,6 +424,120 @@ TEST(CharModel, CudaDeviceInABuildWithoutCudaIsAClearError) {
   } catch (const logic_error& e) {
     EXPECT_NE(std::string(e.what()).find("TERRACE_ENABLE_CUDA"), std::string::npos) << e.what();
   }
+}
+#else
+// Sets (or, with nullopt, unsets) an environment variable for one scope; restores it after.
+class scoped_env {
+ public:
+  scoped_env(const char* name, std::optional<std::string> value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) {
+      ::setenv(name, value->c_str(), 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~scoped_env() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+constexpr const char* bogus_cublas = "/nonexistent/terrace-test/libcublas-bogus.so.13";
+
+// The loader's error: the library asked for, dlerror()'s text, and what to do.
+void expect_clear_cublas_error(const std::string& what, const std::string& library) {
+  for (const std::string& part :
+       {library, std::string(detail::cublas_default_library()), std::string("LD_LIBRARY_PATH"),
+        std::string(detail::cublas_library_env), std::string("nvidia/cublas/lib")}) {
+    EXPECT_NE(what.find(part), std::string::npos) << "no '" << part << "' in: " << what;
+  }
+}
+
+TEST(CublasLoader, TheSonameFollowsTheToolkitsMajorVersion) {
+  const std::string soname = detail::cublas_default_library();
+  ASSERT_EQ(soname.rfind("libcublas.so.", 0), 0u) << soname;
+  EXPECT_GE(std::stoi(soname.substr(std::string("libcublas.so.").size())), 11) << soname;
+  EXPECT_EQ(detail::cublas_entry_points().size(), 6u);
+}
+
+TEST(CublasLoader, AMissingLibraryIsAClearError) {
+  try {
+    detail::load_cublas(bogus_cublas);
+    ADD_FAILURE() << "a missing library was loaded";
+  } catch (const device_error& e) {
+    expect_clear_cublas_error(e.what(), bogus_cublas);
+    // dlerror()'s own text.
+    EXPECT_NE(std::string(e.what()).find("cannot open shared object file"), std::string::npos) << e.what();
+  }
+  // A failure is not remembered as a table: it fails again, the same way.
+  EXPECT_THROW(detail::load_cublas(bogus_cublas), device_error);
+}
+
+TEST(CublasLoader, ALibraryWithoutTheEntryPointsIsAClearError) {
+  try {
+    detail::load_cublas("libm.so.6");  // opens, but holds no cuBLAS
+    ADD_FAILURE() << "libm was taken for cuBLAS";
+  } catch (const device_error& e) {
+    expect_clear_cublas_error(e.what(), "libm.so.6");
+    for (const std::string& name : detail::cublas_entry_points()) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << "no " << name << " in: " << e.what();
+    }
+  }
+}
+
+TEST(CublasLoader, TheEnvironmentVariableChoosesTheLibrary) {
+  const scoped_env env(detail::cublas_library_env, bogus_cublas);
+  try {
+    detail::cublas();
+    ADD_FAILURE() << detail::cublas_library_env << "=" << bogus_cublas << " was not used";
+  } catch (const device_error& e) {
+    expect_clear_cublas_error(e.what(), bogus_cublas);
+    EXPECT_NE(std::string(e.what()).find(std::string(detail::cublas_library_env) + "=" + bogus_cublas),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Where it matters: the error comes from make_char_model for a CUDA device, before the CUDA
+// runtime is touched (this device is no GPU, and there may be none).
+TEST(CharModel, CudaModelWithoutCublasIsAClearErrorFromMakeCharModel) {
+  const scoped_env env(detail::cublas_library_env, bogus_cublas);
+  named_cuda_device dev;
+  caching_allocator memory(dev);
+  try {
+    make_char_model(tiny(), dev, memory, {});
+    ADD_FAILURE() << "a cuda model was made without cuBLAS";
+  } catch (const device_error& e) {
+    expect_clear_cublas_error(e.what(), bogus_cublas);
+  }
+}
+
+// Loading cuBLAS needs neither a GPU nor the driver (libcublas.so does not need libcuda.so.1), so
+// where the toolkit this build used is installed, every entry point resolves here.
+TEST(CublasLoader, TheToolkitsLibraryResolvesEveryEntryPoint) {
+  const scoped_env env(detail::cublas_library_env, std::nullopt);
+  const detail::cublas_api* api = nullptr;
+  try {
+    api = &detail::cublas();
+  } catch (const device_error& e) {
+    const std::string toolkit = detail::cublas_toolkit_library();
+    if (!toolkit.empty() && std::filesystem::exists(toolkit)) {
+      FAIL() << toolkit << " exists, yet: " << e.what();
+    }
+    GTEST_SKIP() << "no cuBLAS on this machine (nor the toolkit this build used): " << e.what();
+  }
+  EXPECT_EQ(detail::resolved_entry_points(*api), detail::cublas_entry_points().size());
+  EXPECT_EQ(&detail::cublas(), api) << "loaded twice";
 }
 #endif
 
