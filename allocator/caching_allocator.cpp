@@ -120,10 +120,14 @@ class allocator_impl {
     return round_up(rounded, config_.large_round);
   }
 
-  // PyTorch's split rule: keep a remainder only if it is worth a block of its pool.
+  // PyTorch's split rule: keep a remainder only if it is worth a block of its pool. Blocks of
+  // expandable segments always split (as PyTorch's should_split does under expandable_segments):
+  // they are carved from page-granular mappings, so keeping the remainder would hand out, and count
+  // as allocated, up to a whole map granule per request; max_split_size guards plain segments that
+  // can only go back whole, while any free page of an expandable segment can be unmapped.
   bool should_split(const block* b, std::size_t rounded) const noexcept {
     const std::size_t remaining = b->size - rounded;
-    if (b->seg->small_pool) return remaining >= kMinBlockSize;
+    if (b->seg->small_pool || b->seg->expandable) return remaining >= kMinBlockSize;
     return rounded < config_.max_split_size && remaining > config_.small_size;
   }
 
@@ -162,8 +166,11 @@ class allocator_impl {
     return reinterpret_cast<void*>(b->addr);
   }
 
-  // Best fit on the request's stream. Oversize blocks (>= max_split_size) serve only oversize
-  // requests, and only when not much larger, so that huge blocks are not whittled away by small ones.
+  // Best fit on the request's stream. Oversize blocks (>= max_split_size) of plain segments serve
+  // only oversize requests, and only when not much larger, so that huge blocks are not whittled
+  // away by small ones. Expandable segments ignore max_split_size (see should_split): refusing one
+  // of their free blocks would map fresh pages while mapped free memory sits idle, and could even
+  // fail the allocation, since grow_expandable leaves a mapped free block that fits to this search.
   block* find_free_block(bool small, std::uintptr_t stream, std::size_t rounded) {
     free_set& pool = pool_of(small);
     block key;
@@ -174,7 +181,7 @@ class allocator_impl {
     if (it == pool.end() || (*it)->stream != stream) return nullptr;
     block* b = *it;
     const std::size_t max_split = config_.max_split_size;
-    if (max_split != SIZE_MAX) {
+    if (max_split != SIZE_MAX && !b->seg->expandable) {
       if (rounded < max_split && b->size >= max_split) return nullptr;
       if (rounded >= max_split && b->size >= rounded + config_.large_segment_size) return nullptr;
     }

@@ -3,10 +3,15 @@
 // check_invariants(), which recounts the stats and walks every segment.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "terrace/caching_allocator.hpp"
 #include "terrace/error.hpp"
@@ -548,6 +553,122 @@ TEST(CachingAllocator, ExpandableSegmentsHitTheCapacityWithAClearError) {
   a.deallocate(p);
   void* q = a.allocate(30 * MiB);  // the freed pages serve it
   a.deallocate(q);
+  a.check_invariants();
+}
+
+// Regression: expandable segments split blocks whatever max_split_size and small_size say (as
+// PyTorch's should_split does under expandable_segments). Keeping the remainder counted it as
+// allocated: under the offload engine's settings (no small pool, max_split_size 1) every request
+// took whole 2 MiB pages, and, since oversize free blocks were refused too, mapped fresh ones
+// (the engine's trace replayed at 124 MiB allocated for 26 MiB live, one mapping per allocation).
+TEST(CachingAllocator, ExpandableSegmentsIgnoreMaxSplitSizeUnderTheEngineSettings) {
+  auto dev = paged_sim(256 * MiB);
+  allocator_config cfg;  // offload_engine_options::default_device_allocator(), plus expandable
+  cfg.small_size = 0;
+  cfg.min_large_alloc = 1;
+  cfg.large_round = 4 * KiB;
+  cfg.max_split_size = 1;
+  cfg.large_segment_size = 64 * KiB;
+  cfg.expandable_segments = true;
+  caching_allocator a(*dev, cfg);
+
+  // Sizes of a few layers' params, grads and activations: none a multiple of the 2 MiB page.
+  const std::size_t sizes[] = {100 * KiB + 1, 300 * KiB, 1536 * KiB, 700 * KiB + 3,
+                               2 * MiB + 512, 64 * KiB,  3 * MiB - 100, 900 * KiB};
+  auto rounded = [](std::size_t n) { return (n + 511) / 512 * 512; };
+  std::vector<std::pair<void*, std::size_t>> live;
+  std::int64_t live_bytes = 0, peak_live = 0;
+  auto alloc = [&](std::size_t n) {
+    live.emplace_back(a.allocate(n), n);
+    live_bytes += static_cast<std::int64_t>(rounded(n));
+    peak_live = std::max(peak_live, live_bytes);
+  };
+  auto free_at = [&](std::size_t i) {
+    a.deallocate(live[i].first);
+    live_bytes -= static_cast<std::int64_t>(rounded(live[i].second));
+    live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  // allocated_bytes must be the sum of the live requests rounded to 512 B, after every call.
+  auto allocated = [&a] { return a.stats().allocated_bytes[0].current; };
+
+  // Training-like iterations: allocate everything, free in a shuffled order, again and again.
+  std::uint64_t rng = 12345;
+  auto next = [&rng] { return (rng = rng * 6364136223846793005ULL + 1442695040888963407ULL) >> 33; };
+  std::int64_t reserved_after_first = 0, device_allocs_after_first = 0;
+  for (int iter = 0; iter < 40; ++iter) {
+    for (int rep = 0; rep < 3; ++rep) {
+      for (std::size_t n : sizes) {
+        alloc(n);
+        ASSERT_EQ(allocated(), live_bytes) << "iteration " << iter << ", after allocating " << n;
+      }
+    }
+    while (!live.empty()) {
+      free_at(next() % live.size());
+      ASSERT_EQ(allocated(), live_bytes) << "iteration " << iter << ", after a free";
+    }
+    if (iter == 0) {
+      reserved_after_first = a.stats().reserved_bytes[0].peak;
+      device_allocs_after_first = a.stats().num_device_alloc;
+    }
+  }
+  const std::int64_t page = 2 * MiB;
+  const std::int64_t peak_pages = (peak_live + page - 1) / page * page;
+  auto s = a.stats();
+  EXPECT_EQ(s.allocated_bytes[0].peak, peak_live);  // the sum of rounded requests, no page waste
+  EXPECT_EQ(s.requested_bytes[0].current, 0);
+  EXPECT_EQ(s.reserved_bytes[0].peak, peak_pages);  // everything freed: one run of pages serves it
+  EXPECT_EQ(s.reserved_bytes[0].peak, reserved_after_first);  // steady state maps nothing new
+  EXPECT_EQ(s.num_device_alloc, device_allocs_after_first);
+  EXPECT_EQ(s.num_alloc_retries, 0);
+  EXPECT_EQ(s.num_ooms, 0);
+  a.check_invariants();
+
+  // Mixed lifetimes: random frees interleaved with allocations keep the books exact, and the
+  // oversize free blocks serve smaller requests instead of pages being mapped beside them.
+  for (int step = 0; step < 3000; ++step) {
+    if (live.size() < 12 || (live.size() < 40 && next() % 2 == 0)) {
+      alloc(sizes[next() % std::size(sizes)]);
+    } else {
+      free_at(next() % live.size());
+    }
+    ASSERT_EQ(allocated(), live_bytes) << "mixed step " << step;
+  }
+  s = a.stats();
+  EXPECT_EQ(s.allocated_bytes[0].current, live_bytes);
+  EXPECT_EQ(s.allocated_bytes[0].peak, peak_live);
+  // Bounded by the live peak (fragmentation only), not by the number of allocations.
+  const std::int64_t mixed_peak_pages = (peak_live + page - 1) / page * page;
+  EXPECT_LE(s.reserved_bytes[0].peak, mixed_peak_pages + mixed_peak_pages / 2)
+      << "peak live " << peak_live;
+  EXPECT_EQ(s.num_ooms, 0);
+  a.check_invariants();
+  while (!live.empty()) free_at(live.size() - 1);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  EXPECT_EQ(dev->used_bytes(), 0u);
+  a.check_invariants();
+}
+
+// Under the default settings too, an expandable block splits off any remainder of 512 B or more
+// (PyTorch's rule for expandable segments), not only one above small_size: a 1.5 MiB request
+// counts 1.5 MiB allocated, not the whole 2 MiB page, and the next request grows from its end.
+TEST(CachingAllocator, ExpandableSegmentsSplitOffRemaindersBelowSmallSize) {
+  auto dev = paged_sim();
+  caching_allocator a(*dev, expandable_config());
+  auto* x = static_cast<char*>(a.allocate(MiB + MiB / 2));
+  auto s = a.stats();
+  EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(MiB + MiB / 2));
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));
+  EXPECT_EQ(s.inactive_split_bytes[0].current, static_cast<std::int64_t>(MiB / 2));
+  auto* y = static_cast<char*>(a.allocate(2 * MiB + MiB / 2));  // the half page + one new page
+  EXPECT_EQ(y - x, static_cast<std::ptrdiff_t>(MiB + MiB / 2));
+  s = a.stats();
+  EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
+  EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
+  EXPECT_EQ(s.inactive_split[0].current, 0);
+  a.check_invariants();
+  a.deallocate(x);
+  a.deallocate(y);
   a.check_invariants();
 }
 

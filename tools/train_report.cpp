@@ -16,15 +16,12 @@ namespace terrace::tools {
 std::string write_memory_report(const memory_snapshot& recorded, const allocator_config& config,
                                 const std::filesystem::path& path, const std::string& title) {
   const std::vector<trace_event>& events = recorded.trace;
-  // caching and planned replay the run's own settings (the engine's exact-size segments, never
-  // split), so that they compare policies, not settings, and caching is what the run reserved.
-  // expandable starts from the defaults: its segments grow by pages and are split by design, and
-  // under the engine's settings (no small pool, max_split_size 1) its replay counts 124 MiB live
-  // where the others count 26 (not yet understood; noted on issue 5).
+  // Every policy replays the run's own settings (the engine's exact-size segments), so that the
+  // page compares policies, not settings: caching is then what the run reserved.
   const auto options_for = [&](alloc_policy policy) {
     replay_options o;
     o.device = "null";
-    o.config = policy == alloc_policy::expandable ? allocator_config{} : config;
+    o.config = config;
     o.config.record_trace = false;
     o.config.policy = policy;
     o.config.expandable_segments = policy == alloc_policy::expandable;

@@ -31,7 +31,11 @@ struct allocator_config {
   std::size_t large_segment_size = 20u << 20;  ///< key `large_segment_size`: for requests < min_large_alloc
   std::size_t min_large_alloc = 10u << 20;     ///< key `min_large_alloc`: at or above, segments are exact
   std::size_t large_round = 2u << 20;          ///< key `large_round`: exact segments round up to this
-  std::size_t max_split_size = SIZE_MAX;       ///< key `max_split_size_mb` (MiB): larger blocks never split
+  /// key `max_split_size_mb` (MiB): free blocks of plain segments this large or larger never split
+  /// and serve only requests of at least this size less than large_segment_size smaller than them.
+  /// Expandable segments ignore it (PyTorch's split rule for them): their blocks always split, and
+  /// any free page of theirs can be unmapped.
+  std::size_t max_split_size = SIZE_MAX;
   unsigned roundup_power2_divisions = 0;       ///< key `roundup_power2_divisions`: 0 = off, else 1..64
   double garbage_collection_threshold = 0.0;   ///< key `garbage_collection_threshold`: 0 = off, (0,1)
   bool expandable_segments = false;            ///< key `expandable_segments`: needs a VMM backend
