@@ -97,20 +97,9 @@ class cpu_char_model final : public char_model {
   float* allocate(std::size_t floats, const char* tag) {
     return static_cast<float*>(memory_.allocate(floats * sizeof(float), stream_, tag));
   }
-  float* activation(std::size_t floats, const char* tag) {
-    float* p = allocate(floats, tag);
-    live_.push_back(p);
-    return p;
-  }
+  float* activation(std::size_t floats, const char* tag) { return activations_.floats(floats, tag); }
   void release_activations() noexcept {
-    for (float* p : live_) {
-      try {
-        memory_.deallocate(p, stream_);
-      } catch (...) {
-        // Only a pointer the allocator does not know throws, and these all came from it.
-      }
-    }
-    live_.clear();
+    activations_.release();
     x0_ = dx0_ = probs_ = dh_ = nullptr;
     h_.clear();
     r_.clear();
@@ -287,7 +276,7 @@ class cpu_char_model final : public char_model {
   std::vector<std::uint8_t> tokens_;
   float loss_ = 0;
 
-  std::vector<float*> live_;  // every activation of the batch, to free
+  activation_set activations_{memory_, stream_};  // every activation of the batch, to free
   float* x0_ = nullptr;       // batch x context*embed: the gathered embeddings
   std::vector<float*> h_;     // h_[0] after the input projection, h_[l] after block l
   std::vector<float*> r_;     // r_[l]: block l's relu output

@@ -311,23 +311,10 @@ class cuda_char_model final : public char_model {
   // the next begin_batch or after backward of layer 0; per-call scratch freed as the call returns.
   // Freeing right after queueing the kernels that use a block is safe: the block is reused only by
   // work queued later on the same stream (the allocator's stream-order rule).
-  void* activation_bytes(std::size_t bytes, const char* tag) {
-    void* p = memory_.allocate(bytes, stream_, tag);
-    live_.push_back(p);
-    return p;
-  }
-  float* activation(std::size_t floats, const char* tag) {
-    return static_cast<float*>(activation_bytes(floats * sizeof(float), tag));
-  }
+  void* activation_bytes(std::size_t bytes, const char* tag) { return activations_.bytes(bytes, tag); }
+  float* activation(std::size_t floats, const char* tag) { return activations_.floats(floats, tag); }
   void release_activations() noexcept {
-    for (void* p : live_) {
-      try {
-        memory_.deallocate(p, stream_);
-      } catch (...) {
-        // Only a pointer the allocator does not know throws, and these all came from it.
-      }
-    }
-    live_.clear();
+    activations_.release();
     tokens_ = nullptr;
     x0_ = dx0_ = probs_ = dh_ = row_loss_ = nullptr;
     h_.clear();
@@ -478,7 +465,7 @@ class cuda_char_model final : public char_model {
   compute_stats stats_;
   std::vector<float> row_loss_host_;
 
-  std::vector<void*> live_;
+  activation_set activations_{memory_, stream_};  // every activation of the batch, to free
   std::uint8_t* tokens_ = nullptr;  // batch x (context+1), on the device
   float* x0_ = nullptr;
   std::vector<float*> h_;

@@ -94,4 +94,37 @@ class scratch {
   float* const p;
 };
 
+// The activations of one batch, shared by both implementations: device memory from the caching
+// allocator on the model's stream (so they count against the device like any tensor), all given
+// back at once by release() (next begin_batch, after backward of layer 0, destruction).
+class activation_set {
+ public:
+  activation_set(caching_allocator& memory, stream_ref stream) : memory_(memory), stream_(stream) {}
+  ~activation_set() { release(); }
+  activation_set(const activation_set&) = delete;
+  activation_set& operator=(const activation_set&) = delete;
+
+  void* bytes(std::size_t n, const char* tag) {
+    void* p = memory_.allocate(n, stream_, tag);
+    live_.push_back(p);
+    return p;
+  }
+  float* floats(std::size_t n, const char* tag) { return static_cast<float*>(bytes(n * sizeof(float), tag)); }
+  void release() noexcept {
+    for (void* p : live_) {
+      try {
+        memory_.deallocate(p, stream_);
+      } catch (...) {
+        // Only a pointer the allocator does not know throws, and these all came from it.
+      }
+    }
+    live_.clear();
+  }
+
+ private:
+  caching_allocator& memory_;
+  stream_ref stream_;
+  std::vector<void*> live_;
+};
+
 }  // namespace terrace::model::detail
