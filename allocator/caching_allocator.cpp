@@ -116,7 +116,7 @@ class allocator_impl {
 
   std::size_t segment_size_for(std::size_t rounded) const noexcept {
     if (is_small(rounded)) return config_.small_segment_size;
-    if (rounded < config_.min_large_alloc) return config_.large_segment_size;
+    if (rounded < config_.min_large_alloc && !exact_large_segments_) return config_.large_segment_size;
     return round_up(rounded, config_.large_round);
   }
 
@@ -626,6 +626,45 @@ class allocator_impl {
     return holes;
   }
 
+  // The planned policy gives a claimed hole back while blocks it served from the hole's tail are
+  // still live (the plan is uninstalled, or replaced): each such block becomes an ordinary
+  // allocation of this allocator, carved at its address out of the free block the hole merged
+  // into, so that its free comes here and its space is never handed out meanwhile.
+  // REQUIRES: [addr, addr + size) lies in one free, mapped block of a plain segment.
+  void adopt_range(std::uintptr_t addr, std::size_t size, std::size_t requested,
+                   const std::vector<std::uintptr_t>& used_streams) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto s = segments_.upper_bound(addr);
+    TERRACE_EXPECTS(s != segments_.begin(), "adopt_range: address outside every segment");
+    segment* seg = std::prev(s)->second;
+    block* b = seg->head;
+    while (b != nullptr && b->addr + b->size <= addr) b = b->next;
+    TERRACE_EXPECTS(b != nullptr && !seg->expandable && b->is_free() && b->mapped &&
+                        addr + size <= b->addr + b->size,
+                    "adopt_range: the range is not inside one free block");
+    pool_of(seg->small_pool).erase(b);
+    if (b->is_split()) count_inactive_split(b, -1);
+    if (addr > b->addr) {
+      block* up = split_off(b, addr - b->addr);
+      insert_free(b);
+      b = up;
+    }
+    if (b->size > size) insert_free(split_off(b, size));
+    b->allocated = true;
+    b->requested = requested;
+    for (std::uintptr_t other : used_streams) {
+      if (other != b->stream) b->used_streams.push_back(other);
+    }
+    live_.emplace(b->addr, b);
+    for (int i : {0, pool_index(seg->small_pool)}) {
+      stats_.allocation[i].increase(1);
+      stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
+      stats_.requested_bytes[i].increase(static_cast<std::int64_t>(requested));
+      stats_.active[i].increase(1);
+      stats_.active_bytes[i].increase(static_cast<std::int64_t>(b->size));
+    }
+  }
+
   // ---------------------------------------------------------------- out-of-memory report
 
   std::string oom_report(std::size_t requested, std::size_t rounded, std::uintptr_t stream) {
@@ -767,6 +806,14 @@ class allocator_impl {
   allocator_stats stats() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return stats_locked();
+  }
+
+  // While a plan is installed, the fallback serves only requests outside it: occasional ones,
+  // which a 20 MiB segment per 2 MiB request would turn into cached memory beside the arena for
+  // the rest of the run. Large segments are then cut to the request (rounded to large_round).
+  void set_exact_large_segments(bool exact) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    exact_large_segments_ = exact;
   }
 
   // The three current totals the planned policy combines with its arena; cheap, for every call.
@@ -1038,6 +1085,7 @@ class allocator_impl {
   double memory_fraction_ = 1.0;
   std::size_t granularity_ = kMinBlockSize;
   bool tracing_ = false;
+  bool exact_large_segments_ = false;  // set_exact_large_segments
 
   free_set small_free_;
   free_set large_free_;
@@ -1070,6 +1118,13 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
     plan_->set_fallback_holes([impl = impl_.get()] { return impl->claim_free_blocks(); },
                               [impl = impl_.get()](void* p) { impl->deallocate(p); },
                               [impl = impl_.get()] { return impl->totals(); });
+    plan_->set_fallback_adopt([impl = impl_.get()](std::uintptr_t addr, std::size_t size,
+                                                   std::size_t requested,
+                                                   const std::vector<std::uintptr_t>& streams) {
+      impl->adopt_range(addr, size, requested, streams);
+    });
+    plan_->set_fallback_sizing(
+        [impl = impl_.get()](bool exact) { impl->set_exact_large_segments(exact); });
   }
 }
 caching_allocator::~caching_allocator() = default;

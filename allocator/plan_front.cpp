@@ -41,8 +41,6 @@ constexpr std::size_t kMaxRecordTokens = 1u << 22;    // a recording longer than
 constexpr std::size_t kLookahead = 16;
 // Consecutive requests that match no slot before the rest of the iteration goes to the fallback.
 constexpr std::uint32_t kMaxMisses = 8;
-// Keys of requests outside the plan remembered as recurring (served from hole tails).
-constexpr std::size_t kMaxRecurringMisses = 64;
 constexpr std::uint64_t kMod = (std::uint64_t{1} << 61) - 1;
 constexpr std::uint64_t kBase = 0x2545f4914f6cdd1dull % kMod;
 
@@ -73,7 +71,7 @@ plan_front::plan_front(device_backend& device, const allocator_config& config, b
 
 plan_front::~plan_front() {
   // Arena blocks still live are leaked to the device, as the caching allocator leaks its blocks.
-  if (arena_ != nullptr && arena_live_count_ == 0) device_.release(arena_, arena_bytes_);
+  if (arena_ != nullptr && arena_live_count_ == tail_live_.size()) device_.release(arena_, arena_bytes_);
 }
 
 std::uint64_t plan_front::key_of(std::size_t rounded, std::uintptr_t stream,
@@ -229,9 +227,6 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   skipped_.clear();
   old_blocks_.clear();
   gen_live_ = 0;
-  miss_keys_.clear();
-  recurring_misses_.clear();
-  fallback_misses_ = false;
   plan_hash_ = range_hash(lo, hi);
   plan_period_ = hi - lo;
   anchor_hash_ = range_hash(hi - std::min(kWindow, hi - lo), hi);
@@ -254,17 +249,37 @@ bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
   return n >= w && range_hash(n - w, n) == anchor_hash_;
 }
 
+// REQUIRES: no slot block is live in the arena (blocks served from hole tails may be).
 void plan_front::uninstall() {
   if (arena_ != nullptr) device_.release(arena_, arena_bytes_);
   arena_ = nullptr;
   arena_bytes_ = 0;
   for (const fallback_hole& h : holes_) release_hole_(reinterpret_cast<void*>(h.addr));
+  // Blocks served from hole tails outlive the plan as the fallback's own: carved back out of the
+  // holes just returned, so that a request outside the plan never pins the arena.
+  if (!tail_live_.empty()) {
+    for (auto& [addr, e] : live_) {
+      if (!e.in_arena) continue;
+      std::vector<std::uintptr_t> streams;
+      if (auto s = arena_streams_.find(addr); s != arena_streams_.end()) {
+        streams = std::move(s->second);
+        arena_streams_.erase(s);
+      }
+      adopt_(addr, e.size, e.requested, streams);
+      e.in_arena = false;
+      e.synced_streams = false;
+      --arena_live_count_;
+      arena_live_bytes_ -= e.size;
+      arena_live_requested_ -= e.requested;
+    }
+  }
   const bool had_holes = !holes_.empty();
   holes_.clear();
   tails_.clear();
-  tail_live_.clear();  // empty: uninstalled only when no arena block is live
+  tail_live_.clear();
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   installed_ = false;
+  if (fallback_exact_) fallback_exact_(false);
   stats_.arena_reserved_bytes = stats_.hole_bytes = 0;
   if (had_holes && fallback_totals_) last_totals_ = fallback_totals_();
 }
@@ -439,6 +454,7 @@ bool plan_front::ensure_arena() {
   arena_ = arena;
   arena_bytes_ = open_total;
   installed_ = true;
+  if (fallback_exact_) fallback_exact_(true);
   holes_since_reset_ = holes_since_reset_ || !holes_.empty();
   stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_bytes_);
   stats_.hole_bytes = static_cast<std::int64_t>(hole_bytes_);
@@ -453,18 +469,6 @@ bool plan_front::ensure_arena() {
 }
 
 void plan_front::start_iteration() {
-  if (mode_ == mode::in_sync) {
-    // The last iteration followed the plan: its requests outside the plan may recur, and then
-    // take hole tails. Bounded: a plan that misses this much is not worth keeping anyway.
-    for (std::uint64_t k : miss_keys_) {
-      if (std::find(recurring_misses_.begin(), recurring_misses_.end(), k) == recurring_misses_.end() &&
-          recurring_misses_.size() < kMaxRecurringMisses) {
-        recurring_misses_.push_back(k);
-      }
-    }
-  }
-  miss_keys_.clear();
-  fallback_misses_ = false;
   if (!ensure_arena()) {
     mode_ = mode::seeking;
     return;
@@ -493,8 +497,6 @@ void plan_front::start_iteration() {
 }
 
 void plan_front::deviate() {
-  miss_keys_.clear();  // an iteration of another shape: its misses say nothing about the plan's
-  fallback_misses_ = false;
   if (!iteration_deviated_) ++stats_.deviating_iterations;
   iteration_deviated_ = true;
   mode_ = mode::seeking;
@@ -507,7 +509,9 @@ void plan_front::deviate() {
 // arena block is live they go back (the holes to the fallback, which can use them); the next
 // planned iteration installs the plan again, after emptying the fallback's cache.
 void plan_front::release_idle_arena() {
-  if (live_mode_ && installed_ && mode_ != mode::in_sync && arena_live_count_ == 0) uninstall();
+  if (live_mode_ && installed_ && mode_ != mode::in_sync && arena_live_count_ == tail_live_.size()) {
+    uninstall();
+  }
 }
 
 void plan_front::track_unplanned(std::int64_t delta) noexcept {
@@ -690,15 +694,11 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       if (blocked >= 0) take_slot(static_cast<std::size_t>(blocked), /*served_elsewhere=*/true);
       if (!iteration_deviated_) ++stats_.deviating_iterations;
       iteration_deviated_ = true;
-      // Only a request that was outside the plan in an earlier iteration that still followed the
-      // plan (recurring_misses_): a tail block keeps the arena installed while it lives, which
-      // for an iteration of another shape (a run of misses, then deviate) would set the arena
-      // beside the fallback's new segments.
-      miss_keys_.push_back(key);
-      const bool recurring = std::find(recurring_misses_.begin(), recurring_misses_.end(), key) !=
-                             recurring_misses_.end();
-      if (void* p = recurring ? from_tail(rounded, st) : nullptr) {
-        misses_in_row_ = 0;  // served, and the plan goes on
+      // It is served from a claimed hole's tail when one fits (else the fallback, whose free
+      // blocks the plan claimed, would reserve anew); a tail block that outlives the plan becomes
+      // the fallback's own (uninstall). It still counts as a miss: a run of them is another shape.
+      const bool another_shape = ++misses_in_row_ >= kMaxMisses;
+      if (void* p = another_shape ? nullptr : from_tail(rounded, st)) {
         live_entry e;
         e.key = key;
         e.size = rounded;
@@ -713,8 +713,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
         note_totals(last_totals_);
         return p;
       }
-      fallback_misses_ = true;
-      if (++misses_in_row_ < kMaxMisses) return nullptr;  // on_fallback_alloc: unplanned
+      if (!another_shape) return nullptr;  // on_fallback_alloc: unplanned
       deviate();
     }
   }

@@ -78,6 +78,15 @@ class plan_front {
     fallback_totals_ = std::move(totals);
   }
 
+  /// `adopt(addr, size, requested, streams)` makes a live block in a hole that was just given back
+  /// an allocation of the fallback (freed there from now on; `streams` as record_stream named).
+  void set_fallback_adopt(std::function<void(std::uintptr_t, std::size_t, std::size_t,
+                                             const std::vector<std::uintptr_t>&)> adopt) {
+    adopt_ = std::move(adopt);
+  }
+  /// `exact(true)` while a plan is installed: the fallback then cuts large segments to the request.
+  void set_fallback_sizing(std::function<void(bool)> exact) { fallback_exact_ = std::move(exact); }
+
   void note_totals(const fallback_totals& t) noexcept;
   void reset_peaks(const fallback_totals& t) noexcept;
   /// Adds the arena (a segment) and its live blocks to the fallback's stats; combined peaks.
@@ -172,6 +181,9 @@ class plan_front {
   std::function<std::vector<fallback_hole>()> claim_holes_;
   std::function<void(void*)> release_hole_;
   std::function<fallback_totals()> fallback_totals_;
+  std::function<void(bool)> fallback_exact_;
+  std::function<void(std::uintptr_t, std::size_t, std::size_t, const std::vector<std::uintptr_t>&)>
+      adopt_;
   // The installed plan's memory: the open arena (arena_, arena_bytes_, may be empty) plus the
   // fallback's holes it reuses (holes_, sorted by address, hole_bytes_ in all). The fallback counts
   // the holes as allocated; the accounting below counts them as the arena's instead.
@@ -212,9 +224,6 @@ class plan_front {
   // this iteration's. An iteration starts only when no block older than the last one is live.
   std::vector<std::pair<std::uintptr_t, std::size_t>> old_blocks_;
   std::size_t gen_live_ = 0;
-  std::vector<std::uint64_t> miss_keys_;         // this iteration's requests outside the plan
-  std::vector<std::uint64_t> recurring_misses_;  // ... of earlier iterations that followed it
-  bool fallback_misses_ = false;                 // the fallback served some this iteration
   std::size_t slot_live_ = 0;             // live blocks holding a plan slot (arena or virtual)
   std::size_t arena_live_bytes_ = 0;
   std::size_t arena_live_requested_ = 0;

@@ -434,14 +434,71 @@ TEST(PlannedPolicy, RecordedTrainingTraceStaysPlannedAndBeatsCaching) {
   EXPECT_EQ(p.ooms, 0u);
   EXPECT_EQ(p.plan.replans, 0);
   EXPECT_GT(p.plan.hit_rate(), 0.95);  // measured 98.2%
-  EXPECT_LE(p.device_allocs, c.device_allocs + 4);  // measured 10 vs 8 (was 47)
-  // Measured 54.9 MiB, steady and whole trace, against caching's 52.0 (was 72.0): NOT yet within
-  // caching's. After the first iteration with the extra fetch the plan serves it from a claimed
-  // hole's tail (34.9 MiB in the iterations that follow), but its first occurrence goes to the
-  // fallback, whose free blocks the plan claimed, and PyTorch's defaults give a 2 MiB request a
-  // 20 MiB segment, which stays cached. Bounded here so that it does not grow; docs/planning.md.
-  EXPECT_LE(p.steady_peak_reserved_bytes, c.steady_peak_reserved_bytes + (3 << 20));
-  EXPECT_LE(p.peak_reserved_bytes, c.peak_reserved_bytes + (3 << 20));
+  EXPECT_LE(p.device_allocs, c.device_allocs + 4);  // measured 9 vs 8 (was 47)
+  // Measured 2026-11-24: steady 34.9 MiB against caching's 52.0 and expandable's 36.0 (before:
+  // 54.9). The extra fetch outside the plan is served from a claimed hole's tail from its first
+  // occurrence on, and while a plan is installed the fallback cuts large segments to the request,
+  // so an occasional request no longer strands a 20 MiB segment beside the arena.
+  terrace::tools::replay_options expandable = caching;
+  expandable.config = terrace::parse_alloc_conf("policy:expandable");
+  const auto x = terrace::tools::replay(events, expandable);
+  EXPECT_LT(p.steady_peak_reserved_bytes, c.steady_peak_reserved_bytes);
+  EXPECT_LE(p.steady_peak_reserved_bytes, x.steady_peak_reserved_bytes);
+  EXPECT_LE(p.peak_reserved_bytes, c.peak_reserved_bytes);  // the learning steps are caching's
+}
+
+// A request outside the plan is served from a claimed hole's tail (no new reservation) and may
+// outlive the plan: when iterations of another shape follow, the plan is uninstalled anyway and
+// the block becomes the fallback's own, never handed out twice, freed through the fallback.
+TEST(PlannedPolicy, TailBlocksOutliveThePlanAsTheFallbacks) {
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned,plan_min_period:16"));
+  std::map<std::uintptr_t, std::size_t> live;
+  auto get = [&](std::size_t n) {
+    void* p = a.allocate(n);
+    const auto u = reinterpret_cast<std::uintptr_t>(p);
+    auto next = live.lower_bound(u);
+    if (next != live.end()) EXPECT_LE(u + n, next->first) << "overlap";
+    if (next != live.begin()) EXPECT_LE(std::prev(next)->first + std::prev(next)->second, u) << "overlap";
+    live[u] = n;
+    return p;
+  };
+  auto give = [&](void* p) {
+    live.erase(reinterpret_cast<std::uintptr_t>(p));
+    a.deallocate(p);
+  };
+  std::vector<void*> forever;
+  void* extra = nullptr;
+  auto iteration = [&](int it, std::size_t unit) {
+    std::vector<void*> acts;
+    for (int k = 0; k < 10; ++k) {
+      acts.push_back(get(unit + static_cast<std::size_t>(k) * 4096));
+      // Long-lived blocks between transient ones leave holes in the fallback's 20 MiB segments.
+      if (it < 3 && k == 2) forever.push_back(get(std::size_t{5} << 18));  // 1.25 MiB
+      if (it == 12 && k == 5) {
+        const auto reservations = a.stats().num_device_alloc;
+        extra = get(std::size_t{512} << 10);  // outside the plan, kept
+        EXPECT_EQ(a.stats().num_device_alloc, reservations) << "served from a hole's tail";
+      }
+    }
+    for (auto p = acts.rbegin(); p != acts.rend(); ++p) give(*p);
+    ASSERT_NO_THROW(a.check_invariants()) << it;
+  };
+  const std::size_t planned_unit = std::size_t{3} << 19;  // 1.5 MiB
+  for (int it = 0; it < 14; ++it) iteration(it, planned_unit);
+  ASSERT_NE(extra, nullptr);
+
+  EXPECT_GT(a.plan_stats().hole_bytes, 0) << "the plan was laid into the fallback's holes";
+  for (int it = 14; it < 18; ++it) iteration(it, std::size_t{3} << 20);  // another shape
+  EXPECT_EQ(a.plan_stats().hole_bytes, 0) << "uninstalled although the extra block lives";
+  for (int it = 18; it < 24; ++it) iteration(it, planned_unit);  // the plan comes back
+  EXPECT_GT(a.plan_stats().hole_bytes, 0);
+  give(extra);
+  for (void* p : forever) give(p);
+  a.check_invariants();
+  EXPECT_TRUE(live.empty());
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+  EXPECT_EQ(a.stats().allocation[0].current, 0);
 }
 
 TEST(PlannedPolicyConcurrent, ThreadsShareOnePlannedAllocator) {
