@@ -254,6 +254,9 @@ void plan_front::uninstall() {
   if (arena_ != nullptr) device_.release(arena_, arena_bytes_);
   arena_ = nullptr;
   arena_bytes_ = 0;
+  // A stream's slots in another stream's hole: the fallback will reuse that space in the hole
+  // stream's order, so the work queued on the others must be done first.
+  if (memo_.shared && !holes_.empty()) device_.synchronize_device();
   for (const fallback_hole& h : holes_) release_hole_(reinterpret_cast<void*>(h.addr));
   // Blocks served from hole tails outlive the plan as the fallback's own: carved back out of the
   // holes just returned, so that a request outside the plan never pins the arena.
@@ -284,17 +287,19 @@ void plan_front::uninstall() {
   if (had_holes && fallback_totals_) last_totals_ = fallback_totals_();
 }
 
-// Plans each stream's slots into that stream's claimed holes first, then an open region; fills
-// `where` (the claimed hole, or -1) and `off` per plan item, and the open region's total size.
+// Plans each stream's slots into the claimed holes first, then an open region; fills `where` (the
+// claimed hole, or -1) and `off` per plan item, and the open region's total size. A stream takes
+// its own holes first, then what the streams before it left of the others' (the part above their
+// extent): the streams share no address, so each still reuses space only in its own order, and
+// the work the fallback queued on a hole was finished by the synchronisation that emptied its
+// cache. `shared` tells whether some stream uses another's hole (uninstall then synchronises).
 void plan_front::layout_in_holes(const std::vector<fallback_hole>& claimed,
                                  std::vector<std::int64_t>& where, std::vector<std::size_t>& off,
-                                 std::size_t& open_total, std::string& heuristic) const {
+                                 std::size_t& open_total, std::string& heuristic,
+                                 bool& shared) const {
   struct group {
     std::uintptr_t stream = 0;
     std::vector<std::size_t> items;  // indices into plan_items_
-    std::vector<std::size_t> holes;  // indices into claimed
-    placement_plan part;             // offsets below part.open_base lie in the holes
-    std::size_t open = 0;            // bytes of the new reservation it needs
   };
   std::vector<group> groups;
   for (std::size_t j = 0; j < plan_items_.size(); ++j) {
@@ -307,42 +312,50 @@ void plan_front::layout_in_holes(const std::vector<fallback_hole>& claimed,
     }
     g->items.push_back(j);
   }
-  for (group& g : groups) {
+  std::vector<std::size_t> taken(claimed.size(), 0);  // per hole: the extent streams placed so far
+  std::size_t open_at = 0;
+  for (const group& g : groups) {
     // Holes smaller than every slot of the stream can hold nothing (and would slow the planner).
     std::size_t smallest = SIZE_MAX;
     for (std::size_t j : g.items) smallest = std::min(smallest, round_up(plan_items_[j].size));
-    for (std::size_t h = 0; h < claimed.size(); ++h) {
-      if (claimed[h].stream == g.stream && claimed[h].size % kRound == 0 &&
-          claimed[h].size >= smallest) {
-        g.holes.push_back(h);
+    std::vector<std::size_t> holes;  // indices into claimed: this stream's first
+    for (const bool own : {true, false}) {
+      for (std::size_t h = 0; h < claimed.size(); ++h) {
+        const std::size_t left = claimed[h].size - taken[h];
+        if ((claimed[h].stream == g.stream) == own && claimed[h].size % kRound == 0 &&
+            left >= smallest) {
+          holes.push_back(h);
+        }
       }
     }
     std::vector<plan_interval> items;
     std::vector<std::size_t> sizes;
     for (std::size_t j : g.items) items.push_back(plan_items_[j]);
-    for (std::size_t h : g.holes) sizes.push_back(claimed[h].size);
-    g.part = plan_placement(items, sizes, kRound);  // with no holes, the plain plan
-    g.open = g.part.arena_bytes - g.part.open_base;
-    open_total += g.open;
-    if (heuristic.find(g.part.heuristic) == std::string::npos) {
-      heuristic += heuristic.empty() ? g.part.heuristic : "+" + g.part.heuristic;
+    for (std::size_t h : holes) sizes.push_back(claimed[h].size - taken[h]);
+    const placement_plan part = plan_placement(items, sizes, kRound);  // with no holes, the plain plan
+    const std::size_t open = part.arena_bytes - part.open_base;
+    if (heuristic.find(part.heuristic) == std::string::npos) {
+      heuristic += heuristic.empty() ? part.heuristic : "+" + part.heuristic;
     }
-  }
-  std::size_t open_at = 0;
-  for (const group& g : groups) {
+    std::vector<std::size_t> extent(holes.size(), 0);
     for (std::size_t k = 0; k < g.items.size(); ++k) {
       const std::size_t j = g.items[k];
-      if (const std::size_t v = g.part.offsets[k]; v >= g.part.open_base) {
-        off[j] = open_at + (v - g.part.open_base);
+      if (const std::size_t v = part.offsets[k]; v >= part.open_base) {
+        off[j] = open_at + (v - part.open_base);
       } else {
-        const auto hb = std::upper_bound(g.part.hole_base.begin(), g.part.hole_base.end(), v);
-        const auto h = static_cast<std::size_t>(hb - g.part.hole_base.begin()) - 1;
-        where[j] = static_cast<std::int64_t>(g.holes[h]);
-        off[j] = v - g.part.hole_base[h];
+        const auto hb = std::upper_bound(part.hole_base.begin(), part.hole_base.end(), v);
+        const auto i = static_cast<std::size_t>(hb - part.hole_base.begin()) - 1;
+        const std::size_t h = holes[i];
+        where[j] = static_cast<std::int64_t>(h);
+        off[j] = taken[h] + (v - part.hole_base[i]);
+        extent[i] = std::max(extent[i], v - part.hole_base[i] + round_up(plan_items_[j].size));
+        shared = shared || claimed[h].stream != g.stream;
       }
     }
-    open_at += g.open;
+    for (std::size_t i = 0; i < holes.size(); ++i) taken[holes[i]] += extent[i];
+    open_at += open;
   }
+  open_total = open_at;
 }
 
 // Installs the plan. The learning iterations' allocator interleaved long-lived blocks (parameters,
@@ -385,7 +398,8 @@ bool plan_front::ensure_arena() {
     open_total = memo_.open;
     heuristic = stats_.heuristic;
   } else {
-    layout_in_holes(claimed, where, off, open_total, heuristic);
+    memo_.shared = false;
+    layout_in_holes(claimed, where, off, open_total, heuristic, memo_.shared);
   }
 
   void* arena = nullptr;

@@ -131,7 +131,7 @@ class plan_front {
   void uninstall();
   void layout_in_holes(const std::vector<fallback_hole>& claimed, std::vector<std::int64_t>& where,
                        std::vector<std::size_t>& off, std::size_t& open_total,
-                       std::string& heuristic) const;
+                       std::string& heuristic, bool& shared) const;
   void release_idle_arena();
   bool boundary_anchor_matches(std::uint64_t key) const noexcept;
   bool slot_held(std::size_t j) const noexcept;
@@ -207,6 +207,7 @@ class plan_front {
     std::vector<std::int64_t> where;   // per plan item: index into holes, or -1 (open region)
     std::vector<std::size_t> off;      // per plan item: offset in its hole or the open region
     std::size_t open = 0;
+    bool shared = false;               // some stream's slots lie in another stream's hole
   } memo_;  // the fallback's own peaks then count claimed holes
   bool replan_pending_ = false;
   std::size_t replan_lo_ = 0, replan_hi_ = 0;

@@ -352,6 +352,75 @@ TEST(PlannedPolicy, RandomProgramsWithLongLivedBlocksNeverOverlap) {
   EXPECT_GE(seeds_in_holes, 2);
 }
 
+// The same on two streams whose holes the plan shares out (a stream's slots may lie in what the
+// other's left of its holes): random sizes, long-lived blocks on both streams, iterations of
+// another shape now and then, requests outside the plan. Live blocks never overlap.
+TEST(PlannedPolicy, RandomTwoStreamProgramsNeverOverlap) {
+  int seeds_in_holes = 0;
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) {
+    auto dev = terrace::make_device("null");
+    const terrace::stream_ref streams[2] = {dev->create_stream(), dev->create_stream()};
+    terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned,plan_min_period:16"));
+    std::mt19937_64 rng(seed);
+    std::vector<std::pair<std::size_t, int>> base;  // size, stream
+    for (int i = 0; i < 24; ++i) {
+      const std::size_t unit = rng() % 2 ? (1u << 20) : 4096u;
+      base.emplace_back((rng() % 12 + 1) * unit + 512 * (rng() % 4), static_cast<int>(rng() % 2));
+    }
+    std::map<std::uintptr_t, std::size_t> live;
+    std::vector<std::pair<void*, int>> forever;
+    bool in_holes = false;
+    auto take = [&](std::size_t n, int s) {
+      void* p = a.allocate(n, streams[s]);
+      const auto u = reinterpret_cast<std::uintptr_t>(p);
+      auto next = live.lower_bound(u);
+      if (next != live.end()) EXPECT_LE(u + n, next->first) << "overlap, seed " << seed;
+      if (next != live.begin()) {
+        EXPECT_LE(std::prev(next)->first + std::prev(next)->second, u) << "overlap, seed " << seed;
+      }
+      live[u] = n;
+      return p;
+    };
+    auto give = [&](void* p, int s) {
+      live.erase(reinterpret_cast<std::uintptr_t>(p));
+      a.deallocate(p, streams[s]);
+    };
+    for (int it = 0; it < 40; ++it) {
+      const bool other_shape = it > 8 && rng() % 6 == 0;
+      std::vector<std::pair<void*, int>> mine;
+      for (std::size_t k = 0; k < base.size(); ++k) {
+        const auto [n, s] = base[k];
+        mine.emplace_back(take(other_shape ? n + 8192 : n, s), s);
+        if (it < 3 && k % 6 == 0) forever.emplace_back(take((rng() % 6 + 2) << 19, s), s);
+        if (rng() % 40 == 0) mine.emplace_back(take((rng() % 8 + 1) << 18, 1 - s), 1 - s);  // extra
+        if (k % 4 == 3) {
+          auto& [victim, vs] = mine[mine.size() - 2];
+          if (victim != nullptr) give(victim, vs);
+          victim = nullptr;
+        }
+      }
+      for (auto [p, s] : mine) {
+        if (p != nullptr) give(p, s);
+      }
+      if (it % 9 == 8 && !forever.empty() && rng() % 2 == 0) {
+        give(forever.back().first, forever.back().second);
+        forever.pop_back();
+      }
+      ASSERT_NO_THROW(a.check_invariants()) << seed;
+      in_holes = in_holes || a.plan_stats().hole_bytes > 0;
+    }
+    const auto ps = a.plan_stats();
+    EXPECT_GE(ps.plans, 1) << seed;
+    EXPECT_GT(ps.planned_hits, 0) << seed;
+    if (in_holes) ++seeds_in_holes;
+    for (auto [p, s] : forever) give(p, s);
+    a.check_invariants();
+    EXPECT_TRUE(live.empty());
+    EXPECT_EQ(a.stats().allocated_bytes[0].current, 0) << seed;
+  }
+  EXPECT_GE(seeds_in_holes, 2);
+}
+
 // Two streams, as in an offloaded training step: a copy stream fetches "params" that the compute
 // stream's "activations" use. Every other iteration fetches one block more (a prefetch the eviction
 // policy repeats), and in those the copy stream's fetch lands before the compute stream's last
