@@ -18,7 +18,10 @@
 // arena.
 // The "arena" is the open reservation plus the fallback's holes the plan claimed: a claimed hole is
 // an allocation of the fallback (it never hands it out) until the plan is uninstalled, which
-// happens only when no arena block is live. Holes are used only by slots of their own stream.
+// happens only when no slot block is live (blocks in hole tails then become the fallback's own).
+// A hole is split between streams by address (its stream's slots first, another's above their
+// extent), never shared at one address; the device is synchronised when the holes are claimed
+// and, if a stream used another's hole, before they go back.
 #include "allocator/plan_front.hpp"
 
 #include <algorithm>
@@ -616,9 +619,9 @@ void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
 
 // A request outside the plan, served from the tail of a claimed hole: the part beyond the extent
 // the layout uses there, which no slot ever touches. Without it the fallback, whose free blocks the
-// plan claimed, would reserve a new segment for an occasional extra request (with PyTorch's
-// defaults, 20 MiB for a 2 MiB one). First fit; only the hole's own stream, so that the space is
-// reused in that stream's order, as the caching allocator does.
+// plan claimed, would reserve a new segment for an occasional extra request. First fit; only the
+// hole's own stream, so that the space is reused in that stream's order, as the caching allocator
+// does (and as the fallback will, should the block outlive the plan).
 void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
   if (!live_mode_ || !installed_) return nullptr;
   for (const tail_region& t : tails_) {
