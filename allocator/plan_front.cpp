@@ -44,6 +44,12 @@ constexpr std::size_t kMaxRecordTokens = 1u << 22;    // a recording longer than
 constexpr std::size_t kLookahead = 16;
 // Consecutive requests that match no slot before the rest of the iteration goes to the fallback.
 constexpr std::uint32_t kMaxMisses = 8;
+// Iterations in a row that leave the plan before it is set aside (suspend), and how long it sits
+// out: kFirstSuspension iterations, doubling up to kMaxSuspension while it keeps failing; as many
+// iterations kept in a row restore the first length.
+constexpr std::uint32_t kMaxLostInRow = 3;
+constexpr std::uint32_t kFirstSuspension = 8;
+constexpr std::uint32_t kMaxSuspension = 1024;
 constexpr std::uint64_t kMod = (std::uint64_t{1} << 61) - 1;
 constexpr std::uint64_t kBase = 0x2545f4914f6cdd1dull % kMod;
 
@@ -485,7 +491,30 @@ bool plan_front::ensure_arena() {
   return true;
 }
 
+// An iteration left the plan for the fallback. A plan that keeps losing its iterations (a trace
+// whose streams interleave differently every step, say) costs more than it saves: each lost
+// iteration runs on the fallback beside the arena, and each return reinstalls the plan after
+// emptying the fallback's cache. So after kMaxLostInRow in a row it is set aside for a while.
+void plan_front::note_lost_iteration() {
+  ++stats_.lost_iterations;
+  kept_in_row_ = 0;
+  if (++lost_in_row_ < kMaxLostInRow) return;
+  lost_in_row_ = 0;
+  ++stats_.suspensions;
+  suspend_left_ = suspend_next_;
+  suspend_next_ = std::min(suspend_next_ * 2, kMaxSuspension);
+}
+
 void plan_front::start_iteration() {
+  if (mode_ == mode::in_sync) {  // the last iteration kept to the plan
+    lost_in_row_ = 0;
+    if (++kept_in_row_ >= kFirstSuspension) suspend_next_ = kFirstSuspension;
+  }
+  if (suspend_left_ > 0) {  // set aside: the fallback serves this iteration too
+    --suspend_left_;
+    mode_ = mode::seeking;
+    return;
+  }
   if (!ensure_arena()) {
     mode_ = mode::seeking;
     return;
@@ -514,6 +543,7 @@ void plan_front::start_iteration() {
 }
 
 void plan_front::deviate() {
+  if (mode_ == mode::in_sync) note_lost_iteration();
   if (!iteration_deviated_) ++stats_.deviating_iterations;
   iteration_deviated_ = true;
   mode_ = mode::seeking;

@@ -126,6 +126,7 @@ class plan_front {
   void detect_steady_state();
   void make_plan(std::size_t lo, std::size_t hi);
   void deviate();
+  void note_lost_iteration();
   void start_iteration();
   bool ensure_arena();
   void uninstall();
@@ -221,6 +222,10 @@ class plan_front {
   std::vector<std::uint32_t> skipped_;    // slots the cursor jumped over, still takeable
   std::size_t checked_upto_ = 0;          // due lists of slots below this were found free
   std::uint32_t misses_in_row_ = 0;       // requests in a row that matched no slot
+  std::uint32_t lost_in_row_ = 0;         // iterations in a row that left the plan
+  std::uint32_t kept_in_row_ = 0;         // iterations in a row that kept to it
+  std::uint32_t suspend_left_ = 0;        // iterations the plan still sits out
+  std::uint32_t suspend_next_ = 8;        // the next suspension's length (kFirstSuspension)
   // The last iteration's slot-holding blocks still live, as (slot_pos, size); gen_live_ counts
   // this iteration's. An iteration starts only when no block older than the last one is live.
   std::vector<std::pair<std::uintptr_t, std::size_t>> old_blocks_;

@@ -516,6 +516,59 @@ TEST(PlannedPolicy, RecordedTrainingTraceStaysPlannedAndBeatsCaching) {
   EXPECT_LE(p.peak_reserved_bytes, c.peak_reserved_bytes);  // the learning steps are caching's
 }
 
+// Iterations that keep leaving the plan (here: each begins with requests of random sizes) run on
+// the fallback beside the arena and reinstall the plan every time; after three in a row the plan
+// is set aside for 8 iterations (then 16, ...), the caching allocator alone serving them, and it
+// comes back once iterations follow it again.
+TEST(PlannedPolicy, APlanThatKeepsLosingItsIterationsIsSetAside) {
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned"));
+  std::mt19937_64 rng(7);
+  auto iteration = [&](bool noisy) {
+    a.begin_iteration();
+    std::vector<void*> blocks;
+    if (noisy) {
+      for (int k = 0; k < 12; ++k) blocks.push_back(a.allocate((rng() % 4096 + 1) * 512));
+    }
+    for (int k = 0; k < 40; ++k) blocks.push_back(a.allocate(std::size_t{64} << 10 << (k % 4)));
+    for (auto p = blocks.rbegin(); p != blocks.rend(); ++p) a.deallocate(*p);
+    a.end_iteration();
+    ASSERT_NO_THROW(a.check_invariants());
+  };
+  for (int it = 0; it < 4; ++it) iteration(false);
+  const auto planned = a.plan_stats();
+  ASSERT_EQ(planned.plans, 1);
+  ASSERT_GT(planned.planned_hits, 0);
+  EXPECT_EQ(planned.suspensions, 0);
+  for (int it = 0; it < 3; ++it) iteration(true);
+  auto s = a.plan_stats();
+  EXPECT_EQ(s.lost_iterations, 3);
+  EXPECT_EQ(s.suspensions, 1);
+  // Set aside: plain iterations run on the fallback, nothing is installed or planned.
+  const auto reservations = a.stats().num_device_alloc;
+  for (int it = 0; it < 8; ++it) iteration(false);
+  s = a.plan_stats();
+  EXPECT_EQ(s.planned_hits, planned.planned_hits + 0) << "no plan while set aside";
+  EXPECT_EQ(s.arena_reserved_bytes + s.hole_bytes, 0);
+  EXPECT_EQ(a.stats().num_device_alloc, reservations) << "the fallback's cache serves them";
+  // Back: the plan serves the iterations that follow it.
+  for (int it = 0; it < 4; ++it) iteration(false);
+  s = a.plan_stats();
+  EXPECT_GT(s.planned_hits, planned.planned_hits + 100);
+  EXPECT_EQ(s.lost_iterations, 3);
+  EXPECT_EQ(s.plans, 1);
+  // Three more lost iterations: set aside again, for 16 this time.
+  for (int it = 0; it < 3; ++it) iteration(true);
+  EXPECT_EQ(a.plan_stats().suspensions, 2);
+  const auto hits = a.plan_stats().planned_hits;
+  for (int it = 0; it < 16; ++it) iteration(false);
+  EXPECT_EQ(a.plan_stats().planned_hits, hits);
+  iteration(false);
+  iteration(false);
+  EXPECT_GT(a.plan_stats().planned_hits, hits);
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+}
+
 // A request outside the plan is served from a claimed hole's tail (no new reservation) and may
 // outlive the plan: when iterations of another shape follow, the plan is uninstalled anyway and
 // the block becomes the fallback's own, never handed out twice, freed through the fallback.

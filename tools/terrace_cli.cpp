@@ -221,6 +221,10 @@ int run_compare(const compare_args& args) {
   row("planned hit rate", [](const R& r) {
     return r.plan.enabled ? fmt::format("{:.1f}%", 100 * r.plan.hit_rate()) : std::string("-");
   });
+  row("planned iterations lost", [](const R& r) {
+    return r.plan.enabled ? fmt::format("{} of {}", r.plan.lost_iterations, r.plan.iterations)
+                          : std::string("-");
+  });
   row("plan arena / lower bound", [](const R& r) {
     return r.plan.enabled && r.plan.lower_bound_bytes > 0
                ? fmt::format("{:.2f}x", static_cast<double>(r.plan.arena_bytes) /

@@ -71,6 +71,10 @@ struct planner_stats {
   std::int64_t replans = 0;      ///< plans made because the old one kept deviating
   std::int64_t iterations = 0;   ///< iterations run under a plan
   std::int64_t deviating_iterations = 0;  ///< of those, iterations with at least one deviation
+  std::int64_t lost_iterations = 0;  ///< of those, iterations that left the plan for the fallback
+  /// Times the plan was set aside (iterations kept leaving it): it then sits out 8, 16, 32, ...
+  /// iterations, during which the caching allocator serves everything, before it is tried again.
+  std::int64_t suspensions = 0;
   std::int64_t allocs_under_plan = 0;     ///< allocations while a plan was active
   std::int64_t planned_hits = 0;          ///< of those, served (or, counterfactually, servable) by the plan
   std::int64_t unplanned_allocs = 0;      ///< outside the plan by design: cross-iteration / long-lived
