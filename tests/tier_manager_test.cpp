@@ -174,7 +174,9 @@ TEST(TierManager, PrefetchBringsTheNextTensorsUpAheadOfUse) {
 
 // The simulated copy engine moves 1 GB/s and each layer "computes" for 12 ms; a layer's copy takes
 // about 4 ms. With prefetch the copies hide behind compute: the step takes about the compute time.
-// Generous bounds (the test machines are shared); bench figures live in the benchmarks.
+// Generous bounds (the test machines are shared); bench figures live in the benchmarks. (Until
+// 2026-11-24 a tensor larger than the prefetch window was never prefetched, and the copies here
+// hid only because acquire never blocks the host, which queued each copy one layer ahead.)
 TEST(TierManager, PrefetchHidesCopiesBehindCompute) {
   constexpr std::size_t kBytes = 4 * MiB;
   constexpr int kLayers = 6;
@@ -194,9 +196,20 @@ TEST(TierManager, PrefetchHidesCopiesBehindCompute) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   step();  // the first step fetches on demand
+  const auto before = r.tm->stats();
   std::vector<double> times;
   for (int i = 0; i < 3; ++i) times.push_back(step());
   std::sort(times.begin(), times.end());
+  // Each 4 MiB tensor is larger than the default prefetch window (a quarter of the 12 MiB budget);
+  // under the default window one may still go alone, so the steady steps fetch nothing on demand.
+  const auto after = r.tm->stats();
+  EXPECT_EQ(after.demand_fetches, before.demand_fetches);
+  EXPECT_GE(after.prefetch_hits - before.prefetch_hits, 2 * kLayers);
+#if defined(__SANITIZE_THREAD__)
+  // Under ThreadSanitizer every byte the simulated copy engine moves is instrumented, so the copy
+  // time is not the bandwidth model's: the run checks the threads, not the timing.
+  (void)times;
+#else
   const double compute = kLayers * std::chrono::duration<double>(kCompute).count();
   const double copies = kLayers * static_cast<double>(kBytes) / 1e9;
   const double exposed = std::max(0.0, times[1] - compute);
@@ -204,6 +217,7 @@ TEST(TierManager, PrefetchHidesCopiesBehindCompute) {
   // hidden.
   EXPECT_LT(exposed, 0.5 * copies) << "median step " << times[1] << " s, compute " << compute
                                    << " s, copies " << copies << " s";
+#endif
 }
 
 // By default prefetch wraps from the end of the schedule to the next iteration's first tensors.

@@ -72,6 +72,7 @@ struct tier_manager::impl {
   pinned_host_pool& host;
   tensor_store* nvme;
   tier_manager_options options;
+  bool default_window = false;  // prefetch_window was 0: a tensor larger than it may go alone
   stream_ref copy;
 
   mutable std::mutex mutex;
@@ -109,7 +110,8 @@ struct tier_manager::impl {
                     "tier manager device budget " + detail::describe_bytes(options.device_budget) +
                         " exceeds the capacity of device '" + device.properties().name + "' (" +
                         detail::describe_bytes(capacity) + ")");
-    if (options.prefetch_window == 0) options.prefetch_window = options.device_budget / 4;
+    default_window = options.prefetch_window == 0;
+    if (default_window) options.prefetch_window = options.device_budget / 4;
     copy = device.create_stream();
   }
 
@@ -403,7 +405,9 @@ struct tier_manager::impl {
         finish_read(t);
       }
       if (t.host == nullptr || !t.host_written) continue;  // on NVMe only, or never written
-      if (in_flight + t.bytes > options.prefetch_window) return;
+      // Under the default window (a quarter of the budget) one prefetch of any size may be in
+      // flight, so that a model of a few large layers is still brought up ahead of use.
+      if (in_flight + t.bytes > options.prefetch_window && (in_flight > 0 || !default_window)) return;
       if (t.bytes > options.device_budget) return;
       if (!make_room(t.bytes, id, k)) return;
       void* block = device_block(id, k, /*soft=*/true);

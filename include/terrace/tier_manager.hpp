@@ -56,7 +56,8 @@ enum class access {
 struct tier_manager_options {
   /// Bytes of tensors the device may hold at once, in flight included (0: the device's capacity).
   std::size_t device_budget = 0;
-  /// Bytes of copies up that prefetch may have in flight at once (0: a quarter of the budget).
+  /// Bytes of copies up that prefetch may have in flight at once (0: a quarter of the budget, and
+  /// then one copy of a larger tensor may be in flight alone).
   std::size_t prefetch_window = 0;
   /// How far ahead in the schedule an unexpected acquire looks for where the iteration went on.
   std::size_t resync_distance = 64;
