@@ -32,6 +32,35 @@ std::vector<plan_interval> random_intervals(std::uint64_t seed, std::size_t n) {
   return v;
 }
 
+// The blocks a test holds from a planned allocator; every allocation is checked against them for
+// overlap (the safety property of the planned policy).
+class held_blocks {
+ public:
+  explicit held_blocks(terrace::caching_allocator& a) : a_(a) {}
+  void* get(std::size_t n, terrace::stream_ref s = {}, const char* tag = "") {
+    void* p = a_.allocate(n, s, tag);
+    const auto u = reinterpret_cast<std::uintptr_t>(p);
+    auto next = live_.lower_bound(u);
+    if (next != live_.end()) {
+      EXPECT_LE(u + n, next->first) << "overlap";
+    }
+    if (next != live_.begin()) {
+      EXPECT_LE(std::prev(next)->first + std::prev(next)->second, u) << "overlap";
+    }
+    live_[u] = n;
+    return p;
+  }
+  void give(void* p, terrace::stream_ref s = {}) {
+    live_.erase(reinterpret_cast<std::uintptr_t>(p));
+    a_.deallocate(p, s);
+  }
+  bool empty() const noexcept { return live_.empty(); }
+
+ private:
+  terrace::caching_allocator& a_;
+  std::map<std::uintptr_t, std::size_t> live_;
+};
+
 TEST(Planner, PlansNeverOverlapAndRespectTheLowerBound) {
   for (std::uint64_t seed = 1; seed <= 20; ++seed) {
     const auto items = random_intervals(seed, 300);
@@ -299,26 +328,11 @@ TEST(PlannedPolicy, RandomProgramsWithLongLivedBlocksNeverOverlap) {
       const std::size_t unit = rng() % 2 ? (1u << 20) : 4096u;  // large and small pool
       base.push_back((rng() % 24 + 1) * unit + 512 * (rng() % 4));
     }
-    std::map<std::uintptr_t, std::size_t> live;
+    SCOPED_TRACE(seed);
+    held_blocks live(a);
     std::vector<void*> forever;
-    auto take = [&](std::size_t n) {
-      void* p = a.allocate(n);
-      const auto u = reinterpret_cast<std::uintptr_t>(p);
-      auto next = live.lower_bound(u);
-      if (next != live.end()) {
-        EXPECT_LE(u + n, next->first) << "overlap, seed " << seed;
-      }
-      if (next != live.begin()) {
-        auto prev = std::prev(next);
-        EXPECT_LE(prev->first + prev->second, u) << "overlap, seed " << seed;
-      }
-      live[u] = n;
-      return p;
-    };
-    auto give = [&](void* p) {
-      live.erase(reinterpret_cast<std::uintptr_t>(p));
-      a.deallocate(p);
-    };
+    auto take = [&](std::size_t n) { return live.get(n); };
+    auto give = [&](void* p) { live.give(p); };
     for (int it = 0; it < 30; ++it) {
       std::vector<void*> mine;
       for (std::size_t k = 0; k < base.size(); ++k) {
@@ -344,9 +358,7 @@ TEST(PlannedPolicy, RandomProgramsWithLongLivedBlocksNeverOverlap) {
     if (ps.hole_bytes > 0) ++seeds_in_holes;
     for (void* p : forever) give(p);
     a.check_invariants();
-    std::int64_t bytes = 0;
-    for (const auto& [u, n] : live) bytes += static_cast<std::int64_t>(n);
-    EXPECT_EQ(bytes, 0);
+    EXPECT_TRUE(live.empty());
     EXPECT_EQ(a.stats().allocated_bytes[0].current, 0) << seed;
   }
   EXPECT_GE(seeds_in_holes, 2);
@@ -367,24 +379,12 @@ TEST(PlannedPolicy, RandomTwoStreamProgramsNeverOverlap) {
       const std::size_t unit = rng() % 2 ? (1u << 20) : 4096u;
       base.emplace_back((rng() % 12 + 1) * unit + 512 * (rng() % 4), static_cast<int>(rng() % 2));
     }
-    std::map<std::uintptr_t, std::size_t> live;
+    SCOPED_TRACE(seed);
+    held_blocks live(a);
     std::vector<std::pair<void*, int>> forever;
     bool in_holes = false;
-    auto take = [&](std::size_t n, int s) {
-      void* p = a.allocate(n, streams[s]);
-      const auto u = reinterpret_cast<std::uintptr_t>(p);
-      auto next = live.lower_bound(u);
-      if (next != live.end()) EXPECT_LE(u + n, next->first) << "overlap, seed " << seed;
-      if (next != live.begin()) {
-        EXPECT_LE(std::prev(next)->first + std::prev(next)->second, u) << "overlap, seed " << seed;
-      }
-      live[u] = n;
-      return p;
-    };
-    auto give = [&](void* p, int s) {
-      live.erase(reinterpret_cast<std::uintptr_t>(p));
-      a.deallocate(p, streams[s]);
-    };
+    auto take = [&](std::size_t n, int s) { return live.get(n, streams[s]); };
+    auto give = [&](void* p, int s) { live.give(p, streams[s]); };
     for (int it = 0; it < 40; ++it) {
       const bool other_shape = it > 8 && rng() % 6 == 0;
       std::vector<std::pair<void*, int>> mine;
@@ -431,20 +431,9 @@ TEST(PlannedPolicy, ExtraRequestsAndStreamInterleavingStayPlanned) {
   auto dev = terrace::make_device("null");
   const terrace::stream_ref copy = dev->create_stream(), compute = dev->create_stream();
   terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned"));
-  std::map<std::uintptr_t, std::size_t> live;
-  auto get = [&](std::size_t n, terrace::stream_ref s, const char* tag) {
-    void* p = a.allocate(n, s, tag);
-    const auto u = reinterpret_cast<std::uintptr_t>(p);
-    auto next = live.lower_bound(u);
-    if (next != live.end()) EXPECT_LE(u + n, next->first) << "overlap";
-    if (next != live.begin()) EXPECT_LE(std::prev(next)->first + std::prev(next)->second, u) << "overlap";
-    live[u] = n;
-    return p;
-  };
-  auto give = [&](void* p, terrace::stream_ref s) {
-    live.erase(reinterpret_cast<std::uintptr_t>(p));
-    a.deallocate(p, s);
-  };
+  held_blocks live(a);
+  auto get = [&](std::size_t n, terrace::stream_ref s, const char* tag) { return live.get(n, s, tag); };
+  auto give = [&](void* p, terrace::stream_ref s) { live.give(p, s); };
   std::int64_t reservations_after_warmup = -1;
   for (int it = 0; it < 30; ++it) {
     const bool variant = it % 2 == 1 && it > 6;  // learning sees only the first variant
@@ -575,20 +564,9 @@ TEST(PlannedPolicy, APlanThatKeepsLosingItsIterationsIsSetAside) {
 TEST(PlannedPolicy, TailBlocksOutliveThePlanAsTheFallbacks) {
   auto dev = terrace::make_device("null");
   terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned,plan_min_period:16"));
-  std::map<std::uintptr_t, std::size_t> live;
-  auto get = [&](std::size_t n) {
-    void* p = a.allocate(n);
-    const auto u = reinterpret_cast<std::uintptr_t>(p);
-    auto next = live.lower_bound(u);
-    if (next != live.end()) EXPECT_LE(u + n, next->first) << "overlap";
-    if (next != live.begin()) EXPECT_LE(std::prev(next)->first + std::prev(next)->second, u) << "overlap";
-    live[u] = n;
-    return p;
-  };
-  auto give = [&](void* p) {
-    live.erase(reinterpret_cast<std::uintptr_t>(p));
-    a.deallocate(p);
-  };
+  held_blocks live(a);
+  auto get = [&](std::size_t n) { return live.get(n); };
+  auto give = [&](void* p) { live.give(p); };
   std::vector<void*> forever;
   void* extra = nullptr;
   auto iteration = [&](int it, std::size_t unit) {
