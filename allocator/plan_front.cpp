@@ -880,7 +880,10 @@ void plan_front::begin_iteration() {
     if (mode_ == mode::in_sync && cursor_ != slots_.size()) deviate();
     if (slot_live_ == 0) {
       start_iteration();
-      explicit_begin_ = 0;  // start_iteration reset the recording
+      // In sync, start_iteration reset the recording; set aside (or with no room for the arena)
+      // it did not, and this iteration is recorded from here.
+      if (mode_ != mode::in_sync) reset_recording();
+      explicit_begin_ = 0;
       return;
     }
     deviate();
