@@ -149,21 +149,32 @@ class allocator_impl {
     block* b = find_free_block(small, s, rounded);
     if (b == nullptr) b = obtain_new_memory(small, s, rounded, bytes);
     b = take_block(b, rounded);  // maps (expandable) and splits as needed
-    b->allocated = true;
-    b->requested = bytes;
     if (tracing_) b->tag.assign(tag.data(), tag.size());
-    live_.emplace(b->addr, b);
+    hand_out(b, bytes);
+    if (tracing_) trace(trace_action::alloc, s, b->addr, b->size, bytes, b->tag);
+    return reinterpret_cast<void*>(b->addr);
+  }
 
-    const int p = pool_index(small);
-    for (int i : {0, p}) {
+  // b, out of every free set, becomes a live allocation of `requested` bytes, and is counted.
+  void hand_out(block* b, std::size_t requested) {
+    b->allocated = true;
+    b->requested = requested;
+    live_.emplace(b->addr, b);
+    for (int i : {0, pool_index(b->seg->small_pool)}) {
       stats_.allocation[i].increase(1);
       stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
-      stats_.requested_bytes[i].increase(static_cast<std::int64_t>(bytes));
+      stats_.requested_bytes[i].increase(static_cast<std::int64_t>(requested));
       stats_.active[i].increase(1);
       stats_.active_bytes[i].increase(static_cast<std::int64_t>(b->size));
     }
-    if (tracing_) trace(trace_action::alloc, s, b->addr, b->size, bytes, b->tag);
-    return reinterpret_cast<void*>(b->addr);
+  }
+
+  // The segment whose range holds addr, or nullptr.
+  segment* segment_containing(std::uintptr_t addr) const {
+    auto it = segments_.upper_bound(addr);
+    if (it == segments_.begin()) return nullptr;
+    segment* seg = std::prev(it)->second;
+    return addr < seg->addr + seg->size ? seg : nullptr;
   }
 
   // Best fit on the request's stream. Oversize blocks (>= max_split_size) of plain segments serve
@@ -610,16 +621,7 @@ class allocator_impl {
       for (block* b = seg->head; b != nullptr; b = b->next) {
         if (!b->is_free() || !b->mapped) continue;
         take_block(b, b->size);  // out of the free set, uncounted as inactive split; no split
-        b->allocated = true;
-        b->requested = b->size;
-        live_.emplace(b->addr, b);
-        for (int i : {0, pool_index(seg->small_pool)}) {
-          stats_.allocation[i].increase(1);
-          stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
-          stats_.requested_bytes[i].increase(static_cast<std::int64_t>(b->size));
-          stats_.active[i].increase(1);
-          stats_.active_bytes[i].increase(static_cast<std::int64_t>(b->size));
-        }
+        hand_out(b, b->size);
         holes.push_back({b->addr, b->size, b->stream, seg->small_pool});
       }
     }
@@ -634,9 +636,8 @@ class allocator_impl {
   void adopt_range(std::uintptr_t addr, std::size_t size, std::size_t requested,
                    const std::vector<std::uintptr_t>& used_streams) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto s = segments_.upper_bound(addr);
-    TERRACE_EXPECTS(s != segments_.begin(), "adopt_range: address outside every segment");
-    segment* seg = std::prev(s)->second;
+    segment* seg = segment_containing(addr);
+    TERRACE_EXPECTS(seg != nullptr, "adopt_range: address outside every segment");
     block* b = seg->head;
     while (b != nullptr && b->addr + b->size <= addr) b = b->next;
     TERRACE_EXPECTS(b != nullptr && !seg->expandable && b->is_free() && b->mapped &&
@@ -650,19 +651,10 @@ class allocator_impl {
       b = up;
     }
     if (b->size > size) insert_free(split_off(b, size));
-    b->allocated = true;
-    b->requested = requested;
     for (std::uintptr_t other : used_streams) {
       if (other != b->stream) b->used_streams.push_back(other);
     }
-    live_.emplace(b->addr, b);
-    for (int i : {0, pool_index(seg->small_pool)}) {
-      stats_.allocation[i].increase(1);
-      stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
-      stats_.requested_bytes[i].increase(static_cast<std::int64_t>(requested));
-      stats_.active[i].increase(1);
-      stats_.active_bytes[i].increase(static_cast<std::int64_t>(b->size));
-    }
+    hand_out(b, requested);
   }
 
   // ---------------------------------------------------------------- out-of-memory report
@@ -700,23 +692,17 @@ class allocator_impl {
   }
 
   std::string describe_bad_pointer(std::uintptr_t addr, const char* op) const {
-    auto it = segments_.upper_bound(addr);
-    if (it != segments_.begin()) {
-      --it;
-      const segment* seg = it->second;
-      if (addr < seg->addr + seg->size) {
-        for (const block* b = seg->head; b != nullptr; b = b->next) {
-          if (b->addr == addr && !b->allocated) {
-            return std::string("terrace: ") + op + " of " + format_addr(addr) +
-                   ", which is not allocated (double free? its block of " +
-                   format_bytes(b->size) + " is " + (b->pending_events ? "pending free" : "free") +
-                   ")";
-          }
+    if (const segment* seg = segment_containing(addr)) {
+      for (const block* b = seg->head; b != nullptr; b = b->next) {
+        if (b->addr == addr && !b->allocated) {
+          return std::string("terrace: ") + op + " of " + format_addr(addr) +
+                 ", which is not allocated (double free? its block of " + format_bytes(b->size) +
+                 " is " + (b->pending_events ? "pending free" : "free") + ")";
         }
-        return std::string("terrace: ") + op + " of " + format_addr(addr) +
-               ", which points inside a segment of this allocator but not at the start of an "
-               "allocation";
       }
+      return std::string("terrace: ") + op + " of " + format_addr(addr) +
+             ", which points inside a segment of this allocator but not at the start of an "
+             "allocation";
     }
     return std::string("terrace: ") + op + " of " + format_addr(addr) +
            ", a pointer this allocator never handed out (foreign pointer)";
