@@ -5,15 +5,18 @@
 //
 // Safety argument. The plan's offsets never overlap for slots whose planned lifetimes overlap (same
 // stream; each stream has its own region and holes, so an address is reused only in its stream's
-// order, as the caching allocator does). In sync, a slot is handed out only to a request with its
-// key, at most once per iteration, and only when (space_free): every slot whose planned free
-// precedes it is free now (due lists, checked for every slot up to it, skipped ones included: a
-// freed slot stays free in the iteration, and a skipped slot is taken later only if it is due after
-// every slot handed out since); every live block of the previous iteration lies elsewhere (checked
-// by address); and, for a slot behind the cursor, its planned free comes after the alloc of every
-// slot handed out since. The live arena blocks of this iteration are then slots whose planned
-// lifetimes overlap its own, which the planner kept apart from it. At the wrap no block older than
-// the previous iteration may be live. Requests the plan does not serve go to the fallback, or to a
+// order, as the caching allocator does, and two streams' slots never share an address). So each
+// stream is replayed as a lane of its own (its own cursor and iterations: streams may shift
+// against each other across a boundary). In sync, a slot is handed out only to a request of its
+// stream with its key, at most once per lane iteration, and only when (space_free): every slot of
+// its lane whose planned free precedes it is free now (due lists, checked for every slot up to it,
+// skipped ones included: a freed slot stays free in the iteration, and a skipped slot is taken
+// later only if it is due after every slot handed out since); every live block of the lane's
+// previous iteration lies elsewhere (checked by address); and, for a slot behind the cursor, its
+// planned free comes after the alloc of every slot handed out since. The live arena blocks of the
+// lane's iteration are then slots whose planned lifetimes overlap its own, which the planner kept
+// apart from it; other lanes' blocks lie elsewhere. At a lane's wrap no block of it older than its
+// previous iteration may be live. Requests the plan does not serve go to the fallback, or to a
 // claimed hole's tail beyond every slot's extent (from_tail). Out of sync, nothing new goes to the
 // arena.
 // The "arena" is the open reservation plus the fallback's holes the plan claimed: a claimed hole is
@@ -162,7 +165,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   const std::size_t n = i1 - i0;
 
   std::vector<slot> slots(n);
-  std::vector<std::vector<std::uint32_t>> due(n + 1);
+  std::vector<lane> lanes;
   std::vector<plan_interval> items;
   std::vector<std::uint32_t> item_slot;
   for (std::size_t k = 0; k < n; ++k) {
@@ -171,15 +174,33 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
     s.key = rec_key_[i];
     s.size = rec_size_[i];
     s.stream = rec_stream_[i];
+    auto l = std::find_if(lanes.begin(), lanes.end(), [&](const lane& x) { return x.stream == s.stream; });
+    if (l == lanes.end()) {
+      lanes.emplace_back().stream = s.stream;
+      l = std::prev(lanes.end());
+    }
+    s.lane = static_cast<std::uint32_t>(l - lanes.begin());
+    s.pos = static_cast<std::uint32_t>(l->slots.size());
+    l->slots.push_back(static_cast<std::uint32_t>(k));
     const std::uint32_t f = rec_free_pos_[i];
     s.planned = f != UINT32_MAX && f < hi;
     if (!s.planned) continue;
-    // The free happens before the first alloc of the window that comes after it.
-    const auto next = std::upper_bound(first, last, f);
-    s.due_at = static_cast<std::uint32_t>(next - first);
-    due[s.due_at].push_back(static_cast<std::uint32_t>(k));
     items.push_back({s.size, rec_alloc_pos_[i] - lo, f - lo});
     item_slot.push_back(static_cast<std::uint32_t>(k));
+  }
+  // Due lists, per lane: a planned slot's free happens before the first alloc of its lane that
+  // comes after it in the recording (other lanes' slots never share its space).
+  for (lane& l : lanes) {
+    l.due.assign(l.slots.size() + 1, {});
+    std::vector<std::uint32_t> alloc_at;
+    for (std::uint32_t k : l.slots) alloc_at.push_back(rec_alloc_pos_[i0 + k]);
+    for (std::uint32_t k : l.slots) {
+      slot& s = slots[k];
+      if (!s.planned) continue;
+      const auto next = std::upper_bound(alloc_at.begin(), alloc_at.end(), rec_free_pos_[i0 + k]);
+      s.due_at = static_cast<std::uint32_t>(next - alloc_at.begin());
+      l.due[s.due_at].push_back(k);
+    }
   }
 
   // One region per stream: an address is reused only in that stream's order.
@@ -227,15 +248,13 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   if (stats_.plans > 0) ++stats_.replans;
   ++stats_.plans;
   slots_ = std::move(slots);
-  due_before_ = std::move(due);
+  lanes_ = std::move(lanes);
+  lead_lane_ = 0;  // slot 0's lane was created first
   plan_items_ = std::move(items);
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
-  skipped_.clear();
-  old_blocks_.clear();
-  gen_live_ = 0;
   plan_hash_ = range_hash(lo, hi);
   plan_period_ = hi - lo;
   anchor_hash_ = range_hash(hi - std::min(kWindow, hi - lo), hi);
@@ -505,11 +524,59 @@ void plan_front::note_lost_iteration() {
   suspend_next_ = std::min(suspend_next_ * 2, kMaxSuspension);
 }
 
-void plan_front::start_iteration() {
+// The bookkeeping of one iteration of the plan (the lead lane's): whether the last one kept to the
+// plan, and the new one's count.
+void plan_front::count_iteration() {
   if (mode_ == mode::in_sync) {  // the last iteration kept to the plan
     lost_in_row_ = 0;
     if (++kept_in_row_ >= kFirstSuspension) suspend_next_ = kFirstSuspension;
   }
+  iteration_deviated_ = false;
+  ++stats_.iterations;
+}
+
+// Starts lane l's next iteration. Its last iteration's blocks may still be live (another stream
+// frees them later than the recording did); its new slots are checked against where they lie
+// (none from before it: every caller checks l.live == l.gen_live).
+void plan_front::start_lane(lane& l) {
+  l.cursor = 0;
+  l.checked_upto = 0;
+  l.skipped.clear();
+  l.misses_in_row = 0;
+  ++l.gen;
+  l.old_blocks.clear();
+  if (l.live != 0) {
+    const auto index = static_cast<std::uint32_t>(&l - lanes_.data());
+    for (const auto& [addr, e] : live_) {
+      if (e.slot < 0) continue;
+      const auto j = static_cast<std::size_t>(e.slot);
+      if (slots_[j].lane == index) l.old_blocks.emplace_back(slot_pos(j), slots_[j].size);
+    }
+  }
+  l.gen_live = 0;
+}
+
+plan_front::lane* plan_front::lane_of(std::uintptr_t stream) noexcept {
+  for (lane& l : lanes_) {
+    if (l.stream == stream) return &l;
+  }
+  return nullptr;
+}
+
+// Lane l wraps on its own: its requests of the next iteration have begun.
+void plan_front::wrap_lane(lane& l) {
+  if (&l == &lanes_[lead_lane_]) count_iteration();
+  start_lane(l);
+}
+
+bool plan_front::lanes_done() const noexcept {
+  return std::all_of(lanes_.begin(), lanes_.end(),
+                     [](const lane& l) { return l.cursor == l.slots.size(); });
+}
+
+// Every lane starts an iteration of the plan (at a boundary found in the token stream, or the
+// caller's begin_iteration).
+void plan_front::start_iteration() {
   if (suspend_left_ > 0) {  // set aside: the fallback serves this iteration too
     --suspend_left_;
     mode_ = mode::seeking;
@@ -519,25 +586,9 @@ void plan_front::start_iteration() {
     mode_ = mode::seeking;
     return;
   }
+  count_iteration();
   mode_ = mode::in_sync;
-  cursor_ = 0;
-  checked_upto_ = 0;
-  ++gen_;
-  // The last iteration's blocks still live (none from before it: every caller checks
-  // slot_live_ == gen_live_), where they lie.
-  old_blocks_.clear();
-  if (slot_live_ != 0) {
-    for (const auto& [addr, e] : live_) {
-      if (e.slot >= 0) {
-        old_blocks_.emplace_back(slot_pos(static_cast<std::size_t>(e.slot)), slots_[static_cast<std::size_t>(e.slot)].size);
-      }
-    }
-  }
-  gen_live_ = 0;
-  iteration_deviated_ = false;
-  misses_in_row_ = 0;
-  skipped_.clear();
-  ++stats_.iterations;
+  for (lane& l : lanes_) start_lane(l);
   // In sync nothing is recorded: the recording restarts at the next deviation.
   reset_recording();
 }
@@ -572,49 +623,59 @@ std::uintptr_t plan_front::slot_pos(std::size_t j) const noexcept {
   return live_mode_ ? slots_[j].addr : slots_[j].offset;
 }
 
-bool plan_front::slot_held(std::size_t j) const noexcept {
-  return taken_gen_[j] == gen_ && freed_gen_[j] != gen_;
+bool plan_front::slot_taken(std::size_t j) const noexcept {
+  return taken_gen_[j] == lanes_[slots_[j].lane].gen;
 }
 
-// Whether slot j's space is free now. Every slot the plan frees before j is allocated must be free
-// (due lists). A slot handed out behind the cursor (its request came late) must also overlap, in
-// the plan, every slot handed out after it, which the planner has kept apart from it in space:
-// those are the slots before the cursor, so its planned free must come after the cursor's.
-// Slots at or ahead of the cursor have not been handed out in this iteration.
+bool plan_front::slot_held(std::size_t j) const noexcept {
+  const std::uint32_t gen = lanes_[slots_[j].lane].gen;
+  return taken_gen_[j] == gen && freed_gen_[j] != gen;
+}
+
+// Whether slot j's space is free now. Only its lane's slots can share its space. Every one the
+// plan frees before j is allocated must be free (due lists). A slot handed out behind the cursor
+// (its request came late) must also overlap, in the plan, every slot handed out after it, which the
+// planner has kept apart from it in space: those are the slots before the cursor, so its planned
+// free must come after the cursor's alloc. Slots at or ahead of the cursor have not been handed
+// out in this iteration of the lane.
 bool plan_front::space_free(std::size_t j) const noexcept {
   const slot& s = slots_[j];
   if (!s.planned) return true;  // the fallback serves it
-  // The last iteration's blocks still live (freed later than the plan's order said, typically by
-  // another stream): the plan does not keep them apart from this iteration's, so check the space.
-  if (!old_blocks_.empty()) {
+  const lane& l = lanes_[s.lane];
+  // The lane's last iteration's blocks still live (freed later than the plan's order said,
+  // typically when another stream used them): the plan does not keep them apart from this
+  // iteration's, so check the space.
+  if (!l.old_blocks.empty()) {
     const std::uintptr_t a = slot_pos(j);
-    for (const auto& [b, n] : old_blocks_) {
+    for (const auto& [b, n] : l.old_blocks) {
       if (a < b + n && b < a + s.size) return false;
     }
   }
   // Every slot whose planned free precedes j, i.e. due before any slot up to j: those due before
-  // checked_upto_ were found free when a slot was handed out and stay so (a slot is taken once
+  // checked_upto were found free when a slot was handed out and stay so (a slot is taken once
   // per iteration, and one behind the cursor only if it is due at or after the cursor).
-  for (std::size_t k = checked_upto_; k <= j; ++k) {
-    for (std::uint32_t d : due_before_[k]) {
+  for (std::size_t k = l.checked_upto; k <= s.pos; ++k) {
+    for (std::uint32_t d : l.due[k]) {
       if (slot_held(d)) return false;  // a block the plan freed by now is still live
     }
   }
-  return j >= cursor_ || s.due_at >= cursor_;
+  return s.pos >= l.cursor || s.due_at >= l.cursor;
 }
 
-// The slot to serve a request with `key` from, or -1 (then `blocked` names a slot with that key
-// whose space is not free yet, or -1). In order: a slot skipped earlier in this iteration (its
-// request comes late: the oldest first), the cursor's, then one at most kLookahead ahead (the
+// The slot of lane l to serve a request with `key` from, or -1 (then `blocked` names a slot with
+// that key whose space is not free yet, or -1). In order: a slot skipped earlier in this iteration
+// (its request comes late: the oldest first), the cursor's, then one at most kLookahead ahead (the
 // slots in between are skipped: requests that did not come, or that come later).
-std::int64_t plan_front::match_slot(std::uint64_t key, std::int64_t& blocked) const {
+std::int64_t plan_front::match_slot(const lane& l, std::uint64_t key, std::int64_t& blocked) const {
   blocked = -1;
-  for (std::uint32_t j : skipped_) {
+  for (std::uint32_t p : l.skipped) {
     // A skipped slot whose space is not free stays skipped: the request may take another.
-    if (slots_[j].key == key && taken_gen_[j] != gen_ && space_free(j)) return j;
+    const std::uint32_t j = l.slots[p];
+    if (slots_[j].key == key && !slot_taken(j) && space_free(j)) return j;
   }
-  const std::size_t end = std::min(slots_.size(), static_cast<std::size_t>(cursor_) + kLookahead);
-  for (std::size_t j = cursor_; j < end; ++j) {
+  const std::size_t end = std::min(l.slots.size(), static_cast<std::size_t>(l.cursor) + kLookahead);
+  for (std::size_t p = l.cursor; p < end; ++p) {
+    const std::uint32_t j = l.slots[p];
     if (slots_[j].key != key) continue;
     // The first slot ahead with this key is this request's (a later one is another request's).
     if (space_free(j)) return static_cast<std::int64_t>(j);
@@ -625,25 +686,28 @@ std::int64_t plan_front::match_slot(std::uint64_t key, std::int64_t& blocked) co
 }
 
 // Hands slot j out (or, with served_elsewhere, marks it used by a request the fallback served) and
-// moves the cursor past it; the slots jumped over are remembered as skipped for kLookahead slots.
+// moves its lane's cursor past it; the slots jumped over are remembered as skipped for kLookahead
+// slots.
 void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
-  taken_gen_[j] = gen_;
+  const slot& s = slots_[j];
+  lane& l = lanes_[s.lane];
+  taken_gen_[j] = l.gen;
   if (served_elsewhere) {
-    freed_gen_[j] = gen_;  // nothing of it is live in the arena
+    freed_gen_[j] = l.gen;  // nothing of it is live in the arena
   } else {
-    checked_upto_ = std::max<std::size_t>(checked_upto_, j + 1);  // space_free(j) held
+    l.checked_upto = std::max<std::size_t>(l.checked_upto, s.pos + 1);  // space_free(j) held
   }
-  if (j >= cursor_) {
-    for (std::size_t k = cursor_; k < j; ++k) skipped_.push_back(static_cast<std::uint32_t>(k));
-    if (j > cursor_ && !iteration_deviated_) {
+  if (s.pos >= l.cursor) {
+    for (std::uint32_t p = l.cursor; p < s.pos; ++p) l.skipped.push_back(p);
+    if (s.pos > l.cursor && !iteration_deviated_) {
       ++stats_.deviating_iterations;
       iteration_deviated_ = true;
     }
-    cursor_ = static_cast<std::uint32_t>(j + 1);
+    l.cursor = s.pos + 1;
   }
   // Forget skipped slots that were taken or fell out of reach.
-  std::erase_if(skipped_, [&](std::uint32_t k) {
-    return taken_gen_[k] == gen_ || k + kLookahead < cursor_;
+  std::erase_if(l.skipped, [&](std::uint32_t p) {
+    return slot_taken(l.slots[p]) || p + kLookahead < l.cursor;
   });
 }
 
@@ -679,28 +743,30 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
   if (mode_ == mode::seeking && !explicit_ && boundary_anchor_matches(key)) start_iteration();
   // Counted from the first planned iteration on: the allocations before it were learning.
   if (!slots_.empty() && stats_.iterations > 0) ++stats_.allocs_under_plan;
-  if (mode_ == mode::in_sync && cursor_ == slots_.size() && !explicit_) {
-    // The previous iteration's allocations are done: this one starts the next. Its blocks may
-    // still be live (another stream frees them later than the plan's order said); each stream's
-    // slots of the new iteration wait until that stream's old blocks are free (space_free).
-    if (slot_live_ == gen_live_) {
-      start_iteration();
+  // The request's lane; a stream the plan has none for makes requests outside the plan.
+  lane* l = mode_ == mode::in_sync ? lane_of(st) : nullptr;
+  if (l != nullptr && l->cursor == l->slots.size() && !explicit_) {
+    // The lane's previous iteration's allocations are done: this one starts its next. Its blocks
+    // may still be live (another stream frees them later than the plan's order said); the new
+    // iteration's slots wait until their space is free (space_free).
+    if (l->live == l->gen_live) {
+      wrap_lane(*l);
     } else {
       deviate();  // a block of the iteration before the last is still live: not this plan's
     }
   }
   if (mode_ == mode::in_sync) {
     std::int64_t blocked = -1;
-    std::int64_t j = match_slot(key, blocked);
-    if (j < 0 && blocked < 0 && !explicit_ && slot_live_ == gen_live_ && key == slots_[0].key &&
-        cursor_ + kLookahead >= slots_.size()) {
-      // The iteration ended without its last few slots (skipped, not requested): the next one
-      // starts here, as it would have at the wrap.
-      start_iteration();
-      if (mode_ == mode::in_sync) j = match_slot(key, blocked);
+    std::int64_t j = l != nullptr ? match_slot(*l, key, blocked) : -1;
+    if (j < 0 && blocked < 0 && l != nullptr && !explicit_ && l->live == l->gen_live &&
+        key == slots_[l->slots[0]].key && l->cursor + kLookahead >= l->slots.size()) {
+      // The lane's iteration ended without its last few slots (skipped, not requested): the next
+      // one starts here, as it would have at the wrap.
+      wrap_lane(*l);
+      j = match_slot(*l, key, blocked);
     }
     if (j >= 0) {
-      misses_in_row_ = 0;
+      l->misses_in_row = 0;
       const auto k = static_cast<std::size_t>(j);
       take_slot(k);
       const slot& s = slots_[k];
@@ -720,11 +786,12 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       e.requested = bytes;
       e.stream = st;
       e.slot = static_cast<std::int32_t>(j);
-      e.gen = gen_;
+      e.gen = l->gen;
       e.in_arena = true;
       live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
       ++slot_live_;
-      ++gen_live_;
+      ++l->live;
+      ++l->gen_live;
       ++arena_live_count_;
       arena_live_bytes_ += rounded;
       arena_live_requested_ += bytes;
@@ -744,7 +811,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       // It is served from a claimed hole's tail when one fits (else the fallback, whose free
       // blocks the plan claimed, would reserve anew); a tail block that outlives the plan becomes
       // the fallback's own (uninstall). It still counts as a miss: a run of them is another shape.
-      const bool another_shape = ++misses_in_row_ >= kMaxMisses;
+      const bool another_shape = l != nullptr && ++l->misses_in_row >= kMaxMisses;
       if (void* p = another_shape ? nullptr : from_tail(rounded, st)) {
         live_entry e;
         e.key = key;
@@ -785,9 +852,11 @@ void plan_front::on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream
   e.stream = reinterpret_cast<std::uintptr_t>(stream.native);
   if (pending_slot_ >= 0) {
     e.slot = static_cast<std::int32_t>(pending_slot_);
-    e.gen = gen_;
+    lane& l = lanes_[slots_[static_cast<std::size_t>(pending_slot_)].lane];
+    e.gen = l.gen;
     ++slot_live_;
-    ++gen_live_;
+    ++l.live;
+    ++l.gen_live;
   } else {
     track_unplanned(static_cast<std::int64_t>(e.size));
     // The alloc was recorded last (learning / seeking) unless it was an unplanned slot in sync.
@@ -823,15 +892,18 @@ bool plan_front::on_free(void* p) {
     detect_steady_state();
   }
   if (e.slot >= 0) {
-    if (e.gen == gen_) {
-      freed_gen_[static_cast<std::size_t>(e.slot)] = gen_;
-      --gen_live_;
+    const auto j = static_cast<std::size_t>(e.slot);
+    lane& l = lanes_[slots_[j].lane];
+    if (e.gen == l.gen) {
+      freed_gen_[j] = l.gen;
+      --l.gen_live;
     } else {
-      const std::uintptr_t pos = slot_pos(static_cast<std::size_t>(e.slot));
-      const auto o = std::find_if(old_blocks_.begin(), old_blocks_.end(),
+      const std::uintptr_t pos = slot_pos(j);
+      const auto o = std::find_if(l.old_blocks.begin(), l.old_blocks.end(),
                                   [&](const auto& b) { return b.first == pos; });
-      if (o != old_blocks_.end()) old_blocks_.erase(o);
+      if (o != l.old_blocks.end()) l.old_blocks.erase(o);
     }
+    --l.live;
     --slot_live_;
   } else {
     track_unplanned(-static_cast<std::int64_t>(e.size));
@@ -877,7 +949,7 @@ bool plan_front::record_stream(void* p, stream_ref stream) {
 void plan_front::begin_iteration() {
   explicit_ = true;
   if (!slots_.empty() && !replan_pending_) {
-    if (mode_ == mode::in_sync && cursor_ != slots_.size()) deviate();
+    if (mode_ == mode::in_sync && !lanes_done()) deviate();
     if (slot_live_ == 0) {
       start_iteration();
       // In sync, start_iteration reset the recording; set aside (or with no room for the arena)
@@ -897,7 +969,7 @@ void plan_front::begin_iteration() {
 void plan_front::end_iteration() {
   explicit_ = true;
   if (mode_ == mode::in_sync) {
-    if (cursor_ != slots_.size()) deviate();
+    if (!lanes_done()) deviate();
     return;
   }
   if (explicit_begin_ == SIZE_MAX) return;  // the recording does not cover a whole iteration

@@ -104,7 +104,29 @@ class plan_front {
     bool planned = false;       // freed inside the iteration: placed in the arena
     std::size_t offset = 0;     // in the plan without holes (planner quality, counterfactual)
     std::uintptr_t addr = 0;    // where it is served once the plan is installed (live policy)
-    std::uint32_t due_at = 0;   // the alloc index before which its planned free happens
+    std::uint32_t lane = 0;     // its stream's lane (lanes_)
+    std::uint32_t pos = 0;      // its index in the lane
+    std::uint32_t due_at = 0;   // the lane index before whose alloc its planned free happens
+  };
+  // The replay of one stream's slots. Streams share no address in the plan (each has its own
+  // region and its own part of every hole), so each stream keeps to the plan on its own: its own
+  // cursor, its own iterations (it may run a few requests ahead of, or behind, the others across
+  // a boundary), and it checks only its own slots' space.
+  struct lane {
+    std::uintptr_t stream = 0;
+    std::vector<std::uint32_t> slots;                // slot indices, in the plan's order
+    std::vector<std::vector<std::uint32_t>> due;     // per lane index (+1 for the end): slots
+                                                     // whose planned free precedes its alloc
+    std::uint32_t cursor = 0;                        // lane index of the next slot expected
+    std::uint32_t gen = 0;                           // the lane's current iteration
+    std::size_t checked_upto = 0;                    // due lists below this were found free
+    std::vector<std::uint32_t> skipped;              // lane indices jumped over, still takeable
+    std::uint32_t misses_in_row = 0;                 // requests in a row that matched no slot
+    // The lane's previous iteration's blocks still live, as (slot_pos, size); gen_live counts
+    // this iteration's, live all of its slot-holding blocks.
+    std::vector<std::pair<std::uintptr_t, std::size_t>> old_blocks;
+    std::size_t gen_live = 0;
+    std::size_t live = 0;
   };
   struct live_entry {
     std::uint64_t key = 0;
@@ -128,6 +150,11 @@ class plan_front {
   void deviate();
   void note_lost_iteration();
   void start_iteration();
+  void start_lane(lane& l);
+  void wrap_lane(lane& l);
+  bool lanes_done() const noexcept;
+  void count_iteration();
+  lane* lane_of(std::uintptr_t stream) noexcept;
   bool ensure_arena();
   void uninstall();
   void layout_in_holes(const std::vector<fallback_hole>& claimed, std::vector<std::int64_t>& where,
@@ -136,9 +163,10 @@ class plan_front {
   void release_idle_arena();
   bool boundary_anchor_matches(std::uint64_t key) const noexcept;
   bool slot_held(std::size_t j) const noexcept;
+  bool slot_taken(std::size_t j) const noexcept;
   std::uintptr_t slot_pos(std::size_t j) const noexcept;
   bool space_free(std::size_t j) const noexcept;
-  std::int64_t match_slot(std::uint64_t key, std::int64_t& blocked) const;
+  std::int64_t match_slot(const lane& l, std::uint64_t key, std::int64_t& blocked) const;
   void take_slot(std::size_t j, bool served_elsewhere = false);
   void* from_tail(std::size_t rounded, std::uintptr_t stream);
   void track_unplanned(std::int64_t delta) noexcept;
@@ -171,7 +199,6 @@ class plan_front {
   placement_plan plan_;
   std::vector<std::uint32_t> plan_item_slot_;  // plan_items_[i] is slots_[plan_item_slot_[i]]
   std::unordered_map<std::uintptr_t, std::vector<std::uintptr_t>> arena_streams_;  // record_stream
-  std::vector<std::vector<std::uint32_t>> due_before_;  // per alloc index (+1 for the end)
   std::uint64_t plan_hash_ = 0;          // hash of the planned iteration's tokens
   std::uint64_t anchor_hash_ = 0;        // hash of the tokens just before its boundary
   std::size_t plan_period_ = 0;          // tokens per iteration
@@ -214,22 +241,15 @@ class plan_front {
   std::size_t replan_lo_ = 0, replan_hi_ = 0;
 
   // --- replay of the plan
-  std::uint32_t cursor_ = 0;
-  std::uint32_t gen_ = 0;
+  std::vector<lane> lanes_;
+  std::uint32_t lead_lane_ = 0;           // slot 0's lane: its wraps count the iterations
   bool iteration_deviated_ = false;
-  std::vector<std::uint32_t> freed_gen_;  // per slot: the generation in which it was freed
-  std::vector<std::uint32_t> taken_gen_;  // per slot: the generation in which it was handed out
-  std::vector<std::uint32_t> skipped_;    // slots the cursor jumped over, still takeable
-  std::size_t checked_upto_ = 0;          // due lists of slots below this were found free
-  std::uint32_t misses_in_row_ = 0;       // requests in a row that matched no slot
+  std::vector<std::uint32_t> freed_gen_;  // per slot: its lane's generation in which it was freed
+  std::vector<std::uint32_t> taken_gen_;  // per slot: ... in which it was handed out
   std::uint32_t lost_in_row_ = 0;         // iterations in a row that left the plan
   std::uint32_t kept_in_row_ = 0;         // iterations in a row that kept to it
   std::uint32_t suspend_left_ = 0;        // iterations the plan still sits out
   std::uint32_t suspend_next_ = 8;        // the next suspension's length (kFirstSuspension)
-  // The last iteration's slot-holding blocks still live, as (slot_pos, size); gen_live_ counts
-  // this iteration's. An iteration starts only when no block older than the last one is live.
-  std::vector<std::pair<std::uintptr_t, std::size_t>> old_blocks_;
-  std::size_t gen_live_ = 0;
   std::size_t slot_live_ = 0;             // live blocks holding a plan slot (arena or virtual)
   std::size_t arena_live_bytes_ = 0;
   std::size_t arena_live_requested_ = 0;
