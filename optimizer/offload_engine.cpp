@@ -8,6 +8,19 @@
 // another home copy to NVMe, invalidating a pointer obtained before it, so a batch of layers is
 // staged (step_staged). Either way the update is elementwise and its scalars depend only on the
 // step count, so an offloaded run's losses are bitwise those of a resident one.
+//
+// With delayed_update (ZeRO-Offload's delayed parameter update) the optimizer phase runs on a
+// thread of its own, beside the next step's forward and backward:
+//   step t:  forward (params W_{t-2})  | update t-1: copies the grads of t-1 out, then steps
+//            wait until it has copied   |   them into W_{t-1} in next_params
+//            backward (params W_{t-2})  |   (backward overwrites the gradients' home copies)
+//            wait for update t-1, publish W_{t-1} into the param home copies (forward and
+//            backward of a step use the same params)
+//            start update t
+// Only with every home copy pinned (no host budget): under a budget the two threads' host_data()
+// calls could move home copies out from under each other's pointers. Every fixed point of the
+// sequence is a step boundary, so the run is deterministic, and resident and offloaded runs
+// still agree bit for bit.
 #include "terrace/stats.hpp"
 #include "terrace/offload_engine.hpp"
 
@@ -15,6 +28,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <string>
 #include <vector>
@@ -118,10 +132,31 @@ struct offload_engine::impl {
   float* grad_stage = nullptr;
   std::uint16_t* param_stage = nullptr;
 
+  // What one optimizer phase did (grad norm + CPU Adam).
+  struct update_result {
+    double grad_norm = 0;
+    bool skipped = false;
+    double seconds = 0;         // its wall time
+    double grad_wait = 0;       // waiting for gradients to come home
+    std::int64_t nvme_read = 0, nvme_write = 0;
+    double io_wait = 0;
+  };
+  // delayed_update: the bf16 params the running update writes (plain host memory, 2 B per
+  // param: the home copies are published from here after the next backward), each layer's
+  // offset in it, the update itself, and the optimizer's step count when it was last joined.
+  std::vector<std::uint16_t> next_params;
+  std::vector<std::size_t> next_offset;
+  std::vector<float> grads_copy;       // the gradients it steps from (same offsets)
+  std::future<void> grads_copied;      // ready once grads_copy is filled
+  std::future<update_result> pending;
+  std::int64_t completed_steps = 0;
+
   impl(device_backend& d, const offload_engine_options& o)
       : device(d), options(o), memory(d, o.device_allocator) {}
 
   ~impl() {
+    // A delayed update still running uses the tier manager and the optimizer.
+    if (pending.valid()) pending.wait();
     // The model first: its activations are blocks of `memory`, freed on the compute stream.
     model.reset();
     adam.reset();
@@ -371,6 +406,10 @@ struct offload_engine::impl {
   }
 
   void setup(const layered_model_factory& make_model) {
+    TERRACE_EXPECTS(!options.delayed_update || options.host_budget == 0,
+                    "offload engine: delayed_update needs every home copy of params and gradients "
+                    "in pinned memory (host_budget 0): under a host budget the optimizer's thread "
+                    "and the training thread would move home copies out from under each other");
     compute = device.create_stream();
     model = make_model(memory, compute);
     TERRACE_EXPECTS(model != nullptr && model->layer_count() > 0,
@@ -479,24 +518,30 @@ struct offload_engine::impl {
                        [&] { return tm->add("grad/" + l.name, l.elements * 4); });
     }
     if (resumed) adam->set_step_count(resumed->step);
+    completed_steps = adam->step_count();
+    if (options.delayed_update) {
+      std::size_t at = 0;
+      for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+        next_offset.push_back(at);
+        at += it->elements;
+      }
+      next_params.resize(at);
+      grads_copy.resize(at);
+    }
   }
 
   // ---------------------------------------------------------------- one step
 
-  struct step_counters {
-    tier_stats tiers;
-    offload_adam_stats opt;
-  };
-
   // Global gradient norm and finiteness, one layer at a time (the same summation whatever the
   // budgets, so resident and offloaded runs agree bit for bit). Returns the seconds spent waiting
   // for gradients to come home.
-  double grad_norm(double& norm, bool& finite) {
+  double grad_norm(double& norm, bool& finite, bool delayed) {
     double sum = 0, waited = 0;
     finite = true;
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       const auto t = clock_type::now();
-      const void* g = tm->host_data(it->grad);
+      const void* g = delayed ? grads_copy.data() + next_offset[static_cast<std::size_t>(it - layers.rbegin())]
+                              : tm->host_data(it->grad);
       waited += seconds_since(t);
       const offload_group_step s{it->group, g, nullptr};
       const grad_norm_result r = adam->grad_norm({&s, 1}, dtype::f32);
@@ -510,14 +555,17 @@ struct offload_engine::impl {
   // Everything in pinned memory (no host budget): the optimizer reads the gradients and writes
   // the bf16 params straight in their home copies, all layers in one step, so its NVMe pipeline
   // runs over the whole model. Nothing can move a home copy out meanwhile.
-  double step_in_place(const adam_step_options& so) {
+  // With delayed_update the gradients come from grads_copy and the bf16 params go to
+  // next_params, published later.
+  double step_in_place(const adam_step_options& so, bool delayed) {
     double waited = 0;
     std::vector<offload_group_step> groups;
     // Last layer first: its gradient was copied home first.
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       const auto t = clock_type::now();
-      void* p = tm->host_data(it->param, access::write);
-      const void* g = tm->host_data(it->grad);
+      const std::size_t at = next_offset.empty() ? 0 : next_offset[static_cast<std::size_t>(it - layers.rbegin())];
+      void* p = delayed ? next_params.data() + at : tm->host_data(it->param, access::write);
+      const void* g = delayed ? grads_copy.data() + at : tm->host_data(it->grad);
       waited += seconds_since(t);
       groups.push_back({it->group, g, p});
     }
@@ -525,6 +573,87 @@ struct offload_engine::impl {
     // device copies: the next forward fetches what this step writes.
     adam->step(groups, so);
     return waited;
+  }
+
+  // The optimizer phase: global grad norm (clipping, inf/NaN), then the CPU Adam. Touches only
+  // the optimizer and the tier manager's home copies, so it may run on another thread
+  // (delayed_update) while the training thread runs the next forward.
+  // `copied` (delayed_update) is told once the gradients are copied out of their home copies.
+  update_result run_update(bool delayed, std::promise<void>* copied = nullptr) {
+    const auto start = clock_type::now();
+    const offload_adam_stats before = adam->stats();
+    update_result u;
+    if (delayed) {
+      for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+        const auto t = clock_type::now();
+        const void* g = tm->host_data(it->grad);
+        u.grad_wait += seconds_since(t);
+        std::memcpy(grads_copy.data() + next_offset[static_cast<std::size_t>(it - layers.rbegin())], g,
+                    it->elements * 4);
+      }
+      copied->set_value();
+    }
+    adam_step_options so;
+    so.grad_dtype = dtype::f32;
+    so.copy_dtype = dtype::bf16;
+    bool finite = true;
+    if (options.clip_norm > 0 || options.skip_nonfinite) {
+      u.grad_wait += grad_norm(u.grad_norm, finite, delayed);
+      so.grads_known_finite = finite;
+      if (options.clip_norm > 0) so.clip_coef = clip_coefficient(u.grad_norm, options.clip_norm);
+    }
+    if (finite || !options.skip_nonfinite) {
+      u.grad_wait += options.host_budget == 0 ? step_in_place(so, delayed) : step_staged(so);
+    } else {
+      u.skipped = true;
+    }
+    const offload_adam_stats after = adam->stats();
+    u.nvme_read = after.nvme_read_bytes - before.nvme_read_bytes;
+    u.nvme_write = after.nvme_write_bytes - before.nvme_write_bytes;
+    u.io_wait = after.io_wait_seconds - before.io_wait_seconds;
+    u.seconds = seconds_since(start);
+    return u;
+  }
+
+  // delayed_update: waits for the running update (rethrowing what it threw); false if none.
+  bool join_update(update_result& u) {
+    if (grads_copied.valid()) grads_copied = {};
+    if (!pending.valid()) return false;
+    u = pending.get();
+    completed_steps = adam->step_count();
+    return true;
+  }
+
+  // delayed_update: waits until the running update has copied the gradients out (backward is
+  // about to overwrite their home copies). An update that failed before that is joined, so that
+  // its own error comes out.
+  void wait_grads_copied() {
+    if (!grads_copied.valid()) return;
+    try {
+      grads_copied.get();
+    } catch (...) {
+      update_result u;
+      join_update(u);  // throws the update's error
+      throw;
+    }
+  }
+
+  // delayed_update: the joined update's params become the home copies (dropping stale device
+  // copies), where the next forward's prefetch takes them. Nothing to publish for a skipped one.
+  void publish(const update_result& u) {
+    if (u.skipped) return;
+    for (std::size_t k = 0; k < layers.size(); ++k) {
+      const layer& l = layers[layers.size() - 1 - k];  // next_offset runs last layer first
+      std::memcpy(tm->host_data(l.param, access::write), next_params.data() + next_offset[k],
+                  l.elements * 2);
+    }
+  }
+
+  void finish_update() {
+    update_result u;
+    if (!join_update(u)) return;
+    publish(u);
+    tm->begin_iteration();  // prefetch the params just published
   }
 
   // Under a host budget a host_data() call may move another home copy to NVMe, invalidating a
@@ -570,7 +699,7 @@ struct offload_engine::impl {
     TERRACE_EXPECTS(batch != nullptr, "offload engine: step of a null batch");
     offload_step_stats s;
     const auto start = clock_type::now();
-    const step_counters before{tm->stats(), adam->stats()};
+    const tier_stats tiers_before = tm->stats();
     const double wait_before = model->wait_seconds();
 
     // The first step's acquires are recorded as the schedule (the call after its optimizer step
@@ -584,6 +713,11 @@ struct offload_engine::impl {
       tm->release(layers[i].param, compute);
     }
     s.loss = model->loss();
+    // delayed_update: the last step's update runs beside this step; backward overwrites the
+    // gradients' home copies, so it must have copied them out by now.
+    const auto copy_wait = clock_type::now();
+    wait_grads_copied();
+    s.optimizer_wait_seconds = seconds_since(copy_wait);
     for (std::size_t i = layers.size(); i-- > 0;) {
       const auto* p = static_cast<const std::uint16_t*>(tm->acquire(layers[i].param, compute));
       auto* g = static_cast<float*>(tm->acquire(layers[i].grad, compute, access::write));
@@ -595,40 +729,53 @@ struct offload_engine::impl {
       tm->release(layers[i].grad, compute);
       tm->flush(layers[i].grad);  // home while the layers below run their backward
     }
-    s.forward_backward_seconds = seconds_since(start);
+    s.forward_backward_seconds = seconds_since(start) - s.optimizer_wait_seconds;  // so far
     s.exposed_transfer_seconds = model->wait_seconds() - wait_before;
 
-    const auto opt_start = clock_type::now();
-    adam_step_options so;
-    so.grad_dtype = dtype::f32;
-    so.copy_dtype = dtype::bf16;
-    bool finite = true;
-    if (options.clip_norm > 0 || options.skip_nonfinite) {
-      s.exposed_transfer_seconds += grad_norm(s.grad_norm, finite);
-      so.grads_known_finite = finite;
-      if (options.clip_norm > 0) so.clip_coef = clip_coefficient(s.grad_norm, options.clip_norm);
-    }
-    if (finite || !options.skip_nonfinite) {
-      s.exposed_transfer_seconds +=
-          options.host_budget == 0 ? step_in_place(so) : step_staged(so);
+    update_result u;
+    if (options.delayed_update) {
+      // This step reports the update that finished during it, publishes its params, and starts
+      // its own update.
+      const auto join_start = clock_type::now();
+      if (join_update(u)) publish(u);
+      s.optimizer_wait_seconds += seconds_since(join_start);
+      std::promise<void> copied;
+      grads_copied = copied.get_future();
+      pending = std::async(std::launch::async, [this, c = std::move(copied)]() mutable {
+        try {
+          return run_update(/*delayed=*/true, &c);
+        } catch (...) {
+          // The training thread may be waiting for the copy: tell it (no-op once the copy was
+          // announced), then fail the update itself.
+          try {
+            c.set_exception(std::current_exception());
+          } catch (const std::future_error&) {
+          }
+          throw;
+        }
+      });
     } else {
-      s.skipped = true;
+      u = run_update(/*delayed=*/false);
+      s.exposed_transfer_seconds += u.grad_wait;
+      completed_steps = adam->step_count();
     }
-    s.optimizer_seconds = seconds_since(opt_start);
+    s.grad_norm = u.grad_norm;
+    s.skipped = u.skipped;
+    s.optimizer_seconds = u.seconds;
+    s.optimizer_io_wait_seconds = u.io_wait;
     // The params' home copies are final: the next forward's first params start coming up now,
     // while the caller gets its next batch.
     tm->begin_iteration();
     s.seconds = seconds_since(start);
-    s.step = adam->step_count();
+    // delayed_update: the count once the update just started is applied (one less should it be
+    // skipped, which the next step reports).
+    s.step = completed_steps + (options.delayed_update ? 1 : 0);
 
-    const step_counters after{tm->stats(), adam->stats()};
-    s.host_to_device_bytes = after.tiers.host_to_device_bytes - before.tiers.host_to_device_bytes;
-    s.device_to_host_bytes = after.tiers.device_to_host_bytes - before.tiers.device_to_host_bytes;
-    s.nvme_read_bytes = (after.tiers.nvme_read_bytes - before.tiers.nvme_read_bytes) +
-                        (after.opt.nvme_read_bytes - before.opt.nvme_read_bytes);
-    s.nvme_write_bytes = (after.tiers.nvme_write_bytes - before.tiers.nvme_write_bytes) +
-                         (after.opt.nvme_write_bytes - before.opt.nvme_write_bytes);
-    s.optimizer_io_wait_seconds = after.opt.io_wait_seconds - before.opt.io_wait_seconds;
+    const tier_stats tiers_after = tm->stats();
+    s.host_to_device_bytes = tiers_after.host_to_device_bytes - tiers_before.host_to_device_bytes;
+    s.device_to_host_bytes = tiers_after.device_to_host_bytes - tiers_before.device_to_host_bytes;
+    s.nvme_read_bytes = (tiers_after.nvme_read_bytes - tiers_before.nvme_read_bytes) + u.nvme_read;
+    s.nvme_write_bytes = (tiers_after.nvme_write_bytes - tiers_before.nvme_write_bytes) + u.nvme_write;
     const double moved = static_cast<double>(s.host_to_device_bytes + s.device_to_host_bytes);
     if (options.copy_bandwidth > 0 && moved > 0) {
       s.transfer_seconds = moved / options.copy_bandwidth;
@@ -642,6 +789,7 @@ struct offload_engine::impl {
 
   std::uint64_t checkpoint(std::uint64_t data_cursor) {
     TERRACE_EXPECTS(nvme.has_value(), "offload engine: checkpoint without an NVMe dir");
+    finish_update();  // the state committed is every step's, and a resume continues from it
     record_block r{kRecordMagic, 1, adam->step_count(), data_cursor, options.seed,
                    layout_fingerprint()};
     std::memset(record_buffer, 0, kRecordBytes);
@@ -674,7 +822,9 @@ const std::optional<offload_engine_record>& offload_engine::resumed_from() const
   return impl_->resumed;
 }
 
-std::int64_t offload_engine::step_count() const noexcept { return impl_->adam->step_count(); }
+std::int64_t offload_engine::step_count() const noexcept { return impl_->completed_steps; }
+
+void offload_engine::finish_update() { impl_->finish_update(); }
 
 std::size_t offload_engine::state_bytes() const noexcept {
   return impl_->params * impl_->state_per_element();

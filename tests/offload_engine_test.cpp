@@ -3,7 +3,8 @@
 // the sim device: offloading changes no bit of the losses, a run killed with SIGKILL resumes
 // where its last checkpoint left off, every configuration that cannot train fails before the
 // first step with an error that says why, and with a fast copy engine the copies hide behind
-// compute.
+// compute. With delayed_update the same holds, and each step computes with the params of the step
+// before the last.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -189,6 +190,56 @@ TEST(OffloadEngine, ResumeRefusesAnotherSeedAndAnEmptyDirectory) {
   EXPECT_EQ(tools::run_train(again).steps.size(), 2u);
 }
 
+// ----------------------------------------------------------------------------- delayed update
+
+// The offloaded configuration with delayed_update: params and gradients still stream through a
+// device that holds about two layers and the optimizer's state lives on NVMe, but every home copy
+// is pinned (delayed_update needs that).
+train_options offloaded_delayed(const std::filesystem::path& dir, int steps) {
+  train_options o = offloaded(dir, steps);
+  o.host_budget = 0;
+  o.delayed_update = true;
+  return o;
+}
+
+TEST(OffloadEngine, DelayedUpdateOffloadedEqualsResidentAndResumesBitwise) {
+  constexpr int kSteps = 8;
+  testing::scratch_dir resident_dir("dpu-resident"), offloaded_dir("dpu-offloaded"),
+      resumed_dir("dpu-resumed");
+  train_options ro = base_options(resident_dir.path(), kSteps);
+  ro.resident = true;
+  ro.delayed_update = true;
+  ro.checkpoint_every = 4;  // a checkpoint completes the running update: the same in every run
+  const train_result resident = tools::run_train(ro);
+  train_options oo = offloaded_delayed(offloaded_dir.path(), kSteps);
+  oo.checkpoint_every = 4;
+  const train_result off = tools::run_train(oo);
+  EXPECT_GT(off.tiers.evictions, kSteps * 4);
+  EXPECT_GT(off.optimizer.nvme_state_bytes, 0u);
+  const auto a = losses(resident), b = losses(off);
+  ASSERT_EQ(a.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(b.size(), a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(a[i], b[i])) << "step " << i + 1 << ": resident " << a[i]
+                                           << ", offloaded " << b[i];
+    EXPECT_EQ(off.steps[i].step, static_cast<std::int64_t>(i + 1));
+  }
+  EXPECT_LT(a.back(), a.front() - 0.5f);  // it learns
+
+  // Stopped at the checkpoint of step 4 and resumed: steps 5..8 as in the uninterrupted run.
+  train_options first = offloaded_delayed(resumed_dir.path(), 4);
+  tools::run_train(first);
+  train_options rest = offloaded_delayed(resumed_dir.path(), kSteps);
+  rest.resume = true;
+  const train_result resumed = tools::run_train(rest);
+  ASSERT_EQ(resumed.first_step, 5);
+  ASSERT_EQ(resumed.steps.size(), 4u);
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_TRUE(bitwise_equal(resumed.steps[i].loss, b[4 + i]))
+        << "step " << 5 + i << ": resumed " << resumed.steps[i].loss << ", uninterrupted " << b[4 + i];
+  }
+}
+
 // ----------------------------------------------------------------------------- bad input
 
 // The engine made directly, so that the error types are the engine's own.
@@ -289,6 +340,62 @@ TEST(OffloadEngineBadInput, PinnedMemoryRefused) {
 
 // With a copy engine far faster than the step needs, the host hardly waits on copies: the
 // generous bound (the benchmark carries the 5% target) keeps a loaded machine from failing it.
+// The semantics, step by step: without a checkpoint in between, step t of a delayed run computes
+// with the params of step t-2. Step 1 and 2 use the initial params W0 (the first update is
+// published only after step 2's backward); step 3 uses W1, the params after one ordinary step on
+// batch 1. Each is compared with ordinary engines fed the batch that gives the same params.
+TEST(OffloadEngine, DelayedUpdateComputesWithTheParamsOfTwoStepsBefore) {
+  const auto config = small_model();
+  const auto corpus = tools::load_corpus("/usr/share/common-licenses/GPL-3", config.context);
+  std::vector<std::vector<std::uint8_t>> batch;
+  for (std::uint64_t i = 0; i < 3; ++i) batch.push_back(tools::sample_batch(corpus, config, 1, i));
+  offload_engine_options o;
+  o.optimizer.adam.threads = 1;
+  engine_fixture fd(64u << 20), fa(64u << 20), fb(64u << 20);
+  offload_engine_options od = o;
+  od.delayed_update = true;
+  auto delayed = fd.make(od);
+  auto a = fa.make(o), b = fb.make(o);
+  const float d1 = delayed->step(batch[0].data()).loss;
+  const float d2 = delayed->step(batch[1].data()).loss;
+  const offload_step_stats d3 = delayed->step(batch[2].data());
+  EXPECT_EQ(d3.step, 3);
+  EXPECT_FALSE(d3.skipped);
+  EXPECT_EQ(delayed->step_count(), 2);  // the third update may still be running
+  delayed->finish_update();
+  EXPECT_EQ(delayed->step_count(), 3);
+
+  const float a1 = a->step(batch[0].data()).loss;   // W0, then W1
+  const float a3 = a->step(batch[2].data()).loss;   // W1 on batch 3
+  const float b2 = b->step(batch[1].data()).loss;   // W0 on batch 2
+  EXPECT_TRUE(bitwise_equal(d1, a1)) << d1 << " " << a1;
+  EXPECT_TRUE(bitwise_equal(d2, b2)) << d2 << " " << b2;
+  EXPECT_TRUE(bitwise_equal(d3.loss, a3)) << d3.loss << " " << a3;
+  // And the delay is real: an ordinary run's step 2 computes with W1, not W0.
+  engine_fixture fc(64u << 20);
+  auto c = fc.make(o);
+  c->step(batch[0].data());
+  EXPECT_FALSE(bitwise_equal(c->step(batch[1].data()).loss, d2));
+}
+
+TEST(OffloadEngineBadInput, DelayedUpdateUnderAHostBudget) {
+  testing::scratch_dir dir("engine-dpu-host");
+  engine_fixture f(64u << 20);
+  offload_engine_options o;
+  o.nvme_dir = dir.path();
+  o.host_budget = 8u << 20;
+  o.delayed_update = true;
+  try {
+    f.make(o);
+    ADD_FAILURE() << "no error";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("delayed_update needs every home copy"), std::string::npos)
+        << e.what();
+  }
+  // Nothing was created in the directory.
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
 TEST(OffloadEngine, FastCopiesHideBehindCompute) {
   testing::scratch_dir dir("engine-overlap");
   train_options o = offloaded(dir.path(), 8);

@@ -181,6 +181,7 @@ offload_engine_options engine_options_for(const train_options& o, const device_b
   e.optimizer.adam.threads = o.optimizer_threads;
   e.optimizer.chunk_elements = o.chunk_elements;
   e.clip_norm = o.clip;
+  e.delayed_update = o.delayed_update;
   e.seed = o.seed;
   e.copy_bandwidth = device.properties().name == "sim" ? o.copy_bandwidth : 0.0;
   if (o.resident) {
@@ -299,6 +300,7 @@ train_result run_train(const train_options& options) {
       if (o.on_step) o.on_step(st, checkpoint);
     }
   }
+  engine->finish_update();  // delayed_update: the last step's update, before reading the state
 
   r.tiers = engine->tiers().stats();
   r.optimizer = engine->optimizer().stats();

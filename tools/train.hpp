@@ -40,6 +40,8 @@ struct train_options {
   int steps = 250;
   double lr = 3e-4;
   double clip = 1.0;  ///< global gradient norm clip; 0: none
+  /// The optimizer of step t runs beside the forward of t+1 (offload_engine_options).
+  bool delayed_update = false;
 
   // ---- the device
   std::string device = "sim";          ///< sim (default) or cuda

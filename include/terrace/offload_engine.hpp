@@ -13,7 +13,8 @@
 ///   optimizer global grad norm (clipping, optional), then the CPU Adam over every layer,
 ///             chunk-pipelined with NVMe; it writes the updated bf16 params straight into their
 ///             home copies (host_data(param, access::write)), from where the next forward's
-///             prefetch takes them (host_modified drops the stale device copies).
+///             prefetch takes them (host_modified drops the stale device copies). With
+///             delayed_update it runs on its own thread beside the next step's forward instead.
 ///
 /// The model is anything that implements layered_model (tools/train.hpp adapts the char-level
 /// demo model). A fully resident configuration (budgets large enough) runs the same arithmetic in
@@ -119,6 +120,14 @@ struct offload_engine_options {
   double clip_norm = 0.0;
   /// Skip a step whose gradients hold an inf or NaN (nothing is updated).
   bool skip_nonfinite = true;
+  /// ZeRO-Offload's delayed parameter update: the optimizer phase of step t (grad norm + CPU
+  /// Adam) runs on a thread of its own beside the forward of step t+1, which therefore still uses
+  /// the params before it; its params are published after the backward of t+1 (which waits for
+  /// it first, since it overwrites the gradients the update reads). So the update of step t uses
+  /// gradients computed on the params of step t-1 (one step staler than without it). Costs 2 B
+  /// of host memory per param. Needs host_budget 0. checkpoint() and finish_update() complete
+  /// the running update: the next step is then not delayed, and a resumed run continues bitwise.
+  bool delayed_update = false;
   /// Recorded in checkpoints; a resume with another seed is refused.
   std::uint64_t seed = 0;
 
@@ -135,13 +144,20 @@ struct offload_engine_options {
 /// @brief What one step did. Byte counts are this step's; the tier split is device<->host (the
 /// tier manager's copies) and host<->NVMe (its spills and reads plus the optimizer's state I/O).
 struct offload_step_stats {
-  std::int64_t step = 0;            ///< the optimizer's step count after this step
+  /// The optimizer's step count after this step (delayed_update: once the update this step
+  /// started is applied; one less should that update be skipped, which the next step reports).
+  std::int64_t step = 0;
   float loss = 0;
+  /// delayed_update: the fields about the update (skipped, grad_norm, optimizer_*) are those of
+  /// the update that finished during this step (the previous step's), if any.
   bool skipped = false;             ///< gradients were not finite: nothing was updated
   double grad_norm = 0;             ///< global L2 norm before clipping
-  double seconds = 0;               ///< wall time of the whole step
-  double forward_backward_seconds = 0;
+  double seconds = 0;               ///< wall time of the whole step (the training thread's)
+  double forward_backward_seconds = 0;  ///< optimizer_wait_seconds not included
   double optimizer_seconds = 0;     ///< grad norm + CPU Adam (its NVMe I/O included)
+  /// delayed_update: seconds the training thread waited for the update before backward; 0
+  /// without delayed_update (the optimizer then runs on the training thread).
+  double optimizer_wait_seconds = 0;
   std::int64_t host_to_device_bytes = 0;
   std::int64_t device_to_host_bytes = 0;
   std::int64_t nvme_read_bytes = 0;
@@ -184,8 +200,15 @@ class offload_engine {
 
   /// @brief One training step over `batch` (passed to layered_model::begin_batch).
   /// @throws whatever the model, the tiers or the optimizer throw; the optimizer state is then
-  ///         that of the last completed step (see offload_adam::step).
+  ///         that of the last completed step (see offload_adam::step). With delayed_update what
+  ///         the update thread threw comes out of the next step(), finish_update() or
+  ///         checkpoint().
   offload_step_stats step(const void* batch);
+
+  /// @brief delayed_update: waits for the update the last step started and publishes its params
+  /// (no-op without one). Call it before reading the params, the optimizer's state or stats, or
+  /// the tiers directly; the next step is then not delayed.
+  void finish_update();
 
   /// @brief Commits the engine's record (step, `data_cursor`, seed) and the optimizer's state to
   /// the NVMe store, atomically (one store checkpoint). @returns the store's generation.
@@ -194,7 +217,8 @@ class offload_engine {
 
   /// @brief The record this engine resumed from (nullopt for a fresh one).
   const std::optional<offload_engine_record>& resumed_from() const noexcept;
-  /// @brief Optimizer steps taken (the resumed ones included).
+  /// @brief Optimizer steps taken (the resumed ones included); with delayed_update, not counting
+  /// an update still running (finish_update).
   std::int64_t step_count() const noexcept;
 
   /// @brief Bytes of model state: bf16 params + fp32 grads + fp32 master + m + v.
