@@ -17,10 +17,11 @@
 //            wait for update t-1, publish W_{t-1} into the param home copies (forward and
 //            backward of a step use the same params)
 //            start update t
-// Only with every home copy pinned (no host budget): under a budget the two threads' host_data()
-// calls could move home copies out from under each other's pointers. Every fixed point of the
-// sequence is a step boundary, so the run is deterministic, and resident and offloaded runs
-// still agree bit for bit.
+// The update thread never holds a home copy's pointer: it copies the gradients out under the
+// tier manager's lock (read_home), so a home copy the training thread's acquires move to NVMe
+// (under a host budget) cannot change under it; it steps them in grads_copy, writes next_params,
+// and the training thread publishes those while no update runs. Every wait is at a fixed point of
+// the step, so the run is deterministic, and resident and offloaded runs still agree bit for bit.
 #include "terrace/stats.hpp"
 #include "terrace/offload_engine.hpp"
 
@@ -406,10 +407,6 @@ struct offload_engine::impl {
   }
 
   void setup(const layered_model_factory& make_model) {
-    TERRACE_EXPECTS(!options.delayed_update || options.host_budget == 0,
-                    "offload engine: delayed_update needs every home copy of params and gradients "
-                    "in pinned memory (host_budget 0): under a host budget the optimizer's thread "
-                    "and the training thread would move home copies out from under each other");
     compute = device.create_stream();
     model = make_model(memory, compute);
     TERRACE_EXPECTS(model != nullptr && model->layer_count() > 0,
@@ -584,13 +581,11 @@ struct offload_engine::impl {
     const offload_adam_stats before = adam->stats();
     update_result u;
     if (delayed) {
+      const auto t = clock_type::now();
       for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-        const auto t = clock_type::now();
-        const void* g = tm->host_data(it->grad);
-        u.grad_wait += seconds_since(t);
-        std::memcpy(grads_copy.data() + next_offset[static_cast<std::size_t>(it - layers.rbegin())], g,
-                    it->elements * 4);
+        tm->read_home(it->grad, grads_copy.data() + next_offset[static_cast<std::size_t>(it - layers.rbegin())]);
       }
+      u.grad_wait += seconds_since(t);
       copied->set_value();
     }
     adam_step_options so;
@@ -603,7 +598,8 @@ struct offload_engine::impl {
       if (options.clip_norm > 0) so.clip_coef = clip_coefficient(u.grad_norm, options.clip_norm);
     }
     if (finite || !options.skip_nonfinite) {
-      u.grad_wait += options.host_budget == 0 ? step_in_place(so, delayed) : step_staged(so);
+      // delayed: the tier manager is not touched (grads_copy in, next_params out).
+      u.grad_wait += delayed || options.host_budget == 0 ? step_in_place(so, delayed) : step_staged(so);
     } else {
       u.skipped = true;
     }

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "scratch_dir.hpp"
@@ -100,6 +101,68 @@ TEST(TierManagerNvme, DataSurvivesEvictionToHostAndToNvme) {
   EXPECT_LE(s.host_bytes_peak, static_cast<std::int64_t>(3 * kBytes));
   // With the schedule recorded, most reads start ahead of use.
   EXPECT_GT(s.nvme_prefetches, 0);
+}
+
+// read_home copies a home copy out under the manager's lock, so another thread whose acquires
+// move home copies to NVMe and back (host budget: 3 of 8 tensors) cannot change it mid-copy, as it
+// could a host_data() pointer. The optimizer thread of offload_engine's delayed_update does this.
+TEST(TierManagerNvme, ReadHomeIsSafeWhileAnotherThreadMovesHomeCopies) {
+  testing::scratch_dir dir("tm-read-home");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  std::vector<tensor_id> acquired, read;  // the training thread's tensors, the reader's
+  for (int i = 0; i < 8; ++i) {
+    (i % 2 == 0 ? acquired : read).push_back(r.tm->add("t" + std::to_string(i), kBytes, pattern(i).data()));
+  }
+  std::atomic<int> wrong{0}, copies{0};
+  std::atomic<bool> stop{false};
+  std::thread reader([&] {
+    std::vector<unsigned char> out(kBytes);
+    while (!stop.load()) {
+      for (std::size_t j = 0; j < read.size(); ++j) {
+        r.tm->read_home(read[j], out.data());
+        if (out != pattern(static_cast<int>(2 * j + 1))) wrong.fetch_add(1);
+        copies.fetch_add(1);
+      }
+    }
+  });
+  for (int it = 0; it < 20 || copies.load() < 40; ++it) {
+    for (tensor_id id : acquired) {
+      r.tm->acquire(id, r.compute, access::read);
+      r.tm->release(id, r.compute);
+    }
+    r.dev->synchronize(r.compute);
+  }
+  stop = true;
+  reader.join();
+  r.tm->check_invariants();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(r.tm->stats().host_evictions, 8);
+  // The reader's tensors went to NVMe and came back too.
+  EXPECT_GT(r.tm->stats().nvme_read_bytes, static_cast<std::int64_t>(8 * kBytes));
+}
+
+// A tensor only on NVMe is read straight into the caller's buffer (no home buffer taken); a read
+// error reaches the caller and leaves the tensor readable.
+TEST(TierManagerNvme, ReadHomeOfATensorOnNvme) {
+  testing::scratch_dir dir("tm-read-nvme");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(r.tm->add("n" + std::to_string(i), kBytes, pattern(i).data()));
+  ASSERT_FALSE(r.tm->on_host(ids[0]));  // pushed to NVMe by the later adds
+  std::vector<unsigned char> out(kBytes);
+  io_fault f;
+  f.what = io_fault::kind::eio;
+  f.writes = false;
+  store.inject_fault(f);
+  EXPECT_THROW(r.tm->read_home(ids[0], out.data()), io_error);
+  const auto host_before = r.tm->stats().host_bytes;
+  r.tm->read_home(ids[0], out.data());  // the fault is gone
+  EXPECT_EQ(out, pattern(0));
+  EXPECT_FALSE(r.tm->on_host(ids[0]));
+  EXPECT_EQ(r.tm->stats().host_bytes, host_before);
+  r.tm->check_invariants();
 }
 
 TEST(TierManagerNvme, ACheckpointResumesWithTheSameNames) {

@@ -116,7 +116,6 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       {"--corpus /nonexistent/corpus.txt --steps 2", "cannot read the corpus"},
       {"--resume --steps 2", "holds no checkpoint"},
       {"--steps 0", "--steps must be at least 1"},
-      {"--delayed-update --host-budget 64MiB --steps 2", "delayed_update needs every home copy"},
   };
   for (const bad_case& c : cases) {
     const run_result r = train(c.args + d);

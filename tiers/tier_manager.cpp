@@ -653,6 +653,24 @@ struct tier_manager::impl {
 
   void* host_data(tensor_id id, access mode) {
     std::lock_guard lock(mutex);
+    return host_data_locked(id, mode);
+  }
+
+  void read_home(tensor_id id, void* out) {
+    std::lock_guard lock(mutex);
+    tensor& t = at(id, "read_home");
+    if (t.pins == 0 && t.host == nullptr && !(t.dev != nullptr && t.dev_newer) && t.nvme_current) {
+      // Only on NVMe: read it straight into `out`. A home buffer would need room in the host
+      // budget, which the training thread's tensors may be holding (the caller runs beside it);
+      // the lock keeps the stored copy from being replaced meanwhile.
+      nvme->get(t.name, out, t.bytes).wait();
+      counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
+      return;
+    }
+    std::memcpy(out, host_data_locked(id, access::read), t.bytes);
+  }
+
+  void* host_data_locked(tensor_id id, access mode) {
     tensor& t = at(id, "host_data");
     if (t.pins > 0) {
       throw logic_error("terrace: tier manager: host_data of '" + t.name +
@@ -836,6 +854,7 @@ void* tier_manager::acquire(tensor_id id, stream_ref stream, access mode) {
 void tier_manager::release(tensor_id id, stream_ref stream) { impl_->release(id, stream); }
 void* tier_manager::host_data(tensor_id id) { return impl_->host_data(id, access::update); }
 void* tier_manager::host_data(tensor_id id, access mode) { return impl_->host_data(id, mode); }
+void tier_manager::read_home(tensor_id id, void* out) { impl_->read_home(id, out); }
 void tier_manager::flush(tensor_id id) { impl_->flush(id); }
 void tier_manager::host_modified(tensor_id id) { impl_->host_modified(id); }
 

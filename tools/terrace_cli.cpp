@@ -356,7 +356,7 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
                 "budgets so large that nothing is offloaded (the peer run)");
   cmd->add_flag("--delayed-update", o.delayed_update,
                 "run each step's CPU optimizer beside the next step's forward (ZeRO-Offload's "
-                "delayed parameter update: one step staler gradients; needs --host-budget 0)");
+                "delayed parameter update: one step staler gradients)");
   cmd->add_option("--report", args.report,
                   "the memory report (HTML; default: <dir>/memory-report.html)");
   cmd->add_flag("--no-report", args.no_report, "write no memory report");

@@ -121,12 +121,13 @@ struct offload_engine_options {
   /// Skip a step whose gradients hold an inf or NaN (nothing is updated).
   bool skip_nonfinite = true;
   /// ZeRO-Offload's delayed parameter update: the optimizer phase of step t (grad norm + CPU
-  /// Adam) runs on a thread of its own beside the forward of step t+1, which therefore still uses
-  /// the params before it; its params are published after the backward of t+1 (which waits for
-  /// it first, since it overwrites the gradients the update reads). So the update of step t uses
-  /// gradients computed on the params of step t-1 (one step staler than without it). Costs 2 B
-  /// of host memory per param. Needs host_budget 0. checkpoint() and finish_update() complete
-  /// the running update: the next step is then not delayed, and a resumed run continues bitwise.
+  /// Adam) runs on a thread of its own beside step t+1, which therefore still computes with the
+  /// params before it; its params are published after the backward of t+1 (which first waits
+  /// until it has copied the gradients out, since it overwrites them). So the update of step t
+  /// uses gradients computed on the params of step t-1 (one step staler than without it). Costs
+  /// 6 B of pageable host memory per param (a copy of the gradients and of the new bf16 params).
+  /// checkpoint() and finish_update() complete the running update: the next step is then not
+  /// delayed, and a resumed run continues bitwise.
   bool delayed_update = false;
   /// Recorded in checkpoints; a resume with another seed is refused.
   std::uint64_t seed = 0;

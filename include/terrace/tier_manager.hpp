@@ -141,6 +141,14 @@ class tier_manager {
   /// @throws logic_error as host_data(id); out_of_memory when the home copy was on NVMe and the
   ///         host budget has no room for it.
   void* host_data(tensor_id id, access mode);
+  /// @brief Copies the home copy, made current as host_data(id) makes it, into `out` (size(id)
+  /// bytes), all under the manager's lock. A host_data() pointer may be invalidated by another
+  /// thread's call that moves the home copy to NVMe (under a host budget); this cannot be. A
+  /// tensor only on NVMe is read straight into `out` (no home buffer is taken; other calls wait
+  /// for the read). For an optimizer that runs beside the training thread (offload_engine's
+  /// delayed_update).
+  /// @throws as host_data(id); io_error or checksum_error from the NVMe read.
+  void read_home(tensor_id id, void* out);
   /// @brief Starts copying a device copy that is newer than the home copy down to it, on the copy
   /// stream after the work queued so far on the stream the tensor was last released on, without
   /// blocking the host; a later host_data() waits for that copy. The device copy stays (and stays
