@@ -551,9 +551,9 @@ struct offload_engine::impl {
 
   // Everything in pinned memory (no host budget): the optimizer reads the gradients and writes
   // the bf16 params straight in their home copies, all layers in one step, so its NVMe pipeline
-  // runs over the whole model. Nothing can move a home copy out meanwhile.
-  // With delayed_update the gradients come from grads_copy and the bf16 params go to
-  // next_params, published later.
+  // runs over the whole model. Nothing can move a home copy out meanwhile. With delayed_update
+  // (any host budget) it touches no home copy: the gradients come from grads_copy and the bf16
+  // params go to next_params, published later.
   double step_in_place(const adam_step_options& so, bool delayed) {
     double waited = 0;
     std::vector<offload_group_step> groups;
@@ -711,9 +711,11 @@ struct offload_engine::impl {
     s.loss = model->loss();
     // delayed_update: the last step's update runs beside this step; backward overwrites the
     // gradients' home copies, so it must have copied them out by now.
-    const auto copy_wait = clock_type::now();
-    wait_grads_copied();
-    s.optimizer_wait_seconds = seconds_since(copy_wait);
+    if (grads_copied.valid()) {
+      const auto copy_wait = clock_type::now();
+      wait_grads_copied();
+      s.optimizer_wait_seconds = seconds_since(copy_wait);
+    }
     for (std::size_t i = layers.size(); i-- > 0;) {
       const auto* p = static_cast<const std::uint16_t*>(tm->acquire(layers[i].param, compute));
       auto* g = static_cast<float*>(tm->acquire(layers[i].grad, compute, access::write));
@@ -725,7 +727,7 @@ struct offload_engine::impl {
       tm->release(layers[i].grad, compute);
       tm->flush(layers[i].grad);  // home while the layers below run their backward
     }
-    s.forward_backward_seconds = seconds_since(start) - s.optimizer_wait_seconds;  // so far
+    s.forward_backward_seconds = seconds_since(start) - s.optimizer_wait_seconds;
     s.exposed_transfer_seconds = model->wait_seconds() - wait_before;
 
     update_result u;

@@ -142,29 +142,6 @@ TEST(TierManagerNvme, ReadHomeIsSafeWhileAnotherThreadMovesHomeCopies) {
   EXPECT_GT(r.tm->stats().nvme_read_bytes, static_cast<std::int64_t>(8 * kBytes));
 }
 
-// A tensor only on NVMe is read straight into the caller's buffer (no home buffer taken); a read
-// error reaches the caller and leaves the tensor readable.
-TEST(TierManagerNvme, ReadHomeOfATensorOnNvme) {
-  testing::scratch_dir dir("tm-read-nvme");
-  auto store = tensor_store::create(dir.path(), store_options());
-  rig3 r(store);
-  std::vector<tensor_id> ids;
-  for (int i = 0; i < 6; ++i) ids.push_back(r.tm->add("n" + std::to_string(i), kBytes, pattern(i).data()));
-  ASSERT_FALSE(r.tm->on_host(ids[0]));  // pushed to NVMe by the later adds
-  std::vector<unsigned char> out(kBytes);
-  io_fault f;
-  f.what = io_fault::kind::eio;
-  f.writes = false;
-  store.inject_fault(f);
-  EXPECT_THROW(r.tm->read_home(ids[0], out.data()), io_error);
-  const auto host_before = r.tm->stats().host_bytes;
-  r.tm->read_home(ids[0], out.data());  // the fault is gone
-  EXPECT_EQ(out, pattern(0));
-  EXPECT_FALSE(r.tm->on_host(ids[0]));
-  EXPECT_EQ(r.tm->stats().host_bytes, host_before);
-  r.tm->check_invariants();
-}
-
 TEST(TierManagerNvme, ACheckpointResumesWithTheSameNames) {
   testing::scratch_dir dir("tm-ckpt");
   {
@@ -184,17 +161,23 @@ TEST(TierManagerNvme, ACheckpointResumesWithTheSameNames) {
   EXPECT_EQ(run_iteration(r, ids, 1), 0);  // the checkpointed contents: pattern + 1
 }
 
-TEST(TierManagerNvme, AnNvmeReadErrorReachesTheCallerAndLeavesTheTensorReadable) {
-  testing::scratch_dir dir("tm-eio");
-  auto store = tensor_store::create(dir.path(), store_options());
-  rig3 r(store);
+// Six tensors, the first pushed to NVMe by the later adds; then the store's next read fails (EIO).
+std::vector<tensor_id> first_on_nvme_with_a_read_fault(rig3& r, tensor_store& store) {
   std::vector<tensor_id> ids;
   for (int i = 0; i < 6; ++i) ids.push_back(r.tm->add("e" + std::to_string(i), kBytes, pattern(i).data()));
-  ASSERT_FALSE(r.tm->on_host(ids[0]));  // pushed to NVMe by the later adds
+  EXPECT_FALSE(r.tm->on_host(ids[0]));
   io_fault f;
   f.what = io_fault::kind::eio;
   f.writes = false;
   store.inject_fault(f);
+  return ids;
+}
+
+TEST(TierManagerNvme, AnNvmeReadErrorReachesTheCallerAndLeavesTheTensorReadable) {
+  testing::scratch_dir dir("tm-eio");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  const std::vector<tensor_id> ids = first_on_nvme_with_a_read_fault(r, store);
   EXPECT_THROW(r.tm->acquire(ids[0], r.compute), io_error);
   r.tm->check_invariants();
   auto* p = static_cast<unsigned char*>(r.tm->acquire(ids[0], r.compute));  // the fault is gone
@@ -203,6 +186,23 @@ TEST(TierManagerNvme, AnNvmeReadErrorReachesTheCallerAndLeavesTheTensorReadable)
   r.tm->release(ids[0], r.compute);
   r.dev->synchronize(r.compute);
   EXPECT_EQ(seen.load(), pattern(0)[100]);
+}
+
+// A tensor only on NVMe is read straight into the caller's buffer (no home buffer taken); a read
+// error reaches the caller and leaves the tensor readable.
+TEST(TierManagerNvme, ReadHomeOfATensorOnNvme) {
+  testing::scratch_dir dir("tm-read-nvme");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  const std::vector<tensor_id> ids = first_on_nvme_with_a_read_fault(r, store);
+  std::vector<unsigned char> out(kBytes);
+  EXPECT_THROW(r.tm->read_home(ids[0], out.data()), io_error);
+  const auto host_before = r.tm->stats().host_bytes;
+  r.tm->read_home(ids[0], out.data());  // the fault is gone
+  EXPECT_EQ(out, pattern(0));
+  EXPECT_FALSE(r.tm->on_host(ids[0]));
+  EXPECT_EQ(r.tm->stats().host_bytes, host_before);
+  r.tm->check_invariants();
 }
 
 // A home copy that lives on NVMe and is about to be overwritten is not read back.
