@@ -109,13 +109,19 @@ void plan_front::reset_recording() {
   rec_size_.clear();
   rec_stream_.clear();
   rec_key_.clear();
+  token_stream_.clear();
+  lead_seen_ = 0;
   window_seen_.clear();
   explicit_begin_ = SIZE_MAX;
   for (auto& [addr, e] : live_) e.rec_id = -1;
 }
 
-void plan_front::push_token(std::uint64_t token, std::int64_t delta) {
+void plan_front::push_token(std::uint64_t token, std::int64_t delta, std::uintptr_t stream) {
   tokens_.push_back(token);
+  token_stream_.push_back(stream);
+  if (!lanes_.empty() && stream == lanes_[lead_lane_].stream) {
+    lead_window_[lead_seen_++ % kAnchorTokens] = token;
+  }
   prefix_hash_.push_back((mulmod(prefix_hash_.back(), kBase) + (token % (kMod - 1)) + 1) % kMod);
   pow_.push_back(mulmod(pow_.back(), kBase));
   prefix_bytes_.push_back(prefix_bytes_.back() + delta);
@@ -257,7 +263,18 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   taken_gen_.assign(slots_.size(), 0);
   plan_hash_ = range_hash(lo, hi);
   plan_period_ = hi - lo;
-  anchor_hash_ = range_hash(hi - std::min(kWindow, hi - lo), hi);
+  // The anchor: the lead stream's last tokens before the boundary (its own order; the other
+  // streams may interleave with it differently from one step to the next).
+  {
+    std::vector<std::uint64_t> last;
+    for (std::size_t i = hi; !lanes_.empty() && i-- > lo && last.size() < kAnchorTokens;) {
+      if (token_stream_[i] == lanes_[lead_lane_].stream) last.push_back(tokens_[i]);
+    }
+    std::reverse(last.begin(), last.end());
+    anchor_len_ = last.size();
+    anchor_hash_ = window_hash(last.data(), last.size(), 0);
+    lead_seen_ = 0;  // the window fills again from the next lead token on
+  }
   mode_ = mode::seeking;
   stats_.active = !slots_.empty();
   stats_.period_allocs = static_cast<std::int64_t>(slots_.size());
@@ -270,11 +287,22 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   note_totals(last_totals_);
 }
 
+// n tokens of a ring of kAnchorTokens from `first` on (or of a plain array, with first 0).
+std::uint64_t plan_front::window_hash(const std::uint64_t* ring, std::size_t n,
+                                      std::size_t first) noexcept {
+  std::uint64_t h = 0x9ae16a3b2f90404full;
+  for (std::size_t i = 0; i < n; ++i) h = mix(h ^ ring[(first + i) % kAnchorTokens]);
+  return h;
+}
+
+// Seeking, a request with slot 0's key: is this the boundary? When the lead stream's last tokens
+// are those before the planned boundary.
 bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
   if (slots_.empty() || slot_live_ != 0 || replan_pending_ || key != slots_[0].key) return false;
-  const std::size_t w = std::min(kWindow, plan_period_);
-  const std::size_t n = tokens_.size();
-  return n >= w && range_hash(n - w, n) == anchor_hash_;
+  if (lead_seen_ < anchor_len_) return false;
+  // The ring holds the last min(lead_seen_, kWindow) lead tokens; the last anchor_len_ of them.
+  const std::size_t first = (lead_seen_ - anchor_len_) % kAnchorTokens;
+  return window_hash(lead_window_.data(), anchor_len_, first) == anchor_hash_;
 }
 
 // REQUIRES: no slot block is live in the arena (blocks served from hole tails may be).
@@ -840,7 +868,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
   rec_size_.push_back(rounded);
   rec_stream_.push_back(st);
   rec_key_.push_back(key);
-  push_token(key, static_cast<std::int64_t>(rounded));
+  push_token(key, static_cast<std::int64_t>(rounded), st);
   detect_steady_state();
   return nullptr;
 }
@@ -888,7 +916,7 @@ bool plan_front::on_free(void* p) {
     if (e.rec_id >= 0 && static_cast<std::size_t>(e.rec_id) < rec_free_pos_.size()) {
       rec_free_pos_[static_cast<std::size_t>(e.rec_id)] = static_cast<std::uint32_t>(tokens_.size());
     }
-    push_token(mix(e.key ^ 0x5bd1e995ull) ^ e.size, -static_cast<std::int64_t>(e.size));
+    push_token(mix(e.key ^ 0x5bd1e995ull) ^ e.size, -static_cast<std::int64_t>(e.size), e.stream);
     detect_steady_state();
   }
   if (e.slot >= 0) {

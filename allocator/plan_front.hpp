@@ -4,6 +4,7 @@
 // which the owner (caching_allocator) calls. Internal to allocator/.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -142,7 +143,9 @@ class plan_front {
   enum class mode { learning, in_sync, seeking };
 
   std::uint64_t key_of(std::size_t rounded, std::uintptr_t stream, std::string_view tag) const;
-  void push_token(std::uint64_t token, std::int64_t delta);
+  void push_token(std::uint64_t token, std::int64_t delta, std::uintptr_t stream);
+  static std::uint64_t window_hash(const std::uint64_t* ring, std::size_t n,
+                                   std::size_t first) noexcept;
   std::uint64_t range_hash(std::size_t lo, std::size_t hi) const noexcept;
   void reset_recording();
   void detect_steady_state();
@@ -188,6 +191,7 @@ class plan_front {
   std::vector<std::size_t> rec_size_;
   std::vector<std::uintptr_t> rec_stream_;
   std::vector<std::uint64_t> rec_key_;
+  std::vector<std::uintptr_t> token_stream_;  // the stream of each token (a free: its block's)
   std::unordered_map<std::uint64_t, std::uint32_t> window_seen_;
   std::size_t explicit_begin_ = 0;             // token position of begin_iteration()
   std::uint64_t last_explicit_hash_ = 0;
@@ -200,7 +204,13 @@ class plan_front {
   std::vector<std::uint32_t> plan_item_slot_;  // plan_items_[i] is slots_[plan_item_slot_[i]]
   std::unordered_map<std::uintptr_t, std::vector<std::uintptr_t>> arena_streams_;  // record_stream
   std::uint64_t plan_hash_ = 0;          // hash of the planned iteration's tokens
-  std::uint64_t anchor_hash_ = 0;        // hash of the tokens just before its boundary
+  // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
+  // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).
+  static constexpr std::size_t kAnchorTokens = 16;
+  std::uint64_t anchor_hash_ = 0;
+  std::size_t anchor_len_ = 0;
+  std::array<std::uint64_t, kAnchorTokens> lead_window_{};
+  std::size_t lead_seen_ = 0;
   std::size_t plan_period_ = 0;          // tokens per iteration
   void* arena_ = nullptr;
   std::size_t arena_bytes_ = 0;

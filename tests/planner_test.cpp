@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -472,12 +473,13 @@ TEST(PlannedPolicy, ExtraRequestsAndStreamInterleavingStayPlanned) {
   EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
 }
 
-// Each stream repeats exactly, but the copy stream runs ahead of the compute stream by a varying
-// number of requests across every boundary (a prefetch that, depending on timing, is issued before
-// or after the compute stream's last frees), as in a 250-step `terrace train` run on a busy machine
-// (docs/planning.md). Each stream keeps to the plan on its own, so no request misses its slot;
-// with one cursor for both streams, 14% of the requests missed there.
-TEST(PlannedPolicy, StreamsThatShiftAgainstEachOtherStayPlanned) {
+// Two streams as in an offloaded training step, each repeating exactly, but the copy stream runs
+// ahead of the compute stream by a varying number of requests (0-9) across every boundary (a
+// prefetch that, depending on timing, is issued before or after the compute stream's last frees),
+// as in a 250-step `terrace train` run on a busy machine (docs/planning.md). Iterations in
+// `other_shape` request 8 KiB more per param. Returns the plan's stats after 40 iterations; every
+// allocation is checked for overlap.
+terrace::planner_stats run_shifted_streams(const std::set<int>& other_shape) {
   auto dev = terrace::make_device("null");
   const terrace::stream_ref copy = dev->create_stream(), compute = dev->create_stream();
   terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned,plan_min_period:16"));
@@ -496,10 +498,11 @@ TEST(PlannedPolicy, StreamsThatShiftAgainstEachOtherStayPlanned) {
   constexpr int kIterations = 40, kLayers = 6;
   for (int it = 0; it < kIterations; ++it) {
     const int lead = it < 8 ? 0 : static_cast<int>(rng() % 4) * 3;  // learning sees no shift
+    const std::size_t param_bytes = (std::size_t{2} << 20) + (other_shape.count(it) ? 8192 : 0);
     std::vector<int> params, acts;
     for (int layer = 0; layer < kLayers; ++layer) {
       params.push_back(next_id++);
-      copy_ops.push_back({true, std::size_t{2} << 20, params.back()});
+      copy_ops.push_back({true, param_bytes, params.back()});
       copy_lead.push_back(lead);
       for (int k = 0; k < 3; ++k) {
         acts.push_back(next_id++);
@@ -543,13 +546,31 @@ TEST(PlannedPolicy, StreamsThatShiftAgainstEachOtherStayPlanned) {
     }
   }
   a.check_invariants();
-  const auto ps = a.plan_stats();
+  EXPECT_TRUE(live.empty());
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+  return a.plan_stats();
+}
+
+// Each stream keeps to the plan on its own, so no request misses its slot. With one cursor for
+// both streams, 39 did here (and 14% of the requests on the busy-box trace).
+TEST(PlannedPolicy, StreamsThatShiftAgainstEachOtherStayPlanned) {
+  const auto ps = run_shifted_streams({});
   EXPECT_EQ(ps.plans, 1);
   EXPECT_EQ(ps.lost_iterations, 0);
   EXPECT_GT(ps.iterations, 25) << ps.allocs_under_plan << " allocations under the plan";
   EXPECT_EQ(ps.deviations, 0) << ps.planned_hits << " of " << ps.allocs_under_plan;
-  EXPECT_TRUE(live.empty());
-  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+}
+
+// Two iterations of another shape leave the plan (one lost iteration: the second is served while
+// seeking), and it comes back at the next boundary of the lead stream, although the copy stream
+// interleaves differently there: the boundary is recognised by the lead stream's own tokens.
+// Measured 55 deviations (the two iterations are 50); recognised by both streams' tokens, 355
+// (the plan came back 12 iterations later).
+TEST(PlannedPolicy, ShiftedStreamsResynchroniseAfterAnotherShape) {
+  const auto ps = run_shifted_streams({15, 16});
+  EXPECT_EQ(ps.plans, 1);
+  EXPECT_EQ(ps.lost_iterations, 1);
+  EXPECT_LE(ps.deviations, 3 * 25) << ps.planned_hits << " of " << ps.allocs_under_plan;
 }
 
 // tests/data/train_offload_trace.jsonl: the device allocator's trace recorded live by
