@@ -92,7 +92,8 @@ void check_options(const adam_options& o) {
   TERRACE_EXPECTS(std::isfinite(o.eps) && o.eps > 0, "adam: eps must be > 0, got " + std::to_string(o.eps));
   TERRACE_EXPECTS(std::isfinite(o.weight_decay) && o.weight_decay >= 0,
                   "adam: weight_decay must be >= 0, got " + std::to_string(o.weight_decay));
-  TERRACE_EXPECTS(o.mode == adam_mode::adam || o.mode == adam_mode::adamw, "adam: unknown mode");
+  TERRACE_EXPECTS(o.mode == adam_mode::adam || o.mode == adam_mode::adamw || o.mode == adam_mode::lion,
+                  "adam: unknown mode " + std::to_string(static_cast<int>(o.mode)));
   TERRACE_EXPECTS(o.state_dtype == dtype::f32 || o.state_dtype == dtype::bf16,
                   "adam: state_dtype must be f32 or bf16, got " + std::string(to_string(o.state_dtype)));
 }
@@ -114,9 +115,11 @@ namespace detail {
 adam_scalars make_adam_scalars(const adam_options& o, std::int64_t step, float grad_scale,
                                float clip_coef) noexcept {
   // Python floats are doubles: torch computes these in double and the kernels see them as float.
-  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(step));
-  const bool decoupled = o.mode == adam_mode::adamw;
+  // Lion has no bias correction: its step size is lr.
+  const bool lion = o.mode == adam_mode::lion;
+  const double bc1 = lion ? 1.0 : 1.0 - std::pow(o.beta1, static_cast<double>(step));
+  const double bc2 = lion ? 1.0 : 1.0 - std::pow(o.beta2, static_cast<double>(step));
+  const bool decoupled = o.mode == adam_mode::adamw || lion;
   return {
       static_cast<float>(o.beta1),
       static_cast<float>(o.beta2),
@@ -226,10 +229,11 @@ bool adam_optimizer::step(const adam_buffers& b, const adam_step_options& so) {
                                               " elements, so it needs " + std::to_string(n * element));
   };
   check_length(b.exp_avg.size(), state, "exp_avg");
-  check_length(b.exp_avg_sq.size(), state, "exp_avg_sq");
+  const bool lion = impl_->options.mode == adam_mode::lion;
+  if (!lion || !b.exp_avg_sq.empty()) check_length(b.exp_avg_sq.size(), state, "exp_avg_sq");
   check_length(b.grad.size(), size_of(so.grad_dtype), "grad");
   if (!b.param_copy.empty()) check_length(b.param_copy.size(), size_of(so.copy_dtype), "param_copy");
-  const adam_tensor t{b.param.data(), b.exp_avg.data(), b.exp_avg_sq.data(), b.grad.data(),
+  const adam_tensor t{b.param.data(), b.exp_avg.data(), lion ? nullptr : b.exp_avg_sq.data(), b.grad.data(),
                       b.param_copy.empty() ? nullptr : b.param_copy.data(), n};
   return step(std::span<const adam_tensor>(&t, 1), so);
 }
@@ -241,6 +245,7 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
   TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef > 0,
                   "adam: clip_coef must be finite and > 0, got " + std::to_string(so.clip_coef));
   const dtype state = impl_->options.state_dtype;
+  const bool lion = impl_->options.mode == adam_mode::lion;
   std::size_t total = 0;
   std::size_t with_copy = 0;
   std::size_t non_empty = 0;
@@ -250,7 +255,7 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
     ++non_empty;
     check_buffer(t.param, dtype::f32, i, "param");
     check_buffer(t.exp_avg, state, i, "exp_avg");
-    check_buffer(t.exp_avg_sq, state, i, "exp_avg_sq");
+    if (!lion) check_buffer(t.exp_avg_sq, state, i, "exp_avg_sq");
     check_buffer(t.grad, so.grad_dtype, i, "grad");
     if (t.param_copy != nullptr) {
       check_buffer(t.param_copy, so.copy_dtype, i, "param_copy");
@@ -269,7 +274,7 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
 
   const std::int64_t t = impl_->steps.load(std::memory_order_relaxed) + 1;
   const detail::adam_scalars s = detail::make_adam_scalars(impl_->options, t, so.grad_scale, so.clip_coef);
-  const detail::adam_config c{so.grad_dtype, state, so.copy_dtype, with_copy != 0};
+  const detail::adam_config c{so.grad_dtype, state, so.copy_dtype, with_copy != 0, lion};
   const std::size_t gsize = size_of(so.grad_dtype);
   const std::size_t ssize = size_of(state);
   const std::size_t csize = size_of(so.copy_dtype);
@@ -284,7 +289,7 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
       const detail::adam_span span{
           x.param + b,
           static_cast<std::byte*>(x.exp_avg) + b * ssize,
-          static_cast<std::byte*>(x.exp_avg_sq) + b * ssize,
+          lion ? nullptr : static_cast<std::byte*>(x.exp_avg_sq) + b * ssize,
           static_cast<const std::byte*>(x.grad) + b * gsize,
           c.has_copy ? static_cast<std::byte*>(x.param_copy) + b * csize : nullptr,
           e - b,

@@ -18,6 +18,11 @@ struct avx2_traits {
   static F fmadd(F a, F b, F c) noexcept { return _mm256_fmadd_ps(a, b, c); }
   static F sqrt(F a) noexcept { return _mm256_sqrt_ps(a); }
   static F div(F a, F b) noexcept { return _mm256_div_ps(a, b); }
+  static F sign(F a) noexcept {
+    const F zero = _mm256_setzero_ps();
+    F r = _mm256_blendv_ps(a, _mm256_set1_ps(1.0f), _mm256_cmp_ps(a, zero, _CMP_GT_OQ));
+    return _mm256_blendv_ps(r, _mm256_set1_ps(-1.0f), _mm256_cmp_ps(a, zero, _CMP_LT_OQ));
+  }
   static F load_f32(const float* p) noexcept { return _mm256_loadu_ps(p); }
   static F load_bf16(const std::uint16_t* p) noexcept {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

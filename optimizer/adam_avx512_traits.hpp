@@ -21,6 +21,11 @@ struct avx512_traits {
   static F fmadd(F a, F b, F c) noexcept { return _mm512_fmadd_ps(a, b, c); }
   static F sqrt(F a) noexcept { return _mm512_sqrt_ps(a); }
   static F div(F a, F b) noexcept { return _mm512_div_ps(a, b); }
+  static F sign(F a) noexcept {
+    const F zero = _mm512_setzero_ps();
+    F r = _mm512_mask_mov_ps(a, _mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+    return _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
+  }
   static F load_f32(const float* p) noexcept { return _mm512_loadu_ps(p); }
   static F load_bf16(const std::uint16_t* p) noexcept {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// The Adam update and the gradient scan, written once over a vector-traits type V and included by
-// each instruction-set translation unit. V provides F (a vector of N floats), set1, add, mul,
-// fmadd (a*b+c), sqrt, div, and loads/stores of N elements as f32, bf16 and f16, all unaligned.
+// The Adam and Lion updates and the gradient scan, written once over a vector-traits type V and
+// included by each instruction-set translation unit. V provides F (a vector of N floats), set1,
+// add, mul, fmadd (a*b+c), sqrt, div, sign (1, -1, or x itself for zeros and NaN), and loads/stores
+// of N elements as f32, bf16 and f16, all unaligned.
 //
 // Internal linkage throughout (see half.hpp): each translation unit gets its own copy, compiled
 // for its own instruction set.
@@ -26,6 +27,7 @@ struct scalar_traits {
   static F fmadd(F a, F b, F c) noexcept { return a * b + c; }
   static F sqrt(F a) noexcept { return __builtin_sqrtf(a); }
   static F div(F a, F b) noexcept { return a / b; }
+  static F sign(F a) noexcept { return a > 0.0f ? 1.0f : a < 0.0f ? -1.0f : a; }
   static F load_f32(const float* p) noexcept { return *p; }
   static F load_bf16(const std::uint16_t* p) noexcept { return bf16_to_float(*p); }
   static F load_f16(const std::uint16_t* p) noexcept { return f16_to_float(*p); }
@@ -76,9 +78,22 @@ struct adam_vectors {
 // The update of V::N consecutive elements starting at i. The order of operations follows
 // torch's single-tensor Adam; fmadd fuses where torch rounds twice (within float rounding).
 // `a` must be a local copy (see adam_update_t).
-template <class V, dtype G, dtype S, bool Copy, dtype C>
+template <class V, dtype G, dtype S, bool Copy, dtype C, bool Lion>
 inline void adam_elements(const adam_vectors<V>& k, const adam_span& a, std::size_t i) noexcept {
   using F = typename V::F;
+  if constexpr (Lion) {
+    // Decoupled decay, the sign of the interpolation, then the moment (adam.hpp); one moment.
+    const F g = V::mul(load<V, G>(a.grad, i), k.grad_mul);
+    F p = V::mul(V::load_f32(a.param + i), k.decay);
+    F m = load<V, S>(a.exp_avg, i);
+    const F c = V::fmadd(k.beta1, m, V::mul(k.one_minus_beta1, g));
+    p = V::fmadd(k.neg_step_size, V::sign(c), p);
+    m = V::fmadd(k.beta2, m, V::mul(k.one_minus_beta2, g));
+    V::store_f32(a.param + i, p);
+    store<V, S>(a.exp_avg, i, m);
+    if constexpr (Copy) store<V, C>(a.copy, i, p);
+    return;
+  }
   F g = V::mul(load<V, G>(a.grad, i), k.grad_mul);
   F p = V::load_f32(a.param + i);
   g = V::fmadd(k.coupled_wd, p, g);
@@ -95,7 +110,7 @@ inline void adam_elements(const adam_vectors<V>& k, const adam_span& a, std::siz
   if constexpr (Copy) store<V, C>(a.copy, i, p);
 }
 
-template <class V, dtype G, dtype S, bool Copy, dtype C>
+template <class V, dtype G, dtype S, bool Copy, dtype C, bool Lion>
 void adam_update_t(const adam_scalars& s, const adam_span& span) noexcept {
   // A local copy of the pointers, for the same reason as adam_vectors: otherwise each store
   // forces the five pointers to be reloaded from *span.
@@ -121,26 +136,32 @@ void adam_update_t(const adam_scalars& s, const adam_span& span) noexcept {
         const std::size_t j = i + ahead;
         __builtin_prefetch(a.param + j, 1);
         __builtin_prefetch(m + 2 * j, 1);
-        __builtin_prefetch(v + 2 * j, 1);
+        if constexpr (!Lion) __builtin_prefetch(v + 2 * j, 1);
         __builtin_prefetch(grad + grad_width * j, 0);
         if constexpr (Copy) __builtin_prefetch(copy + copy_width * j, 1);
-        adam_elements<V, G, S, Copy, C>(k, a, i);
+        adam_elements<V, G, S, Copy, C, Lion>(k, a, i);
       }
     }
-    for (; i + V::N <= a.n; i += V::N) adam_elements<V, G, S, Copy, C>(k, a, i);
+    for (; i + V::N <= a.n; i += V::N) adam_elements<V, G, S, Copy, C, Lion>(k, a, i);
   }
   const adam_vectors<scalar_traits> k1(s);
-  for (; i < a.n; ++i) adam_elements<scalar_traits, G, S, Copy, C>(k1, a, i);
+  for (; i < a.n; ++i) adam_elements<scalar_traits, G, S, Copy, C, Lion>(k1, a, i);
 }
 
-// Turns the runtime configuration into one of the 3 x 2 x 4 instantiations.
+template <class V, dtype G, dtype S, bool Copy, dtype C>
+void adam_update_rule(const adam_scalars& s, const adam_config& c, const adam_span& a) noexcept {
+  if (c.lion) return adam_update_t<V, G, S, Copy, C, true>(s, a);
+  adam_update_t<V, G, S, Copy, C, false>(s, a);
+}
+
+// Turns the runtime configuration into one of the 3 x 2 x 4 x 2 instantiations.
 template <class V, dtype G, dtype S>
 void adam_update_copy(const adam_scalars& s, const adam_config& c, const adam_span& a) noexcept {
-  if (!c.has_copy) return adam_update_t<V, G, S, false, dtype::f32>(s, a);
+  if (!c.has_copy) return adam_update_rule<V, G, S, false, dtype::f32>(s, c, a);
   switch (c.copy) {
-    case dtype::f32: return adam_update_t<V, G, S, true, dtype::f32>(s, a);
-    case dtype::bf16: return adam_update_t<V, G, S, true, dtype::bf16>(s, a);
-    case dtype::f16: return adam_update_t<V, G, S, true, dtype::f16>(s, a);
+    case dtype::f32: return adam_update_rule<V, G, S, true, dtype::f32>(s, c, a);
+    case dtype::bf16: return adam_update_rule<V, G, S, true, dtype::bf16>(s, c, a);
+    case dtype::f16: return adam_update_rule<V, G, S, true, dtype::f16>(s, c, a);
   }
 }
 

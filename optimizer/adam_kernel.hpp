@@ -18,10 +18,10 @@ struct adam_scalars {
   float one_minus_beta1;
   float one_minus_beta2;
   float eps;
-  float step_size;     // lr / (1 - beta1^t)
-  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t)
+  float step_size;     // lr / (1 - beta1^t); Lion: lr
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t); Lion: unused
   float coupled_wd;    // Adam: weight_decay, added to the gradient; AdamW: 0
-  float decay;         // AdamW: 1 - lr * weight_decay, multiplies the param; Adam: 1
+  float decay;         // AdamW, Lion: 1 - lr * weight_decay, multiplies the param; Adam: 1
   float grad_mul;      // clip_coef / grad_scale
 };
 
@@ -36,10 +36,12 @@ struct adam_config {
   dtype state;
   dtype copy;
   bool has_copy;
+  bool lion;  // the Lion update (exp_avg_sq unused, null); otherwise Adam/AdamW
 };
 
 // One contiguous piece of one tensor. REQUIRES: pointers valid for n elements of their type and
-// aligned to their element size; copy may be null only when the config has no copy.
+// aligned to their element size; copy may be null only when the config has no copy, exp_avg_sq
+// only for Lion.
 struct adam_span {
   float* param;
   void* exp_avg;

@@ -21,6 +21,14 @@ void adam_step(const adam_options& o, std::int64_t step, std::span<const double>
     double& p = state.param[i];
     double& m = state.exp_avg[i];
     double& v = state.exp_avg_sq[i];
+    if (o.mode == adam_mode::lion) {
+      p *= 1.0 - lr * wd;
+      const double c = beta1 * m + (1.0 - beta1) * g;
+      p -= lr * (c > 0 ? 1.0 : c < 0 ? -1.0 : c);
+      m = beta2 * m + (1.0 - beta2) * g;
+      if (o.state_dtype == dtype::bf16) m = detail::bf16_to_float(detail::float_to_bf16(static_cast<float>(m)));
+      continue;  // v is not Lion's
+    }
     if (o.mode == adam_mode::adamw) {
       p *= 1.0 - lr * wd;  // decoupled: decay the weight itself
     } else {

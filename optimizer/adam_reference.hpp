@@ -17,8 +17,8 @@ struct adam_state {
   std::vector<double> exp_avg_sq;
 };
 
-/// @brief Step number `step` (from 1) of torch.optim.Adam / AdamW with options `o`, on
-/// gradients `grad * grad_mul` (grad_mul = clip_coef / grad_scale).
+/// @brief Step number `step` (from 1) of torch.optim.Adam / AdamW, or of Lion (adam.hpp; v left
+/// alone), with options `o`, on gradients `grad * grad_mul` (grad_mul = clip_coef / grad_scale).
 /// When `o.state_dtype` is bf16, m and v are rounded to bf16 after the update, as the kernels store
 /// them; everything else stays in double.
 /// REQUIRES: grad and every vector of `state` have the same length; step >= 1.

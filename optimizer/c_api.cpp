@@ -49,8 +49,8 @@ TERRACE_API int terrace_adam_create(int mode, double lr, double beta1, double be
   return guarded("terrace_adam_create", [&] {
     TERRACE_EXPECTS(out != nullptr, "out is NULL");
     *out = nullptr;
-    TERRACE_EXPECTS(mode == TERRACE_ADAM || mode == TERRACE_ADAMW,
-                    "mode " + std::to_string(mode) + " is not TERRACE_ADAM or TERRACE_ADAMW");
+    TERRACE_EXPECTS(mode == TERRACE_ADAM || mode == TERRACE_ADAMW || mode == TERRACE_LION,
+                    "mode " + std::to_string(mode) + " is not TERRACE_ADAM, TERRACE_ADAMW or TERRACE_LION");
     TERRACE_EXPECTS(threads >= 0, "threads must be >= 0, got " + std::to_string(threads));
     terrace::adam_options o;
     o.mode = static_cast<terrace::adam_mode>(mode);
@@ -78,12 +78,13 @@ TERRACE_API int terrace_adam_step(terrace_adam* adam, size_t count, float* const
     auto& optimizer = get(adam);
     check_array(params, count, "params");
     check_array(exp_avgs, count, "exp_avgs");
-    check_array(exp_avg_sqs, count, "exp_avg_sqs");
+    const bool lion = optimizer.options().mode == terrace::adam_mode::lion;
+    if (!lion) check_array(exp_avg_sqs, count, "exp_avg_sqs");
     check_array(grads, count, "grads");
     check_array(sizes, count, "sizes");
     std::vector<terrace::adam_tensor> tensors(count);
     for (size_t i = 0; i < count; ++i) {
-      tensors[i] = {params[i], exp_avgs[i], exp_avg_sqs[i], grads[i],
+      tensors[i] = {params[i], exp_avgs[i], exp_avg_sqs != nullptr ? exp_avg_sqs[i] : nullptr, grads[i],
                     param_copies != nullptr ? param_copies[i] : nullptr, sizes[i]};
     }
     terrace::adam_step_options so;

@@ -181,6 +181,11 @@ struct offload_adam::impl {
                     "one writing), got " + std::to_string(o.pipeline_depth));
     TERRACE_EXPECTS(o.host_state_budget == 0 || store != nullptr,
                     "offload_adam: a host_state_budget needs a tensor store for the groups beyond it");
+    // Its layout (master, m, v per element, on the host and on NVMe) is Adam's; Lion would carry
+    // a v it never reads.
+    TERRACE_EXPECTS(o.adam.mode != adam_mode::lion,
+                    "offload_adam: Lion is not supported here (its state layout is Adam's: master, "
+                    "m and v); use adam_optimizer directly");
     state_size = size_of(adam.options().state_dtype);
     element_bytes = 4 + 2 * state_size;
     slots.resize(o.pipeline_depth);

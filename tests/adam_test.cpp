@@ -156,7 +156,8 @@ TEST_P(AdamReference, MatchesFloat64ReferenceOverManySteps) {
 
 std::string config_name(const ::testing::TestParamInfo<config>& info) {
   const auto [isa, mode, grad, state, copy] = info.param;
-  return std::string(to_string(isa)) + "_" + (mode == adam_mode::adam ? "adam" : "adamw") + "_g" +
+  const char* rule = mode == adam_mode::adam ? "adam" : mode == adam_mode::adamw ? "adamw" : "lion";
+  return std::string(to_string(isa)) + "_" + rule + "_g" +
          std::string(to_string(grad)) + "_s" + std::string(to_string(state)) + "_c" +
          (copy < 0 ? std::string("none") : std::string(to_string(static_cast<dtype>(copy))));
 }
@@ -164,7 +165,7 @@ std::string config_name(const ::testing::TestParamInfo<config>& info) {
 INSTANTIATE_TEST_SUITE_P(
     AllConfigs, AdamReference,
     ::testing::Combine(::testing::ValuesIn(available_isas()),
-                       ::testing::Values(adam_mode::adam, adam_mode::adamw),
+                       ::testing::Values(adam_mode::adam, adam_mode::adamw, adam_mode::lion),
                        ::testing::Values(dtype::f32, dtype::bf16, dtype::f16),
                        ::testing::Values(dtype::f32, dtype::bf16), ::testing::Values(-1, 0, 1, 2)),
     config_name);
@@ -400,10 +401,12 @@ TEST(AdamDispatch, Avx512Bf16KernelsMatchAvx512Bitwise) {
       default: return x;
     }
   };
+  for (bool lion : {false, true})
   for (dtype grad : {dtype::f32, dtype::bf16, dtype::f16}) {
     for (dtype state : {dtype::f32, dtype::bf16}) {
       for (int copy : {-1, 0, 1, 2}) {
-        const detail::adam_config c{grad, state, copy < 0 ? dtype::bf16 : static_cast<dtype>(copy), copy >= 0};
+        const detail::adam_config c{grad, state, copy < 0 ? dtype::bf16 : static_cast<dtype>(copy), copy >= 0,
+                                    lion};
         tensor_data a(n, state, grad, true, c.copy), b(n, state, grad, true, c.copy);
         for (std::size_t i = 0; i < n; ++i) {
           a.param.set(i, value(1.0f));
@@ -424,7 +427,8 @@ TEST(AdamDispatch, Avx512Bf16KernelsMatchAvx512Bitwise) {
         };
         detail::kernels_avx512().update(s, c, span(a));
         detail::kernels_avx512bf16().update(s, c, span(b));
-        const std::string what = "grad " + std::string(to_string(grad)) + ", state " +
+        const std::string what = std::string(lion ? "lion" : "adamw") + ", grad " +
+                                 std::string(to_string(grad)) + ", state " +
                                  std::string(to_string(state)) + ", copy " + std::to_string(copy);
         EXPECT_TRUE(a.param.same_bytes(b.param)) << what;
         EXPECT_TRUE(a.m.same_bytes(b.m)) << what;
@@ -438,6 +442,44 @@ TEST(AdamDispatch, Avx512Bf16KernelsMatchAvx512Bitwise) {
         }
       }
     }
+  }
+}
+
+// Lion's sign on the values that decide it: a zero interpolation leaves the param decayed only,
+// an infinite one moves it by lr, a NaN one makes it NaN (as torch.sign would); every ISA alike.
+// And Lion never touches exp_avg_sq, which may be null.
+TEST(AdamLion, SignOfZeroInfinityAndNan) {
+  for (simd_isa isa : available_isas()) {
+    adam_options o;
+    o.mode = adam_mode::lion;
+    o.lr = 0.125;  // powers of two: the expected values are exact
+    o.weight_decay = 0.5;
+    o.beta1 = 0.5;
+    o.beta2 = 0.75;
+    o.isa = isa;
+    o.threads = 1;
+    adam_optimizer adam(o);
+    constexpr std::size_t n = 37;  // SIMD body and tail
+    std::vector<float> p(n, 2.0f), m(n, 0.0f), g(n, 0.0f);
+    const float inf = std::numeric_limits<float>::infinity();
+    g[3] = inf;
+    g[4] = -inf;
+    g[5] = std::numeric_limits<float>::quiet_NaN();
+    g[20] = 1.0f;
+    g[21] = -0.0f;
+    g[36] = inf;
+    const adam_tensor t{p.data(), m.data(), nullptr, g.data(), nullptr, n};
+    ASSERT_TRUE(adam.step(std::span<const adam_tensor>(&t, 1)));
+    const std::string what = "isa " + std::string(to_string(isa));
+    const float decayed = 2.0f * (1.0f - 0.125f * 0.5f);  // 1.875
+    for (std::size_t i : {0ul, 1ul, 21ul, 35ul}) EXPECT_EQ(p[i], decayed) << what << " element " << i;
+    EXPECT_EQ(p[3], decayed - 0.125f) << what;
+    EXPECT_EQ(p[4], decayed + 0.125f) << what;
+    EXPECT_TRUE(std::isnan(p[5])) << what;
+    EXPECT_EQ(p[20], decayed - 0.125f) << what;
+    EXPECT_EQ(m[20], 0.25f) << what;  // (1 - beta2) * g
+    EXPECT_EQ(p[36], decayed - 0.125f) << what;
+    EXPECT_EQ(m[0], 0.0f) << what;
   }
 }
 

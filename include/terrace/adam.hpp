@@ -13,6 +13,14 @@
 ///     v  = beta2 * v + (1 - beta2) * g * g
 ///     p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 ///
+/// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), on the same fused
+/// pass, with decoupled weight decay and one moment (exp_avg; exp_avg_sq is not used):
+///
+///     g  = grad * clip_coef / grad_scale
+///     p  = p * (1 - lr * wd)
+///     p  = p - lr * sign(beta1 * m + (1 - beta1) * g)      (sign(0) = 0, sign(NaN) = NaN)
+///     m  = beta2 * m + (1 - beta2) * g
+///
 /// The optimizer owns no tensor memory: callers pass spans (one flat buffer, or many tensors),
 /// so the buffers can live wherever the tier manager put them (pinned host pools).
 #pragma once
@@ -33,8 +41,9 @@ constexpr std::size_t size_of(dtype t) noexcept { return t == dtype::f32 ? 4 : 2
 /// @brief "f32", "bf16" or "f16".
 std::string_view to_string(dtype t) noexcept;
 
-/// @brief torch.optim.Adam (L2 penalty added to the gradient) or torch.optim.AdamW (decoupled).
-enum class adam_mode : int { adam = 0, adamw = 1 };
+/// @brief torch.optim.Adam (L2 penalty added to the gradient), torch.optim.AdamW (decoupled), or
+/// Lion (decoupled; its usual settings are beta2 0.99 and a 3-10x smaller lr than AdamW's).
+enum class adam_mode : int { adam = 0, adamw = 1, lion = 2 };
 
 /// @brief The instruction set a kernel runs with. `automatic` picks the best the CPU supports.
 enum class simd_isa : int { automatic = 0, scalar = 1, avx2 = 2, avx512 = 3 };
@@ -66,7 +75,7 @@ struct adam_options {
 struct adam_tensor {
   float* param = nullptr;         ///< fp32 master weights, updated in place
   void* exp_avg = nullptr;        ///< m, state_dtype, updated in place
-  void* exp_avg_sq = nullptr;     ///< v, state_dtype, updated in place
+  void* exp_avg_sq = nullptr;     ///< v, state_dtype, updated in place (lion: unused, may be null)
   const void* grad = nullptr;     ///< the gradient, grad_dtype, read only
   void* param_copy = nullptr;     ///< optional: receives the updated param as copy_dtype
   std::size_t size = 0;
@@ -94,7 +103,7 @@ struct adam_step_options {
 struct adam_buffers {
   std::span<float> param;
   std::span<std::byte> exp_avg;
-  std::span<std::byte> exp_avg_sq;
+  std::span<std::byte> exp_avg_sq;  ///< lion: unused, may be empty
   std::span<const std::byte> grad;
   std::span<std::byte> param_copy;  ///< empty: no copy
 };

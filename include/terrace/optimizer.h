@@ -25,8 +25,9 @@ extern "C" {
 
 enum terrace_dtype { TERRACE_DTYPE_F32 = 0, TERRACE_DTYPE_BF16 = 1, TERRACE_DTYPE_F16 = 2 };
 enum terrace_adam_mode {
-  TERRACE_ADAM = 0, /* torch.optim.Adam: weight decay added to the gradient */
-  TERRACE_ADAMW = 1 /* torch.optim.AdamW: decoupled weight decay */
+  TERRACE_ADAM = 0,  /* torch.optim.Adam: weight decay added to the gradient */
+  TERRACE_ADAMW = 1, /* torch.optim.AdamW: decoupled weight decay */
+  TERRACE_LION = 2   /* Lion: sign update, decoupled weight decay, exp_avg only (terrace/adam.hpp) */
 };
 
 typedef struct terrace_adam terrace_adam;
@@ -39,7 +40,8 @@ TERRACE_API int terrace_adam_create(int mode, double lr, double beta1, double be
 /** @brief Destroys what terrace_adam_create returned. NULL is ignored. */
 TERRACE_API void terrace_adam_destroy(terrace_adam* adam);
 
-/** @brief One step over `count` tensors. `grad_scale` is the loss scale to divide out (1: none),
+/** @brief One step over `count` tensors (TERRACE_LION: `exp_avg_sqs` may be NULL, or hold NULLs).
+ *  `grad_scale` is the loss scale to divide out (1: none),
  *  `clip_coef` multiplies the unscaled gradients (1: none). With `check_finite`, a step whose
  *  gradients hold inf/NaN changes nothing and *stepped is 0; otherwise *stepped is 1.
  *  `stepped` may be NULL. TERRACE_EINVAL on null or misaligned buffers or bad arguments; nothing
