@@ -496,6 +496,14 @@ TEST(OffloadAdam, BadOptionsAreRefused) {
     EXPECT_NE(std::string(e.what()).find("store"), std::string::npos) << e.what();
   }
   o.host_state_budget = 0;
+  o.adam.mode = adam_mode::lion;  // the state layout is Adam's
+  try {
+    offload_adam opt(o, *host.pool, &store);
+    FAIL() << "Lion was accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("Lion is not supported"), std::string::npos) << e.what();
+  }
+  o.adam.mode = adam_mode::adamw;
   o.adam.lr = -1;  // adam_optimizer's own checks apply
   EXPECT_THROW(offload_adam(o, *host.pool, &store), logic_error);
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 """terrace's CPU Adam/AdamW against torch.optim.Adam / AdamW, 20 steps on the same data, through
-the C ABI (include/terrace/optimizer.h) with ctypes.
+the C ABI (include/terrace/optimizer.h) with ctypes; and its Lion against Lion written in torch
+(torch.optim has none).
 
 Run with Debian's /usr/bin/python3 (python3-torch). TERRACE_LIBRARY is libterrace.so. Exits 77
 (ctest: skipped), saying why, when torch or the library is missing."""
@@ -26,7 +27,7 @@ if not LIB_PATH or not os.path.exists(LIB_PATH):
 
 lib = ctypes.CDLL(LIB_PATH)
 F32, BF16, F16 = 0, 1, 2
-ADAM, ADAMW = 0, 1
+ADAM, ADAMW, LION = 0, 1, 2
 EINVAL = -1
 P = ctypes.c_void_p
 
@@ -71,7 +72,7 @@ class Optimizer:
         sizes = (ctypes.c_size_t * len(params))(*[p.numel() for p in params])
         stepped = ctypes.c_int(-1)
         rc = lib.terrace_adam_step(self.handle, len(params), pointers(params), pointers(ms),
-                                   pointers(vs), pointers(grads),
+                                   pointers(vs) if vs is not None else None, pointers(grads),
                                    pointers(copies) if copies else None, sizes, grad_dtype,
                                    copy_dtype, grad_scale, clip_coef, int(check_finite),
                                    ctypes.byref(stepped))
@@ -133,6 +134,34 @@ class AgainstTorch(unittest.TestCase):
 
     def test_adam_f16_grads_loss_scaled_with_f16_copy(self):
         self.compare(torch.optim.Adam, ADAM, grad_dtype=F16, grad_scale=256.0, copy_dtype=F16)
+
+    def test_lion_against_lion_in_torch(self):
+        # Lion as its authors' reference code writes it, in float32 torch ops; terrace gets no
+        # exp_avg_sq at all (NULL).
+        torch.manual_seed(1)
+        lr, betas, wd, scale = 1e-4, (0.9, 0.99), 0.1, 1024.0
+        ours = [torch.randn(n) for n in self.SIZES]
+        theirs = [p.clone() for p in ours]
+        ms = [torch.zeros(n) for n in self.SIZES]
+        their_ms = [torch.zeros(n) for n in self.SIZES]
+        copies = [torch.empty(n, dtype=torch.bfloat16) for n in self.SIZES]
+        opt = Optimizer(LION, lr, betas, 1e-8, wd)
+        for _ in range(self.STEPS):
+            grads = [(torch.randn(n) * scale).to(torch.bfloat16) for n in self.SIZES]
+            for p, m, g in zip(theirs, their_ms, grads):
+                grad = g.float() / scale
+                p.mul_(1 - lr * wd)
+                update = m.clone().mul_(betas[0]).add(grad, alpha=1 - betas[0]).sign_()
+                p.add_(update, alpha=-lr)
+                m.mul_(betas[1]).add_(grad, alpha=1 - betas[1])
+            rc, stepped = opt.step(ours, ms, None, grads, copies, BF16, BF16, scale)
+            self.assertEqual((rc, stepped), (0, 1), lib.terrace_last_error().decode())
+        self.assertEqual(opt.steps(), self.STEPS)
+        for i in range(len(self.SIZES)):
+            # The sign is exact; only the decay and the moment round (and fuse) differently.
+            torch.testing.assert_close(ours[i], theirs[i], rtol=2e-6, atol=1e-7)
+            torch.testing.assert_close(ms[i], their_ms[i], rtol=1e-5, atol=2e-7)
+            self.assertTrue(torch.equal(copies[i], ours[i].to(torch.bfloat16)))
 
     def test_overflow_skips_the_step(self):
         p, m, v = torch.randn(1000), torch.zeros(1000), torch.zeros(1000)
