@@ -300,7 +300,7 @@ std::uint64_t plan_front::window_hash(const std::uint64_t* ring, std::size_t n,
 bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
   if (slots_.empty() || slot_live_ != 0 || replan_pending_ || key != slots_[0].key) return false;
   if (lead_seen_ < anchor_len_) return false;
-  // The ring holds the last min(lead_seen_, kWindow) lead tokens; the last anchor_len_ of them.
+  // The ring holds the last min(lead_seen_, kAnchorTokens) lead tokens; hash the last anchor_len_.
   const std::size_t first = (lead_seen_ - anchor_len_) % kAnchorTokens;
   return window_hash(lead_window_.data(), anchor_len_, first) == anchor_hash_;
 }
