@@ -8,14 +8,18 @@
 //    time (bytes / bandwidth) hidden behind compute. The peer, measured in the same run, is the
 //    resident configuration (every param and gradient fits on the device).
 //
-// 2. The largest model for given budgets. For a device budget D, pinned host memory H and a disk
+// 2. The delayed parameter update (offload_engine_options::delayed_update): the same training,
+//    ordinary and delayed, alternated --rounds times at 8 GB/s; it prints each run's median step
+//    and optimizer time and the median ratio of delayed to ordinary step time (its peer).
+//
+// 3. The largest model for given budgets. For a device budget D, pinned host memory H and a disk
 //    (store) of N bytes, it searches the most residual blocks of the given width that construct
 //    and train two steps without error, and compares the parameter count with the capacity bound
 //    (D + H + N) / 18 B per parameter (bf16 param, fp32 grad, fp32 master, m, v).
 //
 //   bench_train [--steps 6] [--layers 16] [--width 1024] [--bandwidths 64,16,8,4,2,1,0.5,0.25]
-//               [--device-mib 28] [--host-mib 256] [--disk-mib 4096] [--skip-overlap]
-//               [--skip-capacity] [--dir DIR]
+//               [--device-mib 28] [--host-mib 256] [--disk-mib 4096] [--delayed-steps 20]
+//               [--rounds 3] [--skip-overlap] [--skip-delayed] [--skip-capacity] [--dir DIR]
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -40,7 +44,7 @@ double median(std::vector<double> v) {
 }
 
 struct overlap_row {
-  double step = 0, fb = 0, exposed = 0, transfer = 0;
+  double step = 0, fb = 0, exposed = 0, transfer = 0, optimizer = 0;
 };
 
 // Medians over the steps after the first two (the first records the schedule, the second is the
@@ -50,14 +54,15 @@ overlap_row measure(const train_options& base, double bandwidth, bool resident) 
   o.copy_bandwidth = bandwidth;
   o.resident = resident;
   const train_result r = terrace::tools::run_train(o);
-  std::vector<double> step, fb, exposed, transfer;
+  std::vector<double> step, fb, exposed, transfer, optimizer;
   for (std::size_t i = 2; i < r.steps.size(); ++i) {
     step.push_back(r.steps[i].seconds);
     fb.push_back(r.steps[i].forward_backward_seconds);
     exposed.push_back(r.steps[i].exposed_transfer_seconds);
     transfer.push_back(r.steps[i].transfer_seconds);
+    optimizer.push_back(r.steps[i].optimizer_seconds);
   }
-  return {median(step), median(fb), median(exposed), median(transfer)};
+  return {median(step), median(fb), median(exposed), median(transfer), median(optimizer)};
 }
 
 void overlap(const train_options& base, const std::vector<double>& bandwidths) {
@@ -80,6 +85,30 @@ void overlap(const train_options& base, const std::vector<double>& bandwidths) {
     std::fflush(stdout);
   }
   std::printf("\n");
+}
+
+// ------------------------------------------------------------------------------- delayed update
+
+void delayed(const train_options& base, int steps, int rounds) {
+  train_options o = base;
+  o.steps = steps;
+  std::printf("== delayed parameter update: %d blocks x %d, batch %d, device %zu MiB, 8 GB/s, "
+              "%d steps per run (medians over steps 3..), %d rounds\n",
+              o.model.layers, o.model.width, o.model.batch, o.device_memory >> 20, steps, rounds);
+  std::printf("%6s %13s %13s %15s %15s %9s\n", "round", "ordinary ms", "delayed ms",
+              "ord. optim. ms", "del. optim. ms", "ratio");
+  std::vector<double> ratios;
+  for (int r = 1; r <= rounds; ++r) {
+    o.delayed_update = false;
+    const overlap_row a = measure(o, 8e9, false);
+    o.delayed_update = true;
+    const overlap_row b = measure(o, 8e9, false);
+    ratios.push_back(b.step / a.step);
+    std::printf("%6d %13.0f %13.0f %15.0f %15.0f %9.2f\n", r, a.step * 1e3, b.step * 1e3,
+                a.optimizer * 1e3, b.optimizer * 1e3, ratios.back());
+    std::fflush(stdout);
+  }
+  std::printf("median step time, delayed / ordinary: %.2f\n\n", median(ratios));
 }
 
 // ------------------------------------------------------------------------------- capacity
@@ -184,7 +213,8 @@ int main(int argc, char** argv) {
   base.write_report = false;
   std::string bandwidths = "64,16,8,4,2,1,0.5,0.25";
   std::size_t device_mib = 28, host_mib = 256, disk_mib = 4096;
-  bool skip_overlap = false, skip_capacity = false;
+  bool skip_overlap = false, skip_capacity = false, skip_delayed = false;
+  int delayed_steps = 20, rounds = 3;
   std::string dir;
   app.add_option("--steps", base.steps, "steps per overlap point")->capture_default_str();
   app.add_option("--layers", base.model.layers, "residual blocks (overlap)")->capture_default_str();
@@ -196,12 +226,17 @@ int main(int argc, char** argv) {
   app.add_option("--dir", dir, "the store's directory (default: <build>/train-state)");
   app.add_flag("--skip-overlap", skip_overlap);
   app.add_flag("--skip-capacity", skip_capacity);
+  app.add_option("--delayed-steps", delayed_steps, "steps per run of the delayed-update comparison")
+      ->capture_default_str();
+  app.add_option("--rounds", rounds, "ordinary/delayed pairs")->capture_default_str();
+  app.add_flag("--skip-delayed", skip_delayed);
   CLI11_PARSE(app, argc, argv);
   base.dir = dir.empty() ? terrace::tools::default_dir() : fs::path(dir);
   base.dir_is_default = true;  // every run starts over in it
   base.device_memory = device_mib << 20;
   try {
     if (!skip_overlap) overlap(base, parse_list(bandwidths));
+    if (!skip_delayed) delayed(base, delayed_steps, rounds);
     if (!skip_capacity) capacity(base, {device_mib << 20, host_mib << 20, disk_mib << 20});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train: %s\n", e.what());
