@@ -36,6 +36,7 @@ struct config {
   bool copy;
   dtype copy_type;
   bool check;  // loss scale + inf/NaN check (a read-only scan of the grads first)
+  bool lion = false;  // Lion instead of AdamW: one moment (no v stream)
 };
 
 const config configs[] = {
@@ -45,6 +46,8 @@ const config configs[] = {
     {"fp16 grad + fp16 copy", dtype::f16, dtype::f32, true, dtype::f16, false},
     {"bf16 grad, bf16 m/v, bf16 copy", dtype::bf16, dtype::bf16, true, dtype::bf16, false},
     {"mixed: bf16 grad, unscale+check, bf16 copy", dtype::bf16, dtype::f32, true, dtype::bf16, true},
+    {"lion fp32", dtype::f32, dtype::f32, false, dtype::bf16, false, true},
+    {"lion: bf16 grad, unscale+check, bf16 copy", dtype::bf16, dtype::f32, true, dtype::bf16, true, true},
 };
 
 // ------------------------------------------------------------------------------------ the probe
@@ -61,7 +64,7 @@ struct stream {
 // of the arithmetic. Compiled twice: for AVX-512 (the loop is then as wide as the step's) and for
 // the baseline, chosen at run time, in separate namespaces so the two never merge at link time.
 #define TERRACE_PROBE_BODY                                                                      \
-  template <class G, class S, class C, bool Copy>                                              \
+  template <class G, class S, class C, bool Copy, bool HasV>                                   \
   std::uint64_t fused(const std::vector<stream>& st, std::size_t begin, std::size_t end) {     \
     auto* __restrict p = static_cast<std::uint32_t*>(st[0].data);                              \
     auto* __restrict m = static_cast<S*>(st[1].data);                                          \
@@ -72,11 +75,17 @@ struct stream {
     for (std::size_t i = begin; i < end; ++i) {                                                \
       p[i] += 1;                                                                               \
       m[i] = static_cast<S>(m[i] + 1);                                                         \
-      v[i] = static_cast<S>(v[i] + 1);                                                         \
+      if constexpr (HasV) v[i] = static_cast<S>(v[i] + 1);                                     \
       sink ^= g[i];                                                                            \
       if constexpr (Copy) c[i] = static_cast<C>(p[i]);                                         \
     }                                                                                          \
     return sink;                                                                               \
+  }                                                                                            \
+  /* Lion's streams have no v (st[2].data null). */                                            \
+  template <class G, class S, class C, bool Copy>                                              \
+  std::uint64_t fused_v(const std::vector<stream>& st, std::size_t begin, std::size_t end) {   \
+    return st[2].data != nullptr ? fused<G, S, C, Copy, true>(st, begin, end)                  \
+                                 : fused<G, S, C, Copy, false>(st, begin, end);                \
   }                                                                                            \
   template <class G>                                                                           \
   std::uint64_t read_only(const std::vector<stream>& st, std::size_t begin, std::size_t end) { \
@@ -92,14 +101,14 @@ struct stream {
     const bool copy = st.size() == 5;                                                          \
     const int key = (st[3].width == 2) * 4 + (st[1].width == 2) * 2 + copy;                    \
     switch (key) {                                                                             \
-      case 0: return fused<u32, u32, u16, false>(st, b, e);                                    \
-      case 1: return fused<u32, u32, u16, true>(st, b, e);                                     \
-      case 2: return fused<u32, u16, u16, false>(st, b, e);                                    \
-      case 3: return fused<u32, u16, u16, true>(st, b, e);                                     \
-      case 4: return fused<u16, u32, u16, false>(st, b, e);                                    \
-      case 5: return fused<u16, u32, u16, true>(st, b, e);                                     \
-      case 6: return fused<u16, u16, u16, false>(st, b, e);                                    \
-      default: return fused<u16, u16, u16, true>(st, b, e);                                    \
+      case 0: return fused_v<u32, u32, u16, false>(st, b, e);                                    \
+      case 1: return fused_v<u32, u32, u16, true>(st, b, e);                                     \
+      case 2: return fused_v<u32, u16, u16, false>(st, b, e);                                    \
+      case 3: return fused_v<u32, u16, u16, true>(st, b, e);                                     \
+      case 4: return fused_v<u16, u32, u16, false>(st, b, e);                                    \
+      case 5: return fused_v<u16, u32, u16, true>(st, b, e);                                     \
+      case 6: return fused_v<u16, u16, u16, false>(st, b, e);                                    \
+      default: return fused_v<u16, u16, u16, true>(st, b, e);                                    \
     }                                                                                          \
   }
 
@@ -113,7 +122,8 @@ TERRACE_PROBE_BODY
 }  // namespace probe_avx512
 #pragma GCC pop_options
 
-// REQUIRES: streams are {param f32, m, v, grad[, copy]} (all copies 16-bit), or {grad} alone.
+// REQUIRES: streams are {param f32, m, v (null data: Lion, none), grad[, copy]} (all copies
+// 16-bit), or {grad} alone.
 std::uint64_t probe_range(const std::vector<stream>& streams, std::size_t begin, std::size_t end) {
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl");
@@ -246,8 +256,10 @@ int main(int argc, char** argv) {
     terrace::detail::thread_pool pool(threads);
     for (const config& c : configs) {
       o.state_dtype = c.state;
+      o.mode = c.lion ? terrace::adam_mode::lion : terrace::adam_mode::adamw;
       terrace::adam_optimizer adam(o);
-      const terrace::adam_tensor t{static_cast<float*>(param.get()), m.get(), v.get(), grad.get(),
+      void* const v_or_none = c.lion ? nullptr : v.get();
+      const terrace::adam_tensor t{static_cast<float*>(param.get()), m.get(), v_or_none, grad.get(),
                                    c.copy ? copy.get() : nullptr, n};
       terrace::adam_step_options so;
       so.grad_dtype = c.grad;
@@ -261,11 +273,11 @@ int main(int argc, char** argv) {
                         cw = terrace::size_of(c.copy_type);
       std::vector<stream> streams{{param.get(), 4, access::update},
                                   {m.get(), sw, access::update},
-                                  {v.get(), sw, access::update},
+                                  {v_or_none, sw, access::update},
                                   {grad.get(), gw, access::read}};
       if (c.copy) streams.push_back({copy.get(), cw, access::write});
       const std::vector<stream> scan{{grad.get(), gw, access::read}};
-      const std::size_t bytes = 4 * 2 + sw * 4 + gw + (c.copy ? cw : 0) + (c.check ? gw : 0);
+      const std::size_t bytes = 4 * 2 + sw * (c.lion ? 2 : 4) + gw + (c.copy ? cw : 0) + (c.check ? gw : 0);
 
       auto step_once = [&] {
         if (!adam.step(std::span<const terrace::adam_tensor>(&t, 1), so)) std::abort();
