@@ -348,12 +348,13 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
     return s;
   }
   std::vector<double> times;
-  double fb = 0, opt = 0, exposed = 0, transfer = 0;
+  double fb = 0, opt = 0, opt_wait = 0, exposed = 0, transfer = 0;
   std::int64_t up = 0, down = 0, nvme_r = 0, nvme_w = 0;
   for (const auto& st : r.steps) {
     times.push_back(st.seconds);
     fb += st.forward_backward_seconds;
     opt += st.optimizer_seconds;
+    opt_wait += st.optimizer_wait_seconds;
     exposed += st.exposed_transfer_seconds;
     transfer += st.transfer_seconds;
     up += st.host_to_device_bytes;
@@ -365,9 +366,11 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
   const double n = static_cast<double>(r.steps.size());
   add("  steps           %lld..%lld, loss %.4f -> %.4f\n", static_cast<long long>(r.first_step),
       static_cast<long long>(r.steps.back().step), r.steps.front().loss, r.steps.back().loss);
-  add("  step time       median %s (mean forward+backward %s, optimizer %s)\n",
+  add("  step time       median %s (mean forward+backward %s, optimizer %s%s)\n",
       format_seconds(times[times.size() / 2]).c_str(), format_seconds(fb / n).c_str(),
-      format_seconds(opt / n).c_str());
+      format_seconds(opt / n).c_str(),
+      o.delayed_update ? (" beside the next step, waited for " + format_seconds(opt_wait / n)).c_str()
+                       : "");
   add("  device<->host   %s up, %s down; the host waited %s on copies that take %s at %s/s: "
       "%s hidden\n",
       bytes(up).c_str(), bytes(down).c_str(), format_seconds(exposed).c_str(),
