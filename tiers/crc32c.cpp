@@ -3,9 +3,10 @@
 // - Folding (AVX-512 with VPCLMULQDQ): 256 bytes at a time in four 512-bit registers, each 128-bit
 //   lane multiplied forward by x^2048 mod P with carry-less multiplies and XORed into the lane
 //   256 bytes on; at the end the sixteen lanes are folded into the last one, whose CRC the
-//   `crc32` instruction takes. 3-5x the `crc32` streams on cached data (measured on this project's
-//   Zen 5 machine: 42-82 against 12-17 GB/s on 256 KiB-1 MiB buffers), about the same once memory
-//   is the limit; the store checksums every block it moves, on the core the optimizer also wants.
+//   `crc32` instruction takes. 2.1-2.4x the `crc32` streams on cached data (tools/bench_crc32c on
+//   this project's Zen 5 machine: ~61 against 26-29 GB/s on 256 KiB-1 MiB buffers), the same once
+//   memory is the limit (docs/nvme.md); the store checksums every block it moves, on cores the
+//   optimizer also wants.
 // - `crc32` streams (SSE4.2): three independent streams over thirds of each large chunk, folded
 //   together: the instruction has a latency of three cycles but a throughput of one, so a single
 //   stream leaves two thirds of the unit idle. Folding a CRC forward over n zero bytes is a
