@@ -18,6 +18,7 @@
 #include "scratch_dir.hpp"
 #include "terrace/error.hpp"
 #include "terrace/offload_engine.hpp"
+#include "terrace/tensor_store.hpp"
 #include "tools/train.hpp"
 
 namespace terrace {
@@ -374,6 +375,37 @@ TEST(OffloadEngine, DelayedUpdateComputesWithTheParamsOfTwoStepsBefore) {
   auto c = fc.make(o);
   c->step(batch[0].data());
   EXPECT_FALSE(bitwise_equal(c->step(batch[1].data()).loss, d2));
+}
+
+// An error of the update thread (here: the optimizer's NVMe read of its state fails) comes out of
+// the next step, which already ran forward and backward; the optimizer's state is the last
+// completed step's, and training goes on from there.
+TEST(OffloadEngine, DelayedUpdateErrorComesOutOfTheNextStep) {
+  testing::scratch_dir dir("dpu-error");
+  const auto config = small_model();
+  const auto corpus = tools::load_corpus("/usr/share/common-licenses/GPL-3", config.context);
+  std::vector<std::vector<std::uint8_t>> batch;
+  for (std::uint64_t i = 0; i < 4; ++i) batch.push_back(tools::sample_batch(corpus, config, 1, i));
+  engine_fixture f(64u << 20);
+  offload_engine_options o;
+  o.nvme_dir = dir.path();
+  o.optimizer_host_budget = 0;  // all optimizer state on NVMe: the update reads it
+  o.optimizer.adam.threads = 1;
+  o.delayed_update = true;
+  auto engine = f.make(o);
+  ASSERT_NE(engine->store(), nullptr);
+  io_fault fault;
+  fault.what = io_fault::kind::eio;
+  fault.writes = false;
+  engine->store()->inject_fault(fault);  // the update started by step 1 reads first
+  engine->step(batch[0].data());
+  EXPECT_THROW(engine->step(batch[1].data()), io_error);
+  EXPECT_EQ(engine->step_count(), 0);
+  // The fault is gone; the next steps update again.
+  engine->step(batch[2].data());
+  engine->step(batch[3].data());
+  engine->finish_update();
+  EXPECT_EQ(engine->step_count(), 2);
 }
 
 TEST(OffloadEngine, FastCopiesHideBehindCompute) {
