@@ -51,6 +51,10 @@ struct tier_manager::impl {
     bool nvme_current = false;  // the NVMe store holds the current data
     bool nvme_reading = false;  // a get into `host` is in flight (nvme_io)
     io_handle nvme_io;
+    // Evicted ahead of need: a put of `host` is in flight (leave_io); the buffer is freed when it
+    // lands, unless the tensor is used first (stay_home).
+    bool leaving = false;
+    io_handle leave_io;
     void* dev = nullptr;        // device block, or nullptr
     bool dev_newer = false;     // the device copy was written after the home copy
     bool prefetched = false;    // brought up ahead of use and not acquired since
@@ -80,6 +84,7 @@ struct tier_manager::impl {
   std::vector<tensor_id> resident;  // tensors with a device block
   std::size_t device_bytes = 0;
   std::size_t host_bytes = 0;  // bytes of home copies in pinned memory
+  std::size_t leaving_bytes = 0;  // of those, on their way to NVMe (evicted ahead, not landed)
   std::vector<tensor_id> schedule;
   std::vector<bool> overwrites;  // per schedule position: acquired with access::write
   std::vector<tensor_id> recording;
@@ -127,6 +132,12 @@ struct tier_manager::impl {
           t.nvme_io.wait();
         } catch (...) {
           // The buffer is freed below either way; the error belonged to a read nobody waits for.
+        }
+      }
+      if (t.leaving) {
+        try {
+          t.leave_io.wait();  // the put reads the buffer freed below
+        } catch (...) {
         }
       }
       // The device is idle (synchronized above): no fence is needed for these blocks.
@@ -405,6 +416,7 @@ struct tier_manager::impl {
         finish_read(t);
       }
       if (t.host == nullptr || !t.host_written) continue;  // on NVMe only, or never written
+      stay_home(t);  // wanted soon after all (evicted ahead, not landed yet)
       // Under the default window (a quarter of the budget) one prefetch of any size may be in
       // flight, so that a model of a few large layers is still brought up ahead of use.
       if (in_flight + t.bytes > options.prefetch_window && (in_flight > 0 || !default_window)) return;
@@ -431,7 +443,7 @@ struct tier_manager::impl {
     std::uint64_t best_last = 0;
     for (std::size_t i = 0; i < tensors.size(); ++i) {
       const tensor& t = tensors[i];
-      if (i == keep || t.host == nullptr || t.dev != nullptr || t.nvme_reading) continue;
+      if (i == keep || t.host == nullptr || t.dev != nullptr || t.nvme_reading || t.leaving) continue;
       if (std::find(chosen.begin(), chosen.end(), i) != chosen.end()) continue;
       const std::size_t next = next_use(t);
       if (later_than != kNever && next <= later_than) continue;
@@ -460,11 +472,7 @@ struct tier_manager::impl {
     std::exception_ptr failure;
     for (tensor_id id : victims) {
       tensor& t = tensors[id];
-      if (t.up.native != nullptr) device.synchronize(t.up);
-      if (t.down_pending) {
-        device.synchronize(t.down);
-        t.down_pending = false;
-      }
+      settle_copies(t);
       write w{id, {}};
       if (t.host_written && !t.nvme_current) {
         try {
@@ -481,27 +489,115 @@ struct tier_manager::impl {
       try {
         w.put.wait();
       } catch (...) {
+        ++counters.failed_puts;
         if (!failure) failure = std::current_exception();
         continue;
       }
-      if (t.host_written && !t.nvme_current) {
-        t.nvme_current = true;
-        counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
-      }
-      host.deallocate(t.host);
-      t.host = nullptr;
-      t.host_written = false;
-      host_bytes -= t.bytes;
-      counters.host_bytes = static_cast<std::int64_t>(host_bytes);
-      ++counters.host_evictions;
+      free_home(t, /*written=*/t.host_written && !t.nvme_current);
     }
     if (failure) std::rethrow_exception(failure);
+  }
+
+  // The home copy of `t` is on NVMe now (`written`: by a put just landed): its buffer goes back.
+  void free_home(tensor& t, bool written) {
+    if (written) {
+      t.nvme_current = true;
+      counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+    }
+    host.deallocate(t.host);
+    t.host = nullptr;
+    t.host_written = false;
+    host_bytes -= t.bytes;
+    counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+    ++counters.host_evictions;
+  }
+
+  // A copy up or down may still touch the home buffer of a tensor about to leave: both first.
+  void settle_copies(tensor& t) {
+    if (t.up.native != nullptr) device.synchronize(t.up);
+    if (t.down_pending) {
+      device.synchronize(t.down);
+      t.down_pending = false;
+    }
+  }
+
+  // ---- evicting ahead of need. prefetch_from_nvme makes room for the reads it starts by putting
+  // home copies needed later to NVMe without waiting (the training thread would otherwise wait
+  // for those puts inside acquire); their buffers are freed by a later call once the puts have
+  // landed (land_leaving). A tensor used before that stays home (stay_home). A put that fails
+  // leaves its tensor at home, as evict_hosts does; the error is not reported here (the call that
+  // lands it did not ask for it, and may have acquired a tensor already): the next eviction of it
+  // on the demand path puts it again and reports.
+
+  // Frees the buffers whose puts have landed (with `wait`, waits for all of them first).
+  void land_leaving(bool wait) noexcept {
+    if (leaving_bytes == 0) return;
+    for (tensor& t : tensors) {
+      if (!t.leaving || (!wait && !t.leave_io.ready())) continue;
+      t.leaving = false;
+      leaving_bytes -= t.bytes;
+      try {
+        t.leave_io.wait();
+      } catch (...) {
+        ++counters.failed_puts;
+        continue;  // still at home, the only current copy
+      }
+      free_home(t, /*written=*/true);
+    }
+  }
+
+  // `t` is needed: it stays home. Its put still has to land (the caller may write the buffer).
+  void stay_home(tensor& t) noexcept {
+    if (!t.leaving) return;
+    t.leaving = false;
+    leaving_bytes -= t.bytes;
+    try {
+      t.leave_io.wait();
+      t.nvme_current = true;  // the put wrote the current data
+      counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+    } catch (...) {
+      ++counters.failed_puts;  // NVMe does not hold it; home does
+    }
+  }
+
+  // Starts puts of home copies needed later than `later_than` (Belady) until `bytes` more will fit
+  // the host budget once they land; clean ones (already on NVMe) are freed at once. False if not
+  // enough can leave, or the store refuses a put.
+  bool start_leaving(std::size_t bytes, tensor_id keep, std::size_t later_than) {
+    std::vector<tensor_id> chosen;
+    std::size_t going = leaving_bytes;
+    while (host_bytes - going + bytes > options.host_budget) {
+      const tensor_id v = host_victim(keep, later_than, chosen);
+      if (v == static_cast<tensor_id>(-1)) return false;
+      chosen.push_back(v);
+      going += tensors[v].bytes;
+    }
+    for (tensor_id id : chosen) {
+      tensor& t = tensors[id];
+      settle_copies(t);
+      if (!t.host_written || t.nvme_current) {
+        free_home(t, /*written=*/false);
+        continue;
+      }
+      try {
+        t.leave_io = nvme->put(t.name, t.host, t.bytes);
+      } catch (...) {
+        return false;  // the store is full: the demand path will say so
+      }
+      t.leaving = true;
+      leaving_bytes += t.bytes;
+      ++counters.host_evictions_ahead;
+    }
+    return true;
   }
 
   // Evicts home copies (Belady) until `bytes` more fit the host budget; false if not enough can
   // leave (what could leave has left).
   bool make_host_room(std::size_t bytes, tensor_id keep, std::size_t later_than) {
     if (!host_limited()) return true;
+    // Puts started ahead of need free room as they land: first those, then the rest of them.
+    land_leaving(/*wait=*/false);
+    if (host_bytes + bytes > options.host_budget) land_leaving(/*wait=*/true);
     std::vector<tensor_id> victims;
     std::size_t leaving = 0;
     while (host_bytes - leaving + bytes > options.host_budget) {
@@ -543,6 +639,7 @@ struct tier_manager::impl {
   // is in.
   void ensure_home(tensor_id id, bool need_data = true) {
     tensor& t = tensors[id];
+    stay_home(t);
     if (t.host == nullptr) {
       if (!make_host_room(t.bytes, id, kNever)) {
         throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
@@ -567,6 +664,7 @@ struct tier_manager::impl {
   // pushing out any home copy needed before them. Never blocks.
   void prefetch_from_nvme() {
     if (!host_limited() || schedule.empty()) return;
+    land_leaving(/*wait=*/false);
     const std::size_t n = schedule.size();
     const std::size_t start = pos >= n ? 0 : pos;
     const std::size_t horizon = prefetch_horizon();
@@ -574,7 +672,12 @@ struct tier_manager::impl {
       const tensor_id id = schedule[(start + k) % n];
       tensor& t = tensors[id];
       if (t.host != nullptr || !t.nvme_current) continue;
-      if (!make_host_room(t.bytes, id, k)) return;
+      if (host_bytes + t.bytes > options.host_budget) {
+        // No room yet: start moving home copies needed later out, without waiting for them; this
+        // read starts at a later call, once they have landed.
+        start_leaving(t.bytes, id, k);
+        return;
+      }
       take_host_buffer(t);
       t.nvme_io = nvme->get(t.name, t.host, t.bytes);
       t.nvme_reading = true;
@@ -672,6 +775,7 @@ struct tier_manager::impl {
 
   void* host_data_locked(tensor_id id, access mode) {
     tensor& t = at(id, "host_data");
+    stay_home(t);
     if (t.pins > 0) {
       throw logic_error("terrace: tier manager: host_data of '" + t.name +
                         "' while it is acquired on the device (release it first)");
@@ -740,6 +844,7 @@ struct tier_manager::impl {
       throw logic_error("terrace: tier manager: host_modified of '" + t.name +
                         "', whose home copy is on NVMe (call host_data first)");
     }
+    stay_home(t);
     t.host_written = true;
     t.nvme_current = false;
     t.dev_newer = false;
@@ -749,6 +854,7 @@ struct tier_manager::impl {
   std::uint64_t checkpoint() {
     std::lock_guard lock(mutex);
     TERRACE_EXPECTS(nvme != nullptr, "tier manager: checkpoint without an NVMe store");
+    land_leaving(/*wait=*/true);
     std::vector<io_handle> writes;
     for (tensor& t : tensors) {
       if (t.pins > 0) {
@@ -788,9 +894,17 @@ struct tier_manager::impl {
       if (t.dev_newer && t.dev == nullptr) fail("'" + t.name + "' newer on a device it is not on");
     }
     if (sum != device_bytes) fail("device bytes do not recount");
-    std::size_t home = 0;
-    for (const tensor& t : tensors) home += t.host != nullptr ? t.bytes : 0;
+    std::size_t home = 0, going = 0;
+    for (const tensor& t : tensors) {
+      home += t.host != nullptr ? t.bytes : 0;
+      if (!t.leaving) continue;
+      going += t.bytes;
+      if (t.host == nullptr || t.dev != nullptr || t.nvme_reading) {
+        fail("'" + t.name + "' is leaving for NVMe without a home copy, or with a device copy");
+      }
+    }
     if (home != host_bytes) fail("host bytes do not recount");
+    if (going != leaving_bytes) fail("bytes leaving for NVMe do not recount");
     for (const tensor& t : tensors) {
       if (t.host == nullptr && t.dev == nullptr && !t.nvme_current && t.host_written) {
         fail("'" + t.name + "' has no copy anywhere");

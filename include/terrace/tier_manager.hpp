@@ -91,6 +91,12 @@ struct tier_stats {
   std::int64_t nvme_read_bytes = 0;
   std::int64_t nvme_write_bytes = 0;
   std::int64_t host_evictions = 0;     ///< home copies moved from pinned memory to NVMe
+  /// Of those, started ahead of need by an NVMe prefetch, the put not waited for (counted when
+  /// started; one used before its put landed stays home).
+  std::int64_t host_evictions_ahead = 0;
+  /// Eviction puts that failed (I/O error); their tensors stayed home, unchanged. One started
+  /// ahead of need fails silently otherwise (its caller did not ask for it).
+  std::int64_t failed_puts = 0;
   std::int64_t nvme_prefetches = 0;    ///< NVMe reads started ahead of use
   std::int64_t nvme_waits = 0;         ///< calls that had to block on an NVMe read
   std::int64_t host_bytes = 0;         ///< bytes of home copies in pinned memory now
