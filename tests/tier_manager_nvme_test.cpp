@@ -61,40 +61,64 @@ struct rig3 {
   }
 };
 
-// One iteration: every tensor in order, each "kernel" checks the expected bytes and adds one.
-int run_iteration(rig3& r, const std::vector<tensor_id>& ids, int done_before) {
+// One iteration: every tensor in order, each "kernel" checks that tensor i holds pattern(i) plus
+// done[i] and adds one (done[i] counts the kernels that ran). With `failed`, an acquire that fails
+// with io_error (an injected fault) is counted there and skipped. Returns the bytes found wrong.
+int run_iteration(rig3& r, const std::vector<tensor_id>& ids, std::vector<int>& done,
+                  int* failed = nullptr) {
   std::atomic<int> wrong{0};
   r.tm->begin_iteration();
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    auto* p = static_cast<unsigned char*>(r.tm->acquire(ids[i], r.compute, access::update));
-    enqueue_host_function(*r.dev, r.compute, [p, i, done_before, &wrong] {
+    unsigned char* p = nullptr;
+    try {
+      p = static_cast<unsigned char*>(r.tm->acquire(ids[i], r.compute, access::update));
+    } catch (const io_error&) {
+      if (failed == nullptr) throw;
+      ++*failed;
+      r.tm->check_invariants();
+      continue;
+    }
+    enqueue_host_function(*r.dev, r.compute, [p, i, before = done[i], &wrong] {
       const auto want = pattern(static_cast<int>(i));
       for (std::size_t k = 0; k < kBytes; k += 509) {
-        if (p[k] != static_cast<unsigned char>(want[k] + done_before)) wrong.fetch_add(1);
+        if (p[k] != static_cast<unsigned char>(want[k] + before)) wrong.fetch_add(1);
       }
       for (std::size_t k = 0; k < kBytes; ++k) ++p[k];
     });
     r.tm->release(ids[i], r.compute);
+    ++done[i];
     r.dev->synchronize(r.compute);  // the training loop's step boundary: reads have time to land
     r.tm->check_invariants();
   }
   return wrong.load();
 }
 
-TEST(TierManagerNvme, DataSurvivesEvictionToHostAndToNvme) {
-  testing::scratch_dir dir("tm-nvme");
-  auto store = tensor_store::create(dir.path(), store_options());
-  rig3 r(store);
+// `count` tensors named prefix0, prefix1, ... holding pattern(0), pattern(1), ...
+std::vector<tensor_id> add_patterned(rig3& r, const std::string& prefix, int count) {
   std::vector<tensor_id> ids;
-  for (int i = 0; i < 8; ++i) ids.push_back(r.tm->add("t" + std::to_string(i), kBytes, pattern(i).data()));
-  for (int it = 0; it < 4; ++it) EXPECT_EQ(run_iteration(r, ids, it), 0) << "iteration " << it;
+  for (int i = 0; i < count; ++i) ids.push_back(r.tm->add(prefix + std::to_string(i), kBytes, pattern(i).data()));
+  return ids;
+}
+
+// Every home copy holds pattern(i) plus done[i] (run_iteration's kernels).
+void expect_homes_hold(rig3& r, const std::vector<tensor_id>& ids, const std::vector<int>& done) {
   for (std::size_t i = 0; i < ids.size(); ++i) {
     const auto* h = static_cast<const unsigned char*>(r.tm->host_data(ids[i]));
     const auto want = pattern(static_cast<int>(i));
     for (std::size_t k = 0; k < kBytes; k += 4093) {
-      ASSERT_EQ(h[k], static_cast<unsigned char>(want[k] + 4)) << "tensor " << i;
+      ASSERT_EQ(h[k], static_cast<unsigned char>(want[k] + done[i])) << "tensor " << i;
     }
   }
+}
+
+TEST(TierManagerNvme, DataSurvivesEvictionToHostAndToNvme) {
+  testing::scratch_dir dir("tm-nvme");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  const std::vector<tensor_id> ids = add_patterned(r, "t", 8);
+  std::vector<int> done(ids.size(), 0);
+  for (int it = 0; it < 4; ++it) EXPECT_EQ(run_iteration(r, ids, done), 0) << "iteration " << it;
+  expect_homes_hold(r, ids, done);
   const auto s = r.tm->stats();
   EXPECT_GT(s.host_evictions, 0);
   EXPECT_GT(s.nvme_write_bytes, 0);
@@ -113,11 +137,9 @@ TEST(TierManagerNvme, FailedEvictionPutsLoseNothing) {
   testing::scratch_dir dir("tm-put-fault");
   auto store = tensor_store::create(dir.path(), store_options());
   rig3 r(store);
-  std::vector<tensor_id> ids;
-  for (int i = 0; i < 8; ++i) ids.push_back(r.tm->add("f" + std::to_string(i), kBytes, pattern(i).data()));
+  const std::vector<tensor_id> ids = add_patterned(r, "f", 8);
   std::vector<int> done(ids.size(), 0);
-  std::atomic<int> wrong{0};
-  int failed = 0;
+  int wrong = 0, failed = 0;
   for (int it = 0; it < 8; ++it) {
     if (it == 2) {  // the schedule is recorded: prefetch (and eviction ahead) runs from here on
       io_fault f;
@@ -126,38 +148,10 @@ TEST(TierManagerNvme, FailedEvictionPutsLoseNothing) {
       f.count = 6;
       store.inject_fault(f);
     }
-    r.tm->begin_iteration();
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      unsigned char* p = nullptr;
-      try {
-        p = static_cast<unsigned char*>(r.tm->acquire(ids[i], r.compute, access::update));
-      } catch (const io_error&) {
-        ++failed;
-        r.tm->check_invariants();
-        continue;
-      }
-      const int before = done[i];
-      enqueue_host_function(*r.dev, r.compute, [p, i, before, &wrong] {
-        const auto want = pattern(static_cast<int>(i));
-        for (std::size_t k = 0; k < kBytes; k += 509) {
-          if (p[k] != static_cast<unsigned char>(want[k] + before)) wrong.fetch_add(1);
-        }
-        for (std::size_t k = 0; k < kBytes; ++k) ++p[k];
-      });
-      r.tm->release(ids[i], r.compute);
-      ++done[i];
-      r.dev->synchronize(r.compute);
-      r.tm->check_invariants();
-    }
+    wrong += run_iteration(r, ids, done, &failed);
   }
-  EXPECT_EQ(wrong.load(), 0);
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    const auto* h = static_cast<const unsigned char*>(r.tm->host_data(ids[i]));
-    const auto want = pattern(static_cast<int>(i));
-    for (std::size_t k = 0; k < kBytes; k += 4093) {
-      ASSERT_EQ(h[k], static_cast<unsigned char>(want[k] + done[i])) << "tensor " << i;
-    }
-  }
+  EXPECT_EQ(wrong, 0);
+  expect_homes_hold(r, ids, done);
   EXPECT_GT(r.tm->stats().host_evictions_ahead, 0);
   EXPECT_GT(r.tm->stats().failed_puts, 0);  // the faults did land on eviction puts
   std::printf("failed puts %lld, acquires failed by them %d\n",
@@ -210,16 +204,18 @@ TEST(TierManagerNvme, ACheckpointResumesWithTheSameNames) {
     rig3 r(store);
     std::vector<tensor_id> ids;
     for (int i = 0; i < 5; ++i) ids.push_back(r.tm->add("w" + std::to_string(i), kBytes, pattern(i).data()));
-    EXPECT_EQ(run_iteration(r, ids, 0), 0);
+    std::vector<int> done(ids.size(), 0);
+    EXPECT_EQ(run_iteration(r, ids, done), 0);
     EXPECT_EQ(r.tm->checkpoint(), 1u);
-    EXPECT_EQ(run_iteration(r, ids, 1), 0);  // after the checkpoint: lost on "crash"
+    EXPECT_EQ(run_iteration(r, ids, done), 0);  // after the checkpoint: lost on "crash"
   }
   auto store = tensor_store::open(dir.path(), store_options());
   rig3 r(store);
   std::vector<tensor_id> ids;
   for (int i = 0; i < 5; ++i) ids.push_back(r.tm->add("w" + std::to_string(i), kBytes));
   EXPECT_FALSE(r.tm->on_host(ids[0]));  // resumed tensors stay on NVMe until used
-  EXPECT_EQ(run_iteration(r, ids, 1), 0);  // the checkpointed contents: pattern + 1
+  std::vector<int> checkpointed(ids.size(), 1);
+  EXPECT_EQ(run_iteration(r, ids, checkpointed), 0);  // the checkpointed contents: pattern + 1
 }
 
 // Six tensors, the first pushed to NVMe by the later adds; then the store's next read fails (EIO).
