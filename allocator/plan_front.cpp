@@ -119,7 +119,7 @@ void plan_front::reset_recording() {
 void plan_front::push_token(std::uint64_t token, std::int64_t delta, std::uintptr_t stream) {
   tokens_.push_back(token);
   token_stream_.push_back(stream);
-  if (!lanes_.empty() && stream == lanes_[lead_lane_].stream) {
+  if (!lanes_.empty() && stream == lanes_.front().stream) {
     lead_window_[lead_seen_++ % kAnchorTokens] = token;
   }
   prefix_hash_.push_back((mulmod(prefix_hash_.back(), kBase) + (token % (kMod - 1)) + 1) % kMod);
@@ -254,8 +254,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   if (stats_.plans > 0) ++stats_.replans;
   ++stats_.plans;
   slots_ = std::move(slots);
-  lanes_ = std::move(lanes);
-  lead_lane_ = 0;  // slot 0's lane was created first
+  lanes_ = std::move(lanes);  // lanes_.front() is slot 0's: it was created first
   plan_items_ = std::move(items);
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
@@ -268,7 +267,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   {
     std::vector<std::uint64_t> last;
     for (std::size_t i = hi; !lanes_.empty() && i-- > lo && last.size() < kAnchorTokens;) {
-      if (token_stream_[i] == lanes_[lead_lane_].stream) last.push_back(tokens_[i]);
+      if (token_stream_[i] == lanes_.front().stream) last.push_back(tokens_[i]);
     }
     std::reverse(last.begin(), last.end());
     anchor_len_ = last.size();
@@ -593,7 +592,7 @@ plan_front::lane* plan_front::lane_of(std::uintptr_t stream) noexcept {
 
 // Lane l wraps on its own: its requests of the next iteration have begun.
 void plan_front::wrap_lane(lane& l) {
-  if (&l == &lanes_[lead_lane_]) count_iteration();
+  if (&l == &lanes_.front()) count_iteration();
   start_lane(l);
 }
 

@@ -251,8 +251,7 @@ class plan_front {
   std::size_t replan_lo_ = 0, replan_hi_ = 0;
 
   // --- replay of the plan
-  std::vector<lane> lanes_;
-  std::uint32_t lead_lane_ = 0;           // slot 0's lane: its wraps count the iterations
+  std::vector<lane> lanes_;  // the first is slot 0's, the lead: its wraps count the iterations
   bool iteration_deviated_ = false;
   std::vector<std::uint32_t> freed_gen_;  // per slot: its lane's generation in which it was freed
   std::vector<std::uint32_t> taken_gen_;  // per slot: ... in which it was handed out

@@ -107,6 +107,7 @@ struct offload_engine::impl {
     tensor_id param = 0;
     tensor_id grad = 0;
     group_id group = 0;
+    std::size_t delayed_at = 0;  // delayed_update: its offset in next_params and grads_copy
   };
 
   device_backend& device;
@@ -143,10 +144,9 @@ struct offload_engine::impl {
     double io_wait = 0;
   };
   // delayed_update: the bf16 params the running update writes (plain host memory, 2 B per
-  // param: the home copies are published from here after the next backward), each layer's
-  // offset in it, the update itself, and the optimizer's step count when it was last joined.
+  // param: the home copies are published from here after the next backward; each layer at its
+  // delayed_at), the update itself, and the optimizer's step count when it was last joined.
   std::vector<std::uint16_t> next_params;
-  std::vector<std::size_t> next_offset;
   std::vector<float> grads_copy;       // the gradients it steps from (same offsets)
   std::future<void> grads_copied;      // ready once grads_copy is filled
   std::future<update_result> pending;
@@ -519,7 +519,7 @@ struct offload_engine::impl {
     if (options.delayed_update) {
       std::size_t at = 0;
       for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-        next_offset.push_back(at);
+        it->delayed_at = at;
         at += it->elements;
       }
       next_params.resize(at);
@@ -537,8 +537,7 @@ struct offload_engine::impl {
     finite = true;
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       const auto t = clock_type::now();
-      const void* g = delayed ? grads_copy.data() + next_offset[static_cast<std::size_t>(it - layers.rbegin())]
-                              : tm->host_data(it->grad);
+      const void* g = delayed ? grads_copy.data() + it->delayed_at : tm->host_data(it->grad);
       waited += seconds_since(t);
       const offload_group_step s{it->group, g, nullptr};
       const grad_norm_result r = adam->grad_norm({&s, 1}, dtype::f32);
@@ -560,9 +559,8 @@ struct offload_engine::impl {
     // Last layer first: its gradient was copied home first.
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       const auto t = clock_type::now();
-      const std::size_t at = next_offset.empty() ? 0 : next_offset[static_cast<std::size_t>(it - layers.rbegin())];
-      void* p = delayed ? next_params.data() + at : tm->host_data(it->param, access::write);
-      const void* g = delayed ? grads_copy.data() + at : tm->host_data(it->grad);
+      void* p = delayed ? next_params.data() + it->delayed_at : tm->host_data(it->param, access::write);
+      const void* g = delayed ? grads_copy.data() + it->delayed_at : tm->host_data(it->grad);
       waited += seconds_since(t);
       groups.push_back({it->group, g, p});
     }
@@ -583,7 +581,7 @@ struct offload_engine::impl {
     if (delayed) {
       const auto t = clock_type::now();
       for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-        tm->read_home(it->grad, grads_copy.data() + next_offset[static_cast<std::size_t>(it - layers.rbegin())]);
+        tm->read_home(it->grad, grads_copy.data() + it->delayed_at);
       }
       u.grad_wait += seconds_since(t);
       copied->set_value();
@@ -638,10 +636,9 @@ struct offload_engine::impl {
   // copies), where the next forward's prefetch takes them. Nothing to publish for a skipped one.
   void publish(const update_result& u) {
     if (u.skipped) return;
-    for (std::size_t k = 0; k < layers.size(); ++k) {
-      const layer& l = layers[layers.size() - 1 - k];  // next_offset runs last layer first
-      std::memcpy(tm->host_data(l.param, access::write), next_params.data() + next_offset[k],
-                  l.elements * 2);
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+      std::memcpy(tm->host_data(it->param, access::write), next_params.data() + it->delayed_at,
+                  it->elements * 2);
     }
   }
 

@@ -101,7 +101,7 @@ std::uint64_t fold_constant(unsigned n) {
 }
 
 // The multipliers that move a 16-byte lane forward by `bits`: low half for U, high half for V.
-__attribute__((target("sse2"))) __m128i fold_by(unsigned bits) {
+__m128i fold_by(unsigned bits) {
   return _mm_set_epi64x(static_cast<long long>(fold_constant(bits - 1)),
                         static_cast<long long>(fold_constant(bits + 63)));
 }

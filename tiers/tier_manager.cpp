@@ -31,6 +31,8 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
@@ -564,14 +566,8 @@ struct tier_manager::impl {
   // the host budget once they land; clean ones (already on NVMe) are freed at once. False if not
   // enough can leave, or the store refuses a put.
   bool start_leaving(std::size_t bytes, tensor_id keep, std::size_t later_than) {
-    std::vector<tensor_id> chosen;
-    std::size_t going = leaving_bytes;
-    while (host_bytes - going + bytes > options.host_budget) {
-      const tensor_id v = host_victim(keep, later_than, chosen);
-      if (v == static_cast<tensor_id>(-1)) return false;
-      chosen.push_back(v);
-      going += tensors[v].bytes;
-    }
+    const auto [chosen, enough] = host_victims(bytes, keep, later_than, leaving_bytes);
+    if (!enough) return false;
     for (tensor_id id : chosen) {
       tensor& t = tensors[id];
       settle_copies(t);
@@ -598,16 +594,22 @@ struct tier_manager::impl {
     // Puts started ahead of need free room as they land: first those, then the rest of them.
     land_leaving(/*wait=*/false);
     if (host_bytes + bytes > options.host_budget) land_leaving(/*wait=*/true);
-    std::vector<tensor_id> victims;
-    std::size_t leaving = 0;
-    while (host_bytes - leaving + bytes > options.host_budget) {
-      const tensor_id v = host_victim(keep, later_than, victims);
-      if (v == static_cast<tensor_id>(-1)) break;
-      victims.push_back(v);
-      leaving += tensors[v].bytes;
-    }
-    evict_hosts(victims);
+    evict_hosts(host_victims(bytes, keep, later_than, 0).first);
     return host_bytes + bytes <= options.host_budget;
+  }
+
+  // The home copies to move out (host_victim, in turn) so that `bytes` more fit the host budget
+  // once they and the `going` bytes already on their way have left; and whether that is enough.
+  std::pair<std::vector<tensor_id>, bool> host_victims(std::size_t bytes, tensor_id keep,
+                                                       std::size_t later_than, std::size_t going) const {
+    std::vector<tensor_id> chosen;
+    while (host_bytes - going + bytes > options.host_budget) {
+      const tensor_id v = host_victim(keep, later_than, chosen);
+      if (v == static_cast<tensor_id>(-1)) return {std::move(chosen), false};
+      chosen.push_back(v);
+      going += tensors[v].bytes;
+    }
+    return {std::move(chosen), true};
   }
 
   void take_host_buffer(tensor& t) {
