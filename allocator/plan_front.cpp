@@ -82,6 +82,11 @@ plan_front::plan_front(device_backend& device, const allocator_config& config, b
 }
 
 plan_front::~plan_front() {
+  try {
+    finish_deferred();
+  } catch (...) {  // a failed device: its work is over either way
+  }
+  for (event_ref e : event_pool_) device_.destroy_event(e);
   // Arena blocks still live are leaked to the device, as the caching allocator leaks its blocks.
   if (arena_ != nullptr && arena_live_count_ == tail_live_.size()) device_.release(arena_, arena_bytes_);
 }
@@ -306,6 +311,7 @@ bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
 
 // REQUIRES: no slot block is live in the arena (blocks served from hole tails may be).
 void plan_front::uninstall() {
+  finish_deferred();  // the fallback reuses the space in its own order, the device gets the arena
   if (arena_ != nullptr) device_.release(arena_, arena_bytes_);
   arena_ = nullptr;
   arena_bytes_ = 0;
@@ -756,6 +762,7 @@ void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
     }
     if (at + rounded <= t.addr + t.size) {
       tail_live_.insert(it, {at, rounded});
+      order_after_frees(at, rounded, stream);
       return reinterpret_cast<void*>(at);
     }
   }
@@ -807,6 +814,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
         return nullptr;
       }
       void* p = reinterpret_cast<void*>(s.addr);
+      order_after_frees(s.addr, rounded, st);
       live_entry e;
       e.key = key;
       e.size = rounded;
@@ -940,11 +948,9 @@ bool plan_front::on_free(void* p) {
     return false;
   }
   if (e.synced_streams) {
-    // Another stream used the block: its queued work must finish before the space is reused.
+    // Other streams used the block: the space is reused only after their work queued so far.
     if (auto s = arena_streams_.find(addr); s != arena_streams_.end()) {
-      for (std::uintptr_t other : s->second) {
-        device_.synchronize(stream_ref{reinterpret_cast<void*>(other)});
-      }
+      defer_reuse(addr, e.size, e.stream, s->second);
       arena_streams_.erase(s);
     }
   }
@@ -971,6 +977,59 @@ bool plan_front::record_stream(void* p, stream_ref stream) {
     arena_streams_[it->first].push_back(st);
   }
   return true;
+}
+
+event_ref plan_front::acquire_event() {
+  if (event_pool_.empty()) return device_.create_event();
+  const event_ref e = event_pool_.back();
+  event_pool_.pop_back();
+  return e;
+}
+
+// An arena block of `stream` at [addr, addr + size) is freed while `users` (other streams) may
+// still have work queued on it: an event on each marks that work. Only `stream` reuses the space
+// (its slots and its holes' tails), so the range is kept under it until a block covers it.
+void plan_front::defer_reuse(std::uintptr_t addr, std::size_t size, std::uintptr_t stream,
+                             const std::vector<std::uintptr_t>& users) {
+  deferred_range r;
+  r.size = size;
+  for (std::uintptr_t user : users) {
+    const event_ref e = acquire_event();
+    device_.record(e, stream_ref{reinterpret_cast<void*>(user)});
+    r.events.push_back(e);
+  }
+  deferred_[stream].emplace(addr, std::move(r));  // the block was live: nothing was deferred there
+}
+
+// An arena block of `stream` is handed out at [addr, addr + size): its stream first waits on the
+// device for the work marked on every deferred range it overlaps. Later blocks of the stream come
+// after that wait in its order, so the ranges are done with.
+void plan_front::order_after_frees(std::uintptr_t addr, std::size_t size, std::uintptr_t stream) {
+  const auto d = deferred_.find(stream);
+  if (d == deferred_.end() || d->second.empty()) return;
+  std::map<std::uintptr_t, deferred_range>& ranges = d->second;
+  auto it = ranges.lower_bound(addr);
+  if (it != ranges.begin() && std::prev(it)->first + std::prev(it)->second.size > addr) --it;
+  while (it != ranges.end() && it->first < addr + size) {
+    for (event_ref e : it->second.events) {
+      device_.wait(stream_ref{reinterpret_cast<void*>(stream)}, e);
+      event_pool_.push_back(e);  // a wait takes the event's state when it is issued
+      ++stats_.stream_waits;
+    }
+    it = ranges.erase(it);
+  }
+}
+
+// Before the arena's space leaves the plan (to the fallback, or back to the device), the host
+// waits for every deferred range's work; this happens only when the plan is uninstalled.
+void plan_front::finish_deferred() {
+  std::vector<event_ref> pending;
+  for (auto& [stream, ranges] : deferred_) {
+    for (auto& [addr, r] : ranges) pending.insert(pending.end(), r.events.begin(), r.events.end());
+  }
+  deferred_.clear();
+  event_pool_.insert(event_pool_.end(), pending.begin(), pending.end());  // destroyed with the front
+  for (event_ref e : pending) device_.synchronize(e);
 }
 
 void plan_front::begin_iteration() {

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -56,7 +57,8 @@ class plan_front {
   /// free it in the fallback (also for pointers this front never saw).
   /// @throws terrace::logic_error for the start of a claimed hole that holds no live block.
   bool on_free(void* p);
-  /// True when `p` is an arena block (its free will then synchronise `stream`).
+  /// True when `p` is an arena block: its free then records an event on `stream`, and the next
+  /// arena block handed out over its space makes its own stream wait on that event (on the device).
   bool record_stream(void* p, stream_ref stream);
 
   void begin_iteration();
@@ -173,6 +175,11 @@ class plan_front {
   void take_slot(std::size_t j, bool served_elsewhere = false);
   void* from_tail(std::size_t rounded, std::uintptr_t stream);
   void track_unplanned(std::int64_t delta) noexcept;
+  void defer_reuse(std::uintptr_t addr, std::size_t size, std::uintptr_t stream,
+                   const std::vector<std::uintptr_t>& users);
+  void order_after_frees(std::uintptr_t addr, std::size_t size, std::uintptr_t stream);
+  void finish_deferred();
+  event_ref acquire_event();
 
   device_backend& device_;
   allocator_config config_;
@@ -203,6 +210,17 @@ class plan_front {
   placement_plan plan_;
   std::vector<std::uint32_t> plan_item_slot_;  // plan_items_[i] is slots_[plan_item_slot_[i]]
   std::unordered_map<std::uintptr_t, std::vector<std::uintptr_t>> arena_streams_;  // record_stream
+  // Arena ranges freed while streams that record_stream named may still be using them: the events
+  // recorded on those streams at the free, per owning stream (the only one that reuses the space),
+  // by address; the ranges of one stream are disjoint. The next block handed out over such a range
+  // makes its stream wait on them on the device (order_after_frees), so the host never blocks at a
+  // free, as it does not under the caching allocator's deferred frees.
+  struct deferred_range {
+    std::size_t size = 0;
+    std::vector<event_ref> events;
+  };
+  std::unordered_map<std::uintptr_t, std::map<std::uintptr_t, deferred_range>> deferred_;
+  std::vector<event_ref> event_pool_;  // recorded events already waited on, for reuse
   std::uint64_t plan_hash_ = 0;          // hash of the planned iteration's tokens
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
   // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).

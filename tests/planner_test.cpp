@@ -5,7 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -16,6 +20,7 @@
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
 #include "terrace/planner.hpp"
+#include "terrace/sim_device.hpp"
 #include "trace_generator.hpp"
 #include "tools/replay.hpp"
 
@@ -700,6 +705,90 @@ TEST(PlannedPolicy, TailBlocksOutliveThePlanAsTheFallbacks) {
   EXPECT_TRUE(live.empty());
   EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
   EXPECT_EQ(a.stats().allocation[0].current, 0);
+}
+
+// record_stream on an arena block: another stream's work still queued at the free must finish
+// before the plan hands the space out again, and the host must not wait for it at the free (a
+// host wait there would stall every free behind the slowest stream). Checked on the data: the
+// other stream reads the block while its owner's next block over the same space is written.
+TEST(PlannedPolicyConcurrent, RecordStreamOrdersReuseOnTheDeviceWithoutBlockingTheHost) {
+  auto dev = terrace::make_device("sim");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned,plan_min_period:16"));
+  const terrace::stream_ref owner = dev->create_stream();
+  const terrace::stream_ref reader = dev->create_stream();
+  constexpr std::size_t kBytes = 64 << 10;
+  // Work after the two blocks of interest, so that an iteration is long enough to be planned.
+  auto more_work = [&] {
+    for (int k = 1; k <= 6; ++k) a.deallocate(a.allocate(k * kBytes, owner, "more"), owner);
+  };
+  // One iteration: two blocks with disjoint lifetimes, which the plan puts at one address.
+  auto iteration = [&] {
+    a.begin_iteration();
+    void* first = a.allocate(kBytes, owner, "first");
+    a.deallocate(first, owner);
+    void* second = a.allocate(kBytes, owner, "second");
+    a.deallocate(second, owner);
+    more_work();
+    a.end_iteration();
+    return first == second;
+  };
+  for (int it = 0; it < 4; ++it) iteration();
+  EXPECT_TRUE(iteration()) << "the plan puts both blocks at one address";
+  ASSERT_TRUE(a.plan_stats().active);
+  const auto hits = a.plan_stats().planned_hits;
+
+  a.begin_iteration();
+  auto* first = static_cast<unsigned char*>(a.allocate(kBytes, owner, "first"));
+  std::memset(first, 0xAB, kBytes);
+  std::atomic<bool> go{false}, intact{false}, read{false}, released{false};
+  terrace::enqueue_host_function(*dev, reader, [&] {
+    // The deadline only turns a host wait at the free (a hang) into a failure below.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (!go.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    released = go.load();
+    bool ok = true;
+    for (std::size_t i = 0; i < kBytes; ++i) ok = ok && first[i] == 0xAB;
+    intact = ok;
+    read = true;
+  });
+  a.record_stream(first, reader);
+  a.deallocate(first, owner);  // returns at once: the reader has not even started
+  auto* second = static_cast<unsigned char*>(a.allocate(kBytes, owner, "second"));
+  ASSERT_EQ(second, first);
+  EXPECT_EQ(a.plan_stats().planned_hits, hits + 2);
+  EXPECT_EQ(a.plan_stats().stream_waits, 1);
+  std::atomic<bool> written_after_read{false};
+  terrace::enqueue_host_function(*dev, owner, [&] {
+    written_after_read = read.load();
+    std::memset(second, 0xCD, kBytes);
+  });
+  go = true;
+  dev->synchronize(owner);
+  dev->synchronize(reader);
+  EXPECT_TRUE(released.load()) << "the free waited on the host for the reader";
+  EXPECT_TRUE(intact.load()) << "the owner's next block was written before the reader was done";
+  EXPECT_TRUE(written_after_read.load());
+  EXPECT_EQ(second[0], 0xCD);
+  a.deallocate(second, owner);
+  more_work();
+  a.end_iteration();
+  a.check_invariants();
+
+  // A free deferred at the uninstall (another shape) is waited for there, on the host.
+  a.begin_iteration();
+  first = static_cast<unsigned char*>(a.allocate(kBytes, owner, "first"));
+  a.record_stream(first, reader);
+  a.deallocate(first, owner);
+  void* other = a.allocate(3 * kBytes, owner, "another shape");
+  a.deallocate(other, owner);
+  more_work();
+  a.end_iteration();
+  for (int it = 0; it < 4; ++it) iteration();
+  EXPECT_TRUE(iteration()) << "the plan came back";
+  a.check_invariants();
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+  dev->destroy_stream(owner);
+  dev->destroy_stream(reader);
 }
 
 TEST(PlannedPolicyConcurrent, ThreadsShareOnePlannedAllocator) {

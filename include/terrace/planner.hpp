@@ -86,6 +86,9 @@ struct planner_stats {
   std::int64_t unplanned_live_peak = 0;   ///< peak live bytes outside the arena since the plan
   std::int64_t arena_reserved_bytes = 0;  ///< new memory the installed plan reserved (live policy)
   std::int64_t hole_bytes = 0;            ///< fallback holes the installed plan reuses instead
+  /// Device-side waits the plan inserted: an arena block handed out over the space of one that a
+  /// record_stream'd stream may still have been using at its free.
+  std::int64_t stream_waits = 0;
   double plan_seconds = 0.0;              ///< time spent planning, all plans
   std::string heuristic;                  ///< the last plan's winning heuristic
 
