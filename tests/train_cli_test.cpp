@@ -101,6 +101,31 @@ TEST(TrainCli, ResumeContinuesTheLossCurve) {
       << again.output;
 }
 
+// The engine's device allocator under the lifetime-aware plan, live: params stream through a
+// device that holds a few layers, on a copy stream whose blocks the compute stream uses
+// (record_stream), so the plan orders reuse with device-side waits. The allocator must not change
+// what is computed: the losses equal the caching policy's bit for bit.
+TEST(TrainCli, ThePlannedPolicyTrainsExactlyAsCachingDoes) {
+  scratch_dir dir("cli-planned");
+  const std::string common = " --layers 6 --width 256 --device-memory 2MiB --steps 8 --no-report ";
+  const auto run = [&](const std::string& name, const std::string& conf) {
+    const std::filesystem::path log = dir.path() / (name + ".log");
+    const run_result r = train(common + conf + " --log '" + log.string() + "' --dir '" +
+                               (dir.path() / name).string() + "'");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return std::make_pair(r.output, exact_losses(log));
+  };
+  const auto [caching_out, caching] = run("caching", "");
+  const auto [planned_out, planned] = run("planned", "--alloc-conf policy:planned");
+  ASSERT_EQ(caching.size(), 8u);
+  EXPECT_EQ(planned, caching);
+  EXPECT_EQ(caching_out.find("planned policy"), std::string::npos) << caching_out;
+  EXPECT_NE(planned_out.find("planned policy"), std::string::npos) << planned_out;
+  EXPECT_EQ(planned_out.find(" over 0 iterations"), std::string::npos) << "never planned:\n"
+                                                                       << planned_out;
+  EXPECT_EQ(planned_out.find(" 0 device-side stream waits"), std::string::npos) << planned_out;
+}
+
 TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
   scratch_dir dir("cli-bad");
   const std::string d = " --no-report --dir '" + dir.path().string() + "' ";
@@ -116,6 +141,7 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       {"--corpus /nonexistent/corpus.txt --steps 2", "cannot read the corpus"},
       {"--resume --steps 2", "holds no checkpoint"},
       {"--steps 0", "--steps must be at least 1"},
+      {"--alloc-conf policy:nonsense --steps 2", "bad item 'policy:nonsense'"},
   };
   for (const bad_case& c : cases) {
     const run_result r = train(c.args + d);

@@ -331,6 +331,9 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
   cmd->add_option("--device-budget", args.device_budget,
                   "device bytes the engine may use (0: the whole device)")
       ->capture_default_str();
+  cmd->add_option("--alloc-conf", o.alloc_conf,
+                  "keys as in TERRACE_ALLOC_CONF over the engine's device allocator settings "
+                  "(exact-size segments), e.g. policy:planned for the lifetime-aware plan");
   cmd->add_option("--host-budget", args.host_budget,
                   "pinned bytes for home copies of params and grads (0: all of them); the rest "
                   "waits on NVMe")

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <string>
 
+#include "terrace/config.hpp"
 #include "terrace/error.hpp"
 #include "tools/replay_format.hpp"
 
@@ -168,6 +169,7 @@ std::size_t resident_device_memory(const model::char_model_config& config) {
 offload_engine_options engine_options_for(const train_options& o, const device_backend& device) {
   offload_engine_options e;
   e.device_budget = o.device_budget;
+  e.device_allocator = parse_alloc_conf(o.alloc_conf, e.device_allocator);
   // The report replays the recorded trace; --save-trace writes it out.
   e.device_allocator.record_trace = o.write_report || !o.save_trace.empty();
   e.host_budget = o.host_budget;
@@ -306,6 +308,7 @@ train_result run_train(const train_options& options) {
   r.optimizer = engine->optimizer().stats();
   r.pinned_bytes = engine->pinned_bytes();
   r.device_peak_reserved = engine->device_memory().stats().reserved_bytes[0].peak;
+  r.plan = engine->device_memory().plan_stats();
   if (tensor_store* store = engine->store()) {
     r.store_capacity = store->capacity();
     r.store_used = store->used_bytes();
@@ -390,6 +393,14 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
       bytes(static_cast<std::int64_t>(r.pinned_bytes)).c_str(),
       bytes(static_cast<std::int64_t>(r.store_used)).c_str(),
       bytes(static_cast<std::int64_t>(r.store_capacity)).c_str());
+  if (r.plan.enabled && !r.plan.counterfactual) {
+    add("  planned policy  %s of %lld device allocations from the plan over %lld iterations (%lld "
+        "lost), arena %s for a lower bound of %s, %lld device-side stream waits\n",
+        percent(r.plan.hit_rate()).c_str(), static_cast<long long>(r.plan.allocs_under_plan),
+        static_cast<long long>(r.plan.iterations), static_cast<long long>(r.plan.lost_iterations),
+        bytes(r.plan.arena_bytes).c_str(), bytes(r.plan.lower_bound_bytes).c_str(),
+        static_cast<long long>(r.plan.stream_waits));
+  }
   add("  prefetch        %lld hits, %lld on demand, %lld evictions, %lld schedule misses\n",
       static_cast<long long>(r.tiers.prefetch_hits), static_cast<long long>(r.tiers.demand_fetches),
       static_cast<long long>(r.tiers.evictions), static_cast<long long>(r.tiers.schedule_misses));

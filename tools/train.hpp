@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kernels/char_model.hpp"
+#include "terrace/planner.hpp"
 #include "terrace/offload_engine.hpp"
 
 namespace terrace::tools {
@@ -49,6 +50,9 @@ struct train_options {
   std::size_t device_memory = 28u << 20;
   double copy_bandwidth = 8e9;         ///< sim: host<->device bytes/s
   std::size_t device_budget = 0;       ///< what the engine may use (0: all of the device)
+  /// TERRACE_ALLOC_CONF-style keys over the engine's device allocator settings
+  /// (offload_engine_options::default_device_allocator), e.g. "policy:planned".
+  std::string alloc_conf;
 
   // ---- host and NVMe
   std::size_t host_budget = 0;         ///< pinned home copies of params + grads (0: all)
@@ -96,6 +100,7 @@ struct train_result {
   tier_stats tiers{};                     ///< the tier manager's counters at the end
   offload_adam_stats optimizer{};
   std::int64_t device_peak_reserved = 0;  ///< the device allocator's peak reserved bytes
+  planner_stats plan{};                   ///< the device allocator's planner (policy planned)
   std::filesystem::path dir;
   std::filesystem::path report;           ///< written (empty when not)
   std::filesystem::path trace;            ///< the saved device trace (empty when not)
