@@ -857,6 +857,17 @@ class allocator_impl {
     }
   }
 
+  // The planned policy's arena blocks never pass through this allocator, but belong in its trace:
+  // a saved trace or a snapshot's device_traces must show every allocation the program made.
+  void trace_arena_block(trace_action a, stream_ref stream, const void* p, std::size_t size,
+                         std::size_t requested, std::string_view tag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (tracing_) {
+      trace(a, reinterpret_cast<std::uintptr_t>(stream.native), reinterpret_cast<std::uintptr_t>(p),
+            size, requested, tag);
+    }
+  }
+
   void set_tracing(bool on) {
     std::lock_guard<std::mutex> lock(mutex_);
     tracing_ = on;
@@ -1118,7 +1129,10 @@ caching_allocator::~caching_allocator() = default;
 void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
   if (!plan_ || bytes == 0) return impl_->allocate(bytes, stream, tag);
   std::lock_guard<std::mutex> lock(plan_->mutex());
-  if (void* p = plan_->try_allocate(bytes, stream, tag)) return p;
+  if (void* p = plan_->try_allocate(bytes, stream, tag)) {
+    impl_->trace_arena_block(trace_action::alloc, stream, p, plan_->block_size(p), bytes, tag);
+    return p;
+  }
   void* p = impl_->allocate(bytes, stream, tag);
   plan_->on_fallback_alloc(p, bytes, stream);
   plan_->note_totals(impl_->totals());
@@ -1127,7 +1141,13 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
 void caching_allocator::deallocate(void* p, stream_ref) {
   if (!plan_ || p == nullptr) return impl_->deallocate(p);
   std::lock_guard<std::mutex> lock(plan_->mutex());
-  if (plan_->on_free(p)) return;
+  detail::arena_free freed;
+  if (plan_->on_free(p, &freed)) {
+    const stream_ref owner{reinterpret_cast<void*>(freed.stream)};
+    impl_->trace_arena_block(trace_action::free_requested, owner, p, freed.size, freed.requested, {});
+    impl_->trace_arena_block(trace_action::free_completed, owner, p, freed.size, 0, {});
+    return;
+  }
   impl_->deallocate(p);
   plan_->note_totals(impl_->totals());
 }

@@ -903,7 +903,12 @@ void plan_front::on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream
   live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
 }
 
-bool plan_front::on_free(void* p) {
+std::size_t plan_front::block_size(const void* p) const {
+  const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+  return it == live_.end() ? 0 : it->second.size;
+}
+
+bool plan_front::on_free(void* p, arena_free* freed) {
   const auto addr = reinterpret_cast<std::uintptr_t>(p);
   auto it = live_.find(addr);
   if (it == live_.end()) {
@@ -947,6 +952,7 @@ bool plan_front::on_free(void* p) {
     if (replan_pending_ && slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
     return false;
   }
+  if (freed != nullptr) *freed = {e.stream, e.size, e.requested};
   if (e.synced_streams) {
     // Other streams used the block: the space is reused only after their work queued so far.
     if (auto s = arena_streams_.find(addr); s != arena_streams_.end()) {

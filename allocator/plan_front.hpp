@@ -38,6 +38,13 @@ struct fallback_hole {
   bool small_pool = false;
 };
 
+/// What on_free tells of an arena block it freed (for the owner's trace).
+struct arena_free {
+  std::uintptr_t stream = 0;
+  std::size_t size = 0;       ///< rounded
+  std::size_t requested = 0;
+};
+
 class plan_front {
  public:
   /// `live` = policy planned (arena blocks are handed out); otherwise counterfactual.
@@ -56,7 +63,9 @@ class plan_front {
   /// Records the free. True when `p` was an arena block (now free); false when the caller must
   /// free it in the fallback (also for pointers this front never saw).
   /// @throws terrace::logic_error for the start of a claimed hole that holds no live block.
-  bool on_free(void* p);
+  bool on_free(void* p, arena_free* freed = nullptr);
+  /// The rounded size of the live block at `p` (0 if this front does not track it).
+  std::size_t block_size(const void* p) const;
   /// True when `p` is an arena block: its free then records an event on `stream`, and the next
   /// arena block handed out over its space makes its own stream wait on that event (on the device).
   bool record_stream(void* p, stream_ref stream);

@@ -7,6 +7,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "run_command.hpp"
@@ -110,15 +111,23 @@ TEST(TrainCli, ThePlannedPolicyTrainsExactlyAsCachingDoes) {
   const std::string common = " --layers 6 --width 256 --device-memory 2MiB --steps 8 --no-report ";
   const auto run = [&](const std::string& name, const std::string& conf) {
     const std::filesystem::path log = dir.path() / (name + ".log");
-    const run_result r = train(common + conf + " --log '" + log.string() + "' --dir '" +
-                               (dir.path() / name).string() + "'");
+    const std::filesystem::path trace = dir.path() / (name + ".jsonl");
+    const run_result r = train(common + conf + " --log '" + log.string() + "' --save-trace '" +
+                               trace.string() + "' --dir '" + (dir.path() / name).string() + "'");
     EXPECT_EQ(r.exit_code, 0) << r.output;
-    return std::make_pair(r.output, exact_losses(log));
+    std::size_t allocs = 0;
+    for (const std::string& line : lines_of(trace)) {
+      allocs += line.find("\"action\":\"alloc\"") != std::string::npos ? 1 : 0;
+    }
+    return std::make_tuple(r.output, exact_losses(log), allocs);
   };
-  const auto [caching_out, caching] = run("caching", "");
-  const auto [planned_out, planned] = run("planned", "--alloc-conf policy:planned");
+  const auto [caching_out, caching, caching_allocs] = run("caching", "");
+  const auto [planned_out, planned, planned_allocs] = run("planned", "--alloc-conf policy:planned");
   ASSERT_EQ(caching.size(), 8u);
   EXPECT_EQ(planned, caching);
+  // The saved trace holds the arena's blocks too: the same requests as under caching.
+  EXPECT_GT(caching_allocs, 0u);
+  EXPECT_EQ(planned_allocs, caching_allocs);
   EXPECT_EQ(caching_out.find("planned policy"), std::string::npos) << caching_out;
   EXPECT_NE(planned_out.find("planned policy"), std::string::npos) << planned_out;
   EXPECT_EQ(planned_out.find(" over 0 iterations"), std::string::npos) << "never planned:\n"
