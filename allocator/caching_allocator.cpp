@@ -116,8 +116,13 @@ class allocator_impl {
 
   std::size_t segment_size_for(std::size_t rounded) const noexcept {
     if (is_small(rounded)) return config_.small_segment_size;
-    if (rounded < config_.min_large_alloc && !exact_large_segments_) return config_.large_segment_size;
-    return round_up(rounded, config_.large_round);
+    const std::size_t exact = round_up(rounded, config_.large_round);
+    // A large_segment_size below min_large_alloc leaves requests between the two: they get a
+    // segment of their own size, never one smaller than themselves.
+    if (rounded < config_.min_large_alloc && !exact_large_segments_) {
+      return std::max(config_.large_segment_size, exact);
+    }
+    return exact;
   }
 
   // PyTorch's split rule: keep a remainder only if it is worth a block of its pool. Blocks of
@@ -262,6 +267,7 @@ class allocator_impl {
   // REQUIRES: b is free, mapped and in its pool's set. Takes exactly `rounded` bytes of it,
   // splitting off the rest as a free block.
   block* take_block(block* b, std::size_t rounded) {
+    TERRACE_EXPECTS(b->size >= rounded, "caching allocator: a block smaller than its request");
     free_set& pool = pool_of(b->seg->small_pool);
     pool.erase(b);
     if (b->is_split()) count_inactive_split(b, -1);

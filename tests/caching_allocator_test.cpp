@@ -213,6 +213,26 @@ TEST(CachingAllocator, RecordStreamDelaysReuseUntilTheOtherStreamsWorkCompletes)
   dev->destroy_stream(s2);
 }
 
+// A large_segment_size below min_large_alloc (here 2 MiB against 10): a request between the two
+// used to get a 2 MiB segment for 7 MiB, handed out and counted as 2 MiB.
+TEST(CachingAllocator, ARequestLargerThanTheLargeSegmentGetsASegmentOfItsOwnSize) {
+  auto dev = sim();
+  allocator_config cfg;
+  cfg.large_segment_size = 2 * MiB;
+  caching_allocator a(*dev, cfg);
+  auto* p = static_cast<unsigned char*>(a.allocate(7 * MiB));
+  std::memset(p, 0x5A, 7 * MiB);  // the whole request is the caller's
+  EXPECT_GE(a.stats().allocated_bytes[0].current, static_cast<std::int64_t>(7 * MiB));
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(8 * MiB));  // large_round
+  void* q = a.allocate(1 * MiB);  // a smaller large-pool request still gets a 2 MiB segment
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(10 * MiB));
+  a.check_invariants();
+  a.deallocate(q);
+  a.deallocate(p);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+}
+
 TEST(CachingAllocator, RecordStreamOnOwnStreamIsANoOp) {
   auto dev = sim();
   caching_allocator a(*dev);
