@@ -163,7 +163,7 @@ void plan_front::detect_steady_state() {
   replan_pending_ = true;
   replan_lo_ = m - p;
   replan_hi_ = m;
-  if (slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
+  if (arena_quiet()) make_plan(replan_lo_, replan_hi_);
 }
 
 void plan_front::make_plan(std::size_t lo, std::size_t hi) {
@@ -470,7 +470,11 @@ bool plan_front::ensure_arena() {
     } catch (const out_of_memory&) {
       for (std::size_t h = 0; h < claimed.size(); ++h) give_back(h);
       if (fallback_totals_) last_totals_ = fallback_totals_();
-      return false;  // no room: keep serving from the caching allocator; try at the next boundary
+      // No room: the caching allocator serves this iteration. Each try empties its cache, so a
+      // plan that does not fit is tried less and less often (as one that loses its iterations).
+      ++stats_.arena_refusals;
+      note_lost_iteration();
+      return false;
     }
     ++arena_reservations_;
   }
@@ -645,6 +649,79 @@ void plan_front::release_idle_arena() {
   }
 }
 
+bool plan_front::release_under_pressure() {
+  if (!live_mode_ || !installed_ || arena_live_count_ != tail_live_.size()) return false;
+  if (mode_ == mode::in_sync) {
+    deviate();  // gives the idle arena back
+  } else {
+    release_idle_arena();
+  }
+  if (installed_) return false;
+  ++stats_.pressure_releases;
+  return true;
+}
+
+// With blocks live in the arena it cannot be given back, and leaving the plan would put the rest
+// of the iteration on the fallback beside it. Instead the request borrows free space of the open
+// arena (first fit) as a guest: slots whose space it overlaps stay unserved while it lives (their
+// requests go to the fallback, or borrow in turn), and the plan goes on.
+void* plan_front::lend_under_pressure(std::size_t bytes, stream_ref stream) {
+  if (!live_mode_ || !installed_ || arena_ == nullptr) return nullptr;
+  const std::size_t rounded = round_up(bytes);
+  const auto lo = reinterpret_cast<std::uintptr_t>(arena_);
+  std::vector<std::pair<std::uintptr_t, std::size_t>> used;
+  for (const auto& [addr, e] : live_) {
+    if (e.in_arena && addr >= lo && addr < lo + arena_bytes_) used.emplace_back(addr, e.size);
+  }
+  std::sort(used.begin(), used.end());
+  std::uintptr_t at = lo;
+  for (const auto& [addr, size] : used) {
+    if (addr >= at + rounded) break;
+    at = std::max(at, addr + size);
+  }
+  if (at + rounded > lo + arena_bytes_) return nullptr;
+  // Whatever any stream did in this space before must be done first: the borrower's stream waits
+  // on the device for every other stream that has used the arena, as far as its work goes now.
+  const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
+  for (std::uintptr_t other : arena_users_) {
+    if (other == st) continue;
+    const event_ref e = acquire_event();
+    device_.record(e, stream_ref{reinterpret_cast<void*>(other)});
+    device_.wait(stream, e);
+    event_pool_.push_back(e);
+    ++stats_.stream_waits;
+  }
+  note_arena_user(st);
+  guests_.insert(std::upper_bound(guests_.begin(), guests_.end(), std::make_pair(at, rounded)),
+                 {at, rounded});
+  live_entry e;
+  e.size = rounded;
+  e.requested = bytes;
+  e.stream = st;
+  e.in_arena = true;
+  e.guest = true;
+  // Recorded as try_allocate left it (learning or seeking), as on_fallback_alloc would.
+  if (mode_ != mode::in_sync && !rec_alloc_pos_.empty()) {
+    e.rec_id = static_cast<std::int64_t>(rec_alloc_pos_.size() - 1);
+  }
+  live_.emplace(at, e);
+  track_unplanned(static_cast<std::int64_t>(rounded));
+  ++arena_live_count_;
+  arena_live_bytes_ += rounded;
+  arena_live_requested_ += bytes;
+  ++stats_.pressure_loans;
+  note_totals(last_totals_);
+  return reinterpret_cast<void*>(at);
+}
+
+void plan_front::note_arena_user(std::uintptr_t stream) {
+  if (std::find(arena_users_.begin(), arena_users_.end(), stream) == arena_users_.end()) {
+    arena_users_.push_back(stream);
+  }
+}
+
+bool plan_front::arena_quiet() const noexcept { return slot_live_ == 0 && guests_.empty(); }
+
 void plan_front::track_unplanned(std::int64_t delta) noexcept {
   unplanned_live_ += delta;
   if (stats_.plans > 0) stats_.unplanned_live_peak = std::max(stats_.unplanned_live_peak, unplanned_live_);
@@ -683,6 +760,11 @@ bool plan_front::space_free(std::size_t j) const noexcept {
     for (const auto& [b, n] : l.old_blocks) {
       if (a < b + n && b < a + s.size) return false;
     }
+  }
+  // Blocks lent out of the arena under memory pressure lie where the plan did not expect them.
+  for (const auto& [b, n] : guests_) {
+    const std::uintptr_t a = slot_pos(j);
+    if (a < b + n && b < a + s.size) return false;
   }
   // Every slot whose planned free precedes j, i.e. due before any slot up to j: those due before
   // checked_upto were found free when a slot was handed out and stay so (a slot is taken once
@@ -763,6 +845,7 @@ void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
     if (at + rounded <= t.addr + t.size) {
       tail_live_.insert(it, {at, rounded});
       order_after_frees(at, rounded, stream);
+      note_arena_user(stream);
       return reinterpret_cast<void*>(at);
     }
   }
@@ -815,6 +898,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       }
       void* p = reinterpret_cast<void*>(s.addr);
       order_after_frees(s.addr, rounded, st);
+      note_arena_user(st);
       live_entry e;
       e.key = key;
       e.size = rounded;
@@ -949,18 +1033,32 @@ bool plan_front::on_free(void* p, arena_free* freed) {
     track_unplanned(-static_cast<std::int64_t>(e.size));
   }
   if (!e.in_arena) {
-    if (replan_pending_ && slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
+    if (replan_pending_ && arena_quiet()) make_plan(replan_lo_, replan_hi_);
     return false;
   }
   if (freed != nullptr) *freed = {e.stream, e.size, e.requested};
+  std::vector<std::uintptr_t> users;  // streams other than its own that used the block
   if (e.synced_streams) {
-    // Other streams used the block: the space is reused only after their work queued so far.
     if (auto s = arena_streams_.find(addr); s != arena_streams_.end()) {
-      defer_reuse(addr, e.size, e.stream, s->second);
+      users = std::move(s->second);
       arena_streams_.erase(s);
     }
   }
-  if (e.slot < 0) {
+  if (e.guest) {
+    // Any lane may reuse a guest's space: each one's stream waits for the guest's work (and its
+    // users') before its next block there.
+    guests_.erase(std::find(guests_.begin(), guests_.end(), std::make_pair(addr, e.size)));
+    for (const lane& l : lanes_) {
+      std::vector<std::uintptr_t> all = users;
+      if (l.stream != e.stream) all.push_back(e.stream);
+      std::erase(all, l.stream);
+      if (!all.empty()) defer_reuse(addr, e.size, l.stream, all);
+    }
+  } else if (!users.empty()) {
+    // Other streams used the block: the space is reused only after their work queued so far.
+    defer_reuse(addr, e.size, e.stream, users);
+  }
+  if (e.slot < 0 && !e.guest) {
     // A block from a hole's tail (from_tail).
     const auto t = std::lower_bound(tail_live_.begin(), tail_live_.end(),
                                     std::pair<std::uintptr_t, std::size_t>{addr, 0});
@@ -970,7 +1068,7 @@ bool plan_front::on_free(void* p, arena_free* freed) {
   arena_live_bytes_ -= e.size;
   arena_live_requested_ -= e.requested;
   release_idle_arena();
-  if (replan_pending_ && slot_live_ == 0) make_plan(replan_lo_, replan_hi_);
+  if (replan_pending_ && arena_quiet()) make_plan(replan_lo_, replan_hi_);
   return true;
 }
 
@@ -981,6 +1079,7 @@ bool plan_front::record_stream(void* p, stream_ref stream) {
   if (st != it->second.stream) {
     it->second.synced_streams = true;
     arena_streams_[it->first].push_back(st);
+    note_arena_user(st);
   }
   return true;
 }
@@ -992,9 +1091,10 @@ event_ref plan_front::acquire_event() {
   return e;
 }
 
-// An arena block of `stream` at [addr, addr + size) is freed while `users` (other streams) may
-// still have work queued on it: an event on each marks that work. Only `stream` reuses the space
-// (its slots and its holes' tails), so the range is kept under it until a block covers it.
+// An arena block at [addr, addr + size) is freed while `users` (streams other than `stream`) may
+// still have work queued on it: an event on each marks that work, to be waited for by `stream`,
+// which reuses the space (a slot block's own stream: its slots and its holes' tails; every lane's
+// stream for a guest's), so the range is kept under it until a block of it covers the range.
 void plan_front::defer_reuse(std::uintptr_t addr, std::size_t size, std::uintptr_t stream,
                              const std::vector<std::uintptr_t>& users) {
   deferred_range r;
@@ -1004,7 +1104,19 @@ void plan_front::defer_reuse(std::uintptr_t addr, std::size_t size, std::uintptr
     device_.record(e, stream_ref{reinterpret_cast<void*>(user)});
     r.events.push_back(e);
   }
-  deferred_[stream].emplace(addr, std::move(r));  // the block was live: nothing was deferred there
+  // Ranges of one stream stay disjoint: a guest's range may cover ones deferred before it came.
+  std::map<std::uintptr_t, deferred_range>& ranges = deferred_[stream];
+  std::uintptr_t first = addr, last = addr + size;
+  auto it = ranges.lower_bound(addr);
+  if (it != ranges.begin() && std::prev(it)->first + std::prev(it)->second.size > addr) --it;
+  while (it != ranges.end() && it->first < addr + size) {
+    first = std::min(first, it->first);
+    last = std::max(last, it->first + it->second.size);
+    r.events.insert(r.events.end(), it->second.events.begin(), it->second.events.end());
+    it = ranges.erase(it);
+  }
+  r.size = last - first;
+  ranges.emplace(first, std::move(r));
 }
 
 // An arena block of `stream` is handed out at [addr, addr + size): its stream first waits on the
@@ -1075,7 +1187,7 @@ void plan_front::end_iteration() {
   replan_pending_ = true;
   replan_lo_ = lo;
   replan_hi_ = hi;
-  if (slot_live_ == 0) make_plan(lo, hi);
+  if (arena_quiet()) make_plan(lo, hi);
 }
 
 void plan_front::note_totals(const fallback_totals& t) noexcept {

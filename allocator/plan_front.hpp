@@ -60,6 +60,14 @@ class plan_front {
   /// and reports it with on_fallback_alloc (or, if that throws, with nothing).
   void* try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag);
   void on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream);
+  /// The caching allocator ran out of memory for a request. The plan leaves this iteration, and
+  /// if no block is live in its arena it gives the arena back at once: true, then the caller
+  /// retries. False: nothing was freed (the arena is given back when its last block is).
+  bool release_under_pressure();
+  /// The caching allocator ran out of memory while the arena holds live blocks: serve the request
+  /// from free space of the open arena (a guest block, which slots keep clear of while it lives),
+  /// or nullptr when there is none. Call only after release_under_pressure() returned false.
+  void* lend_under_pressure(std::size_t bytes, stream_ref stream);
   /// Records the free. True when `p` was an arena block (now free); false when the caller must
   /// free it in the fallback (also for pointers this front never saw).
   /// @throws terrace::logic_error for the start of a claimed hole that holds no live block.
@@ -150,6 +158,7 @@ class plan_front {
     std::uint32_t gen = 0;      // the planned iteration it belongs to
     bool in_arena = false;
     bool synced_streams = false;  // record_stream named other streams
+    bool guest = false;           // lent out of the open arena under memory pressure
   };
   enum class mode { learning, in_sync, seeking };
 
@@ -189,6 +198,8 @@ class plan_front {
   void order_after_frees(std::uintptr_t addr, std::size_t size, std::uintptr_t stream);
   void finish_deferred();
   event_ref acquire_event();
+  void note_arena_user(std::uintptr_t stream);
+  bool arena_quiet() const noexcept;
 
   device_backend& device_;
   allocator_config config_;
@@ -230,6 +241,9 @@ class plan_front {
   };
   std::unordered_map<std::uintptr_t, std::map<std::uintptr_t, deferred_range>> deferred_;
   std::vector<event_ref> event_pool_;  // recorded events already waited on, for reuse
+  std::vector<std::uintptr_t> arena_users_;  // every stream that got or used an arena block
+  // Guest blocks (lend_under_pressure), sorted by address: (addr, rounded size).
+  std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
   std::uint64_t plan_hash_ = 0;          // hash of the planned iteration's tokens
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
   // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).

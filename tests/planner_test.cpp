@@ -19,6 +19,7 @@
 #include "terrace/caching_allocator.hpp"
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
+#include "terrace/offload_engine.hpp"
 #include "terrace/planner.hpp"
 #include "terrace/sim_device.hpp"
 #include "trace_generator.hpp"
@@ -609,6 +610,79 @@ TEST(PlannedPolicy, RecordedTrainingTraceStaysPlannedAndBeatsCaching) {
   EXPECT_LT(p.steady_peak_reserved_bytes, c.steady_peak_reserved_bytes);
   EXPECT_LE(p.steady_peak_reserved_bytes, x.steady_peak_reserved_bytes);
   EXPECT_LE(p.peak_reserved_bytes, c.peak_reserved_bytes);  // the learning steps are caching's
+}
+
+// The same trace on a device of the size it was recorded on (28 MiB) under the engine's settings:
+// the caching allocator fits by giving cached segments back; the plan's arena must then not make
+// a request fail that caching would serve. The extra param fetch outside the plan (2 MiB) finds
+// the device full while the arena holds live blocks: it borrows free space of the arena. Before,
+// 9 requests ran out of memory.
+TEST(PlannedPolicy, UnderMemoryPressureThePlanLendsItsFreeSpace) {
+  const auto path = std::filesystem::path(__FILE__).parent_path() / "data" / "train_offload_trace.jsonl";
+  const auto events = terrace::tools::load_trace(path.string());
+  terrace::tools::replay_options o;
+  o.config = terrace::offload_engine_options::default_device_allocator();
+  o.config.device_capacity = std::size_t{28} << 20;
+  const auto c = terrace::tools::replay(events, o);
+  ASSERT_EQ(c.ooms, 0u);
+  o.config.policy = terrace::alloc_policy::planned;
+  o.check_invariants_every = 61;
+  const auto p = terrace::tools::replay(events, o);
+  EXPECT_EQ(p.ooms, 0u);
+  EXPECT_GT(p.plan.pressure_loans, 0);
+  EXPECT_GT(p.plan.hit_rate(), 0.95);  // measured 98.2%, as without the capacity
+  EXPECT_LE(p.steady_peak_reserved_bytes, c.steady_peak_reserved_bytes);  // 26.44 vs 27.85 MiB
+}
+
+// An idle arena (no block live in it) is given back at once when the caching allocator runs out
+// of memory, and the request is retried; a plan whose arena the device refuses is tried less and
+// less often instead of emptying the caching allocator's cache at every boundary.
+TEST(PlannedPolicy, UnderMemoryPressureAnIdleArenaIsGivenBack) {
+  terrace::device_options d;
+  d.capacity = std::size_t{8} << 20;
+  auto dev = terrace::make_device("null", d);
+  // Exact-size segments and no small pool (as the engine's settings), so that sizes add up.
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
+      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  void* carry = nullptr;  // lives across the boundary: the fallback's, beside the arena
+  auto iteration = [&](std::size_t extra_at_start) {
+    a.begin_iteration();
+    if (extra_at_start > 0) a.deallocate(a.allocate(extra_at_start));
+    if (carry != nullptr) a.deallocate(carry);
+    for (int k = 0; k < 8; ++k) {
+      void* p = a.allocate(kUnit + static_cast<std::size_t>(k) * 4096);
+      void* q = a.allocate(5 * kUnit / 4);
+      a.deallocate(q);
+      a.deallocate(p);
+    }
+    carry = a.allocate(3 * kUnit / 2);
+    a.end_iteration();
+  };
+  for (int it = 0; it < 4; ++it) iteration(0);
+  ASSERT_TRUE(a.plan_stats().active);
+  ASSERT_GT(a.plan_stats().arena_reserved_bytes, 0);  // 2.28 MiB
+  // 5 MiB beside the carried 1.5 fit only without the arena.
+  EXPECT_NO_THROW(iteration(5 * kUnit));
+  EXPECT_EQ(a.plan_stats().pressure_releases, 1);
+  for (int it = 0; it < 4; ++it) iteration(0);
+  EXPECT_EQ(a.plan_stats().arena_refusals, 0);
+
+  // 5 MiB kept from now on: the idle arena is given back for them between iterations, and the
+  // device no longer holds it beside the carried block, while the caching allocator still serves
+  // the iterations (it reuses the carried block's space, which the plan cannot).
+  void* kept = a.allocate(5 * kUnit);
+  EXPECT_EQ(a.plan_stats().pressure_releases, 2);
+  const auto before = a.plan_stats();
+  for (int it = 0; it < 12; ++it) EXPECT_NO_THROW(iteration(0)) << it;
+  const auto after = a.plan_stats();
+  EXPECT_GE(after.arena_refusals - before.arena_refusals, 3);
+  EXPECT_LE(after.arena_refusals - before.arena_refusals, 4) << "tried at every boundary";
+  EXPECT_GE(after.suspensions, before.suspensions + 1);
+  a.deallocate(kept);
+  a.deallocate(carry);
+  a.check_invariants();
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
 }
 
 // Iterations that keep leaving the plan (here: each begins with requests of random sizes) run on

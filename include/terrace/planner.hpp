@@ -89,6 +89,14 @@ struct planner_stats {
   /// Device-side waits the plan inserted: an arena block handed out over the space of one that a
   /// record_stream'd stream may still have been using at its free.
   std::int64_t stream_waits = 0;
+  /// Installations the device refused for lack of memory (counted as lost iterations too).
+  std::int64_t arena_refusals = 0;
+  /// Requests the caching allocator could not serve for lack of memory while the plan held an
+  /// idle arena: the plan gave its memory back for this iteration and the request was retried.
+  std::int64_t pressure_releases = 0;
+  /// Requests it could not serve while blocks were live in the arena: served from the arena's
+  /// free space instead (the slots there wait until the block is freed).
+  std::int64_t pressure_loans = 0;
   double plan_seconds = 0.0;              ///< time spent planning, all plans
   std::string heuristic;                  ///< the last plan's winning heuristic
 
