@@ -469,6 +469,52 @@ TEST(TierManagerBlockReuse, AnAcquireWithoutCopyUpWaitsForTheFlushOfTheBlocksLas
   }
 }
 
+// Two flushed tensors whose blocks are neighbours are evicted in the other order than their
+// flushes were queued, and one block spanning both goes to a tensor acquired for writing. Its
+// kernel must wait for the later of the two copies down: the fence given back last is the one of
+// the earlier copy, so waiting on the newest fence by eviction order let the kernel overwrite
+// bytes the later flush had not read yet (found by the planned policy, which packs blocks of
+// different sizes over each other; the caching allocator merges neighbours the same way).
+TEST(TierManagerBlockReuse, AWriteAcquireWaitsForTheLatestCopyOfEveryBlockItsMemoryHeld) {
+  constexpr std::size_t kPart = 3 * MiB / 2;
+  rig r(kReuseBytes + 2 * kPart, kSlowBandwidth);  // slow + the two neighbours
+  const tensor_id slow = r.tm->add("slow", kReuseBytes);
+  const tensor_id second = r.tm->add("second", kPart);  // block after slow's, flushed last
+  const tensor_id first = r.tm->add("first", kPart);    // block after second's, flushed first
+  const tensor_id spanning = r.tm->add("spanning", 2 * kPart);
+  const auto first_bytes = pattern(kPart, 4), second_bytes = pattern(kPart, 5);
+  const auto new_bytes = pattern(2 * kPart, 6);
+
+  occupy_copy_stream(r, slow);  // the flushes below wait ~21 ms behind it
+  auto* sd = static_cast<unsigned char*>(r.tm->acquire(second, r.compute, access::write));
+  r.launch([sd, &second_bytes] { std::memcpy(sd, second_bytes.data(), kPart); });
+  r.tm->release(second, r.compute);
+  auto* fd = static_cast<unsigned char*>(r.tm->acquire(first, r.compute, access::write));
+  r.launch([fd, &first_bytes] { std::memcpy(fd, first_bytes.data(), kPart); });
+  r.tm->release(first, r.compute);
+  ASSERT_EQ(fd, sd + kPart) << "the scenario needs neighbouring blocks";
+  r.tm->flush(first);   // queued first
+  r.tm->flush(second);  // queued last: its copy ends after first's
+  r.tm->acquire(slow, r.compute, access::read);  // pinned: not a victim
+  r.dev->synchronize(r.compute);
+  // Making room evicts `second` (least recently used), then `first`; the allocator merges their
+  // blocks and hands the span to `spanning`.
+  auto* nd = static_cast<unsigned char*>(r.tm->acquire(spanning, r.compute, access::write));
+  ASSERT_FALSE(r.tm->on_device(first));
+  ASSERT_FALSE(r.tm->on_device(second));
+  ASSERT_EQ(nd, sd) << "the scenario needs the allocator to reuse both blocks";
+  r.launch([nd, &new_bytes] { std::memcpy(nd, new_bytes.data(), 2 * kPart); });
+  r.tm->release(spanning, r.compute);
+  r.tm->release(slow, r.compute);
+  r.dev->synchronize_device();
+  const auto* second_home = static_cast<const unsigned char*>(r.tm->host_data(second, access::read));
+  EXPECT_EQ(std::memcmp(second_home, second_bytes.data(), kPart), 0)
+      << "the flush of 'second' copied bytes the kernel of 'spanning' wrote";
+  const auto* first_home = static_cast<const unsigned char*>(r.tm->host_data(first, access::read));
+  EXPECT_EQ(std::memcmp(first_home, first_bytes.data(), kPart), 0);
+  r.tm->check_invariants();
+}
+
 // A prefetch is evicted before its copy up landed and its block goes to a tensor acquired for
 // writing: the kernel writing it must wait for that copy up, or the copy lands on top of what the
 // kernel wrote.

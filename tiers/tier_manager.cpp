@@ -67,6 +67,7 @@ struct tier_manager::impl {
     // is given back, the fence (see the file comment). Separate from `up`/`down`, which keep
     // serving host-side waits on the home buffer after the block is gone.
     event_ref last_copy;
+    std::uint64_t last_copy_seq = 0;  // when last_copy was recorded, in copy-stream order
     bool block_copied = false;  // a copy touched the current block (last_copy is meaningful)
     std::vector<std::size_t> uses;   // positions in the schedule, ascending
     std::vector<std::size_t> reads;  // those of them that need the data (not access::write)
@@ -97,13 +98,17 @@ struct tier_manager::impl {
   std::uint64_t tick = 0;
   tier_stats counters;
 
-  // Device blocks given back while a copy on the copy stream may still use them, oldest first
-  // (the order their events were recorded on the copy stream, hence the order they complete in).
+  // Device blocks given back while a copy on the copy stream may still use them, in the order
+  // their events were recorded on the copy stream (hence the order they complete in). That is not
+  // the order the blocks are given back in: a tensor whose last copy came earlier may be evicted
+  // later, so each fence goes in by its sequence number.
   struct fence {
     std::uintptr_t begin, end;  // the bytes the copies touched: [dev, dev + bytes)
     event_ref last_copy;        // completes once no copy uses them any more
+    std::uint64_t seq = 0;      // the copy's place in copy-stream order
   };
   std::deque<fence> fences;
+  std::uint64_t copy_seq = 0;  // copies noted so far (note_block_copy)
   std::vector<event_ref> spare_events;  // events of completed fences, for reuse
 
   impl(device_backend& d, caching_allocator& m, pinned_host_pool& h, tier_manager_options o,
@@ -179,6 +184,7 @@ struct tier_manager::impl {
   // After a copy into or out of t's block has been queued on the copy stream.
   void note_block_copy(tensor& t) {
     device.record(ensure(t.last_copy), copy);
+    t.last_copy_seq = ++copy_seq;
     t.block_copied = true;
   }
 
@@ -189,7 +195,10 @@ struct tier_manager::impl {
     prune_fences();  // keeps the list short between acquires too
     if (t.block_copied && !device.query(t.last_copy)) {
       const auto begin = reinterpret_cast<std::uintptr_t>(t.dev);
-      fences.push_back({begin, begin + t.bytes, t.last_copy});
+      const fence f{begin, begin + t.bytes, t.last_copy, t.last_copy_seq};
+      fences.insert(std::upper_bound(fences.begin(), fences.end(), f,
+                                     [](const fence& a, const fence& b) { return a.seq < b.seq; }),
+                    f);
       t.last_copy = event_ref{};
     }
     t.block_copied = false;
@@ -205,8 +214,8 @@ struct tier_manager::impl {
   }
 
   // Orders `stream` after every copy still using memory of t's block: a wait on the newest fence
-  // that overlaps it (the copy stream is in order, so that covers the older ones too). The host
-  // does not block.
+  // (by copy order) that overlaps it; the copy stream is in order, so that covers the older ones
+  // too. The host does not block.
   void order_after_fences(const tensor& t, stream_ref stream) {
     prune_fences();
     const auto begin = reinterpret_cast<std::uintptr_t>(t.dev);
