@@ -634,6 +634,18 @@ class allocator_impl {
     return holes;
   }
 
+  // The planned policy's arena, given to this allocator when a deviating iteration uninstalls the
+  // plan (instead of back to the device): that iteration is then served from the arena's memory
+  // rather than from new segments reserved beside it. A plain segment of `stream` from here on,
+  // given back to the device whole (empty_cache, the OOM path) like any other.
+  void adopt_segment(void* p, std::size_t size, std::uintptr_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), size, stream, false, false);
+    count_reserved(seg, static_cast<std::int64_t>(size));
+    if (tracing_) trace(trace_action::segment_alloc, stream, seg->addr, size, 0, {});
+    insert_free(seg->head);
+  }
+
   // The planned policy gives a claimed hole back while blocks it served from the hole's tail are
   // still live (the plan is uninstalled, or replaced): each such block becomes an ordinary
   // allocation of this allocator, carved at its address out of the free block the hole merged
@@ -1121,6 +1133,9 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
     plan_->set_fallback_holes([impl = impl_.get()] { return impl->claim_free_blocks(); },
                               [impl = impl_.get()](void* p) { impl->deallocate(p); },
                               [impl = impl_.get()] { return impl->totals(); });
+    plan_->set_fallback_segment([impl = impl_.get()](void* p, std::size_t size, std::uintptr_t stream) {
+      impl->adopt_segment(p, size, stream);
+    });
     plan_->set_fallback_adopt([impl = impl_.get()](std::uintptr_t addr, std::size_t size,
                                                    std::size_t requested,
                                                    const std::vector<std::uintptr_t>& streams) {

@@ -47,6 +47,8 @@ constexpr std::size_t kMaxRecordTokens = 1u << 22;    // a recording longer than
 constexpr std::size_t kLookahead = 16;
 // Consecutive requests that match no slot before the rest of the iteration goes to the fallback.
 constexpr std::uint32_t kMaxMisses = 8;
+// Requests outside the plan per lane iteration that may borrow free arena space (lend_arena_space).
+constexpr std::uint32_t kMaxMissLoans = 2;
 // Iterations in a row that leave the plan before it is set aside (suspend), and how long it sits
 // out: kFirstSuspension iterations, doubling up to kMaxSuspension while it keeps failing; as many
 // iterations kept in a row restore the first length.
@@ -311,8 +313,17 @@ bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
 
 // REQUIRES: no slot block is live in the arena (blocks served from hole tails may be).
 void plan_front::uninstall() {
-  finish_deferred();  // the fallback reuses the space in its own order, the device gets the arena
-  if (arena_ != nullptr) device_.release(arena_, arena_bytes_);
+  finish_deferred();  // the fallback reuses the space in its own order
+  if (arena_ != nullptr) {
+    if (adopt_segment_) {
+      // The fallback serves what comes next (a deviating iteration) from the arena's memory, on
+      // the lead stream; the other streams' work in it must be done first.
+      if (lanes_.size() > 1) device_.synchronize_device();
+      adopt_segment_(arena_, arena_bytes_, lanes_.front().stream);
+    } else {
+      device_.release(arena_, arena_bytes_);
+    }
+  }
   arena_ = nullptr;
   arena_bytes_ = 0;
   // A stream's slots in another stream's hole: the fallback will reuse that space in the hole
@@ -321,7 +332,9 @@ void plan_front::uninstall() {
   for (const fallback_hole& h : holes_) release_hole_(reinterpret_cast<void*>(h.addr));
   // Blocks served from hole tails outlive the plan as the fallback's own: carved back out of the
   // holes just returned, so that a request outside the plan never pins the arena.
-  if (!tail_live_.empty()) {
+  // Guests likewise, out of the arena the fallback just took as a segment (on the lead stream:
+  // a guest of another stream names its own among the streams the fallback waits for).
+  if (!tail_live_.empty() || !guests_.empty()) {
     for (auto& [addr, e] : live_) {
       if (!e.in_arena) continue;
       std::vector<std::uintptr_t> streams;
@@ -329,8 +342,10 @@ void plan_front::uninstall() {
         streams = std::move(s->second);
         arena_streams_.erase(s);
       }
+      if (e.guest) streams.push_back(e.stream);
       adopt_(addr, e.size, e.requested, streams);
       e.in_arena = false;
+      e.guest = false;
       e.synced_streams = false;
       --arena_live_count_;
       arena_live_bytes_ -= e.size;
@@ -341,6 +356,8 @@ void plan_front::uninstall() {
   holes_.clear();
   tails_.clear();
   tail_live_.clear();
+  guests_.clear();
+  by_addr_.clear();
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   installed_ = false;
   if (fallback_exact_) fallback_exact_(false);
@@ -488,6 +505,13 @@ bool plan_front::ensure_arena() {
     }
     slots_[plan_item_slot_[j]].addr = addr;
   }
+  by_addr_.clear();
+  max_slot_size_ = 0;
+  for (std::uint32_t k : plan_item_slot_) {
+    by_addr_.emplace_back(slots_[k].addr, k);
+    max_slot_size_ = std::max(max_slot_size_, slots_[k].size);
+  }
+  std::sort(by_addr_.begin(), by_addr_.end());
   // The layout, for the next installation of this plan.
   memo_.valid = true;
   memo_.open = open_total;
@@ -580,6 +604,7 @@ void plan_front::start_lane(lane& l) {
   l.checked_upto = 0;
   l.skipped.clear();
   l.misses_in_row = 0;
+  l.misses = 0;
   ++l.gen;
   l.old_blocks.clear();
   if (l.live != 0) {
@@ -644,13 +669,13 @@ void plan_front::deviate() {
 // arena block is live they go back (the holes to the fallback, which can use them); the next
 // planned iteration installs the plan again, after emptying the fallback's cache.
 void plan_front::release_idle_arena() {
-  if (live_mode_ && installed_ && mode_ != mode::in_sync && arena_live_count_ == tail_live_.size()) {
+  if (live_mode_ && installed_ && mode_ != mode::in_sync && arena_idle()) {
     uninstall();
   }
 }
 
 bool plan_front::release_under_pressure() {
-  if (!live_mode_ || !installed_ || arena_live_count_ != tail_live_.size()) return false;
+  if (!live_mode_ || !installed_ || !arena_idle()) return false;
   if (mode_ == mode::in_sync) {
     deviate();  // gives the idle arena back
   } else {
@@ -661,25 +686,69 @@ bool plan_front::release_under_pressure() {
   return true;
 }
 
-// With blocks live in the arena it cannot be given back, and leaving the plan would put the rest
-// of the iteration on the fallback beside it. Instead the request borrows free space of the open
-// arena (first fit) as a guest: slots whose space it overlaps stay unserved while it lives (their
-// requests go to the fallback, or borrow in turn), and the plan goes on.
 void* plan_front::lend_under_pressure(std::size_t bytes, stream_ref stream) {
+  return lend_arena_space(bytes, stream, /*by_choice=*/false);
+}
+
+// How many of its lane's slots come before one that uses [at, at + size) again (the next use of
+// that space, by the plan); SIZE_MAX when no slot does. A slot taken in this lane iteration comes
+// again in the next one.
+std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size) const {
+  std::size_t best = SIZE_MAX;
+  auto it = std::lower_bound(by_addr_.begin(), by_addr_.end(),
+                             std::make_pair(at > max_slot_size_ ? at - max_slot_size_ : 0,
+                                            std::uint32_t{0}));
+  for (; it != by_addr_.end() && it->first < at + size; ++it) {
+    const slot& s = slots_[it->second];
+    if (it->first + s.size <= at) continue;
+    const lane& l = lanes_[s.lane];
+    std::size_t d = 0;
+    if (slot_taken(it->second)) {
+      d = l.slots.size() - l.cursor + s.pos;
+    } else if (s.pos >= l.cursor) {
+      d = s.pos - l.cursor;
+    }
+    best = std::min(best, d);
+  }
+  return best;
+}
+
+// A request the plan does not serve borrows free space of the open arena as a guest: slots whose
+// space it overlaps stay unserved while it lives (their requests go elsewhere), other streams
+// reuse its space after device-side waits, and when the plan is uninstalled the fallback adopts it
+// with the arena. Of the free space, the part the plan reuses last. Under memory pressure any free
+// space will do; by choice (a request outside the plan, in sync) only space no slot needs within
+// the next kLookahead slots of its lane, so that the plan keeps its hits.
+void* plan_front::lend_arena_space(std::size_t bytes, stream_ref stream, bool by_choice) {
   if (!live_mode_ || !installed_ || arena_ == nullptr) return nullptr;
   const std::size_t rounded = round_up(bytes);
   const auto lo = reinterpret_cast<std::uintptr_t>(arena_);
+  const std::uintptr_t hi = lo + arena_bytes_;
   std::vector<std::pair<std::uintptr_t, std::size_t>> used;
   for (const auto& [addr, e] : live_) {
-    if (e.in_arena && addr >= lo && addr < lo + arena_bytes_) used.emplace_back(addr, e.size);
+    if (e.in_arena && addr >= lo && addr < hi) used.emplace_back(addr, e.size);
   }
   std::sort(used.begin(), used.end());
-  std::uintptr_t at = lo;
+  used.emplace_back(hi, 0);  // the end of the last gap
+  std::uintptr_t best_at = 0;
+  std::size_t best_score = 0;
+  bool found = false;
+  std::uintptr_t gap = lo;
   for (const auto& [addr, size] : used) {
-    if (addr >= at + rounded) break;
-    at = std::max(at, addr + size);
+    if (addr >= gap + rounded) {
+      for (const std::uintptr_t at : {gap, addr - rounded}) {  // either end of the gap
+        const std::size_t score = slots_before_reuse(at, rounded);
+        if (!found || score > best_score) {
+          best_at = at;
+          best_score = score;
+          found = true;
+        }
+      }
+    }
+    gap = std::max(gap, addr + size);
   }
-  if (at + rounded > lo + arena_bytes_) return nullptr;
+  if (!found || (by_choice && best_score < kLookahead)) return nullptr;
+  const std::uintptr_t at = best_at;
   // Whatever any stream did in this space before must be done first: the borrower's stream waits
   // on the device for every other stream that has used the arena, as far as its work goes now.
   const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
@@ -691,6 +760,7 @@ void* plan_front::lend_under_pressure(std::size_t bytes, stream_ref stream) {
     event_pool_.push_back(e);
     ++stats_.stream_waits;
   }
+  order_after_frees(at, rounded, st);
   note_arena_user(st);
   guests_.insert(std::upper_bound(guests_.begin(), guests_.end(), std::make_pair(at, rounded)),
                  {at, rounded});
@@ -709,7 +779,7 @@ void* plan_front::lend_under_pressure(std::size_t bytes, stream_ref stream) {
   ++arena_live_count_;
   arena_live_bytes_ += rounded;
   arena_live_requested_ += bytes;
-  ++stats_.pressure_loans;
+  ++(by_choice ? stats_.miss_loans : stats_.pressure_loans);
   note_totals(last_totals_);
   return reinterpret_cast<void*>(at);
 }
@@ -720,7 +790,15 @@ void plan_front::note_arena_user(std::uintptr_t stream) {
   }
 }
 
-bool plan_front::arena_quiet() const noexcept { return slot_live_ == 0 && guests_.empty(); }
+// Whether the arena can be uninstalled now: no slot block is live in it. Blocks from hole tails,
+// and guests once the fallback takes the arena as a segment, become the fallback's own.
+bool plan_front::arena_idle() const noexcept {
+  return arena_live_count_ == tail_live_.size() + (adopt_segment_ ? guests_.size() : 0);
+}
+
+bool plan_front::arena_quiet() const noexcept {
+  return slot_live_ == 0 && (adopt_segment_ || guests_.empty());
+}
 
 void plan_front::track_unplanned(std::int64_t delta) noexcept {
   unplanned_live_ += delta;
@@ -946,7 +1024,14 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
         note_totals(last_totals_);
         return p;
       }
-      if (!another_shape) return nullptr;  // on_fallback_alloc: unplanned
+      if (!another_shape) {
+        // An occasional request outside the plan borrows arena space; many are another shape,
+        // whose blocks would pin the arena while the fallback grows beside it.
+        if (l != nullptr && ++l->misses <= kMaxMissLoans) {
+          if (void* p = lend_arena_space(bytes, stream, /*by_choice=*/true)) return p;
+        }
+        return nullptr;  // on_fallback_alloc: unplanned
+      }
       deviate();
     }
   }

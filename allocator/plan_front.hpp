@@ -104,6 +104,11 @@ class plan_front {
                                              const std::vector<std::uintptr_t>&)> adopt) {
     adopt_ = std::move(adopt);
   }
+  /// `segment(p, size, stream)` makes the arena a segment of the fallback when the plan is
+  /// uninstalled (without it the arena goes back to the device).
+  void set_fallback_segment(std::function<void(void*, std::size_t, std::uintptr_t)> segment) {
+    adopt_segment_ = std::move(segment);
+  }
   /// `exact(true)` while a plan is installed: the fallback then cuts large segments to the request.
   void set_fallback_sizing(std::function<void(bool)> exact) { fallback_exact_ = std::move(exact); }
 
@@ -142,6 +147,7 @@ class plan_front {
     std::size_t checked_upto = 0;                    // due lists below this were found free
     std::vector<std::uint32_t> skipped;              // lane indices jumped over, still takeable
     std::uint32_t misses_in_row = 0;                 // requests in a row that matched no slot
+    std::uint32_t misses = 0;                        // requests outside the plan, this iteration
     // The lane's previous iteration's blocks still live, as (slot_pos, size); gen_live counts
     // this iteration's, live all of its slot-holding blocks.
     std::vector<std::pair<std::uintptr_t, std::size_t>> old_blocks;
@@ -200,6 +206,9 @@ class plan_front {
   event_ref acquire_event();
   void note_arena_user(std::uintptr_t stream);
   bool arena_quiet() const noexcept;
+  bool arena_idle() const noexcept;
+  void* lend_arena_space(std::size_t bytes, stream_ref stream, bool by_choice);
+  std::size_t slots_before_reuse(std::uintptr_t at, std::size_t size) const;
 
   device_backend& device_;
   allocator_config config_;
@@ -242,7 +251,10 @@ class plan_front {
   std::unordered_map<std::uintptr_t, std::map<std::uintptr_t, deferred_range>> deferred_;
   std::vector<event_ref> event_pool_;  // recorded events already waited on, for reuse
   std::vector<std::uintptr_t> arena_users_;  // every stream that got or used an arena block
-  // Guest blocks (lend_under_pressure), sorted by address: (addr, rounded size).
+  // The installed plan's slots by address, and the largest (slots_before_reuse).
+  std::vector<std::pair<std::uintptr_t, std::uint32_t>> by_addr_;
+  std::size_t max_slot_size_ = 0;
+  // Guest blocks (lend_arena_space), sorted by address: (addr, rounded size).
   std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
   std::uint64_t plan_hash_ = 0;          // hash of the planned iteration's tokens
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
@@ -261,6 +273,7 @@ class plan_front {
   std::function<void(void*)> release_hole_;
   std::function<fallback_totals()> fallback_totals_;
   std::function<void(bool)> fallback_exact_;
+  std::function<void(void*, std::size_t, std::uintptr_t)> adopt_segment_;
   std::function<void(std::uintptr_t, std::size_t, std::size_t, const std::vector<std::uintptr_t>&)>
       adopt_;
   // The installed plan's memory: the open arena (arena_, arena_bytes_, may be empty) plus the

@@ -97,6 +97,9 @@ struct planner_stats {
   /// Requests it could not serve while blocks were live in the arena: served from the arena's
   /// free space instead (the slots there wait until the block is freed).
   std::int64_t pressure_loans = 0;
+  /// Requests outside the plan (in sync) served from free arena space that no slot needs soon,
+  /// instead of the caching allocator.
+  std::int64_t miss_loans = 0;
   double plan_seconds = 0.0;              ///< time spent planning, all plans
   std::string heuristic;                  ///< the last plan's winning heuristic
 
