@@ -133,6 +133,12 @@ TEST(TrainCli, ThePlannedPolicyTrainsExactlyAsCachingDoes) {
   EXPECT_EQ(planned_out.find(" over 0 iterations"), std::string::npos) << "never planned:\n"
                                                                        << planned_out;
   EXPECT_EQ(planned_out.find(" 0 device-side stream waits"), std::string::npos) << planned_out;
+  // A missing order between the copy stream and the kernels shows as a run whose losses differ;
+  // it depends on timing (one run in two before the tier manager's fence fix), so run again.
+  for (int again = 0; again < 3; ++again) {
+    const auto [out, losses, allocs] = run("planned-" + std::to_string(again), "--alloc-conf policy:planned");
+    EXPECT_EQ(losses, caching) << "run " << again;
+  }
 }
 
 TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
