@@ -768,18 +768,23 @@ void* plan_front::lend_arena_space(std::size_t bytes, stream_ref stream, bool by
   e.size = rounded;
   e.requested = bytes;
   e.stream = st;
-  e.in_arena = true;
   e.guest = true;
   // Recorded as try_allocate left it (learning or seeking), as on_fallback_alloc would.
   if (mode_ != mode::in_sync && !rec_alloc_pos_.empty()) {
     e.rec_id = static_cast<std::int64_t>(rec_alloc_pos_.size() - 1);
   }
-  live_.emplace(at, e);
-  track_unplanned(static_cast<std::int64_t>(rounded));
-  ++arena_live_count_;
-  arena_live_bytes_ += rounded;
-  arena_live_requested_ += bytes;
   ++(by_choice ? stats_.miss_loans : stats_.pressure_loans);
+  return hand_out_unplanned(at, e);
+}
+
+// An arena block outside the plan (a hole's tail, a guest) becomes live and counted.
+void* plan_front::hand_out_unplanned(std::uintptr_t at, live_entry e) {
+  e.in_arena = true;
+  live_.emplace(at, e);
+  track_unplanned(static_cast<std::int64_t>(e.size));
+  ++arena_live_count_;
+  arena_live_bytes_ += e.size;
+  arena_live_requested_ += e.requested;
   note_totals(last_totals_);
   return reinterpret_cast<void*>(at);
 }
@@ -1015,14 +1020,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
         e.size = rounded;
         e.requested = bytes;
         e.stream = st;
-        e.in_arena = true;
-        live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
-        track_unplanned(static_cast<std::int64_t>(rounded));
-        ++arena_live_count_;
-        arena_live_bytes_ += rounded;
-        arena_live_requested_ += bytes;
-        note_totals(last_totals_);
-        return p;
+        return hand_out_unplanned(reinterpret_cast<std::uintptr_t>(p), e);
       }
       if (!another_shape) {
         // An occasional request outside the plan borrows arena space; many are another shape,
