@@ -692,15 +692,18 @@ void* plan_front::lend_under_pressure(std::size_t bytes, stream_ref stream) {
 
 // How many of its lane's slots come before one that uses [at, at + size) again (the next use of
 // that space, by the plan); SIZE_MAX when no slot does. A slot taken in this lane iteration comes
-// again in the next one.
-std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size) const {
+// again in the next one. `foreign` tells whether a slot of a stream other than `stream` uses it.
+std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size,
+                                           std::uintptr_t stream, bool& foreign) const {
   std::size_t best = SIZE_MAX;
+  foreign = false;
   auto it = std::lower_bound(by_addr_.begin(), by_addr_.end(),
                              std::make_pair(at > max_slot_size_ ? at - max_slot_size_ : 0,
                                             std::uint32_t{0}));
   for (; it != by_addr_.end() && it->first < at + size; ++it) {
     const slot& s = slots_[it->second];
     if (it->first + s.size <= at) continue;
+    foreign = foreign || s.stream != stream;
     const lane& l = lanes_[s.lane];
     std::size_t d = 0;
     if (slot_taken(it->second)) {
@@ -717,10 +720,13 @@ std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size) 
 // space it overlaps stay unserved while it lives (their requests go elsewhere), other streams
 // reuse its space after device-side waits, and when the plan is uninstalled the fallback adopts it
 // with the arena. Of the free space, the part the plan reuses last. Under memory pressure any free
-// space will do; by choice (a request outside the plan, in sync) only space no slot needs within
-// the next kLookahead slots of its lane, so that the plan keeps its hits.
+// space will do, and the borrower's stream waits for every other stream that used the arena. By
+// choice (a request outside the plan, in sync) only space of the borrower's own stream's part
+// (stream order then covers the slots' work there; no wait on another stream, which would cost
+// the overlap of a prefetch) that no slot needs within the next kLookahead slots of its lane.
 void* plan_front::lend_arena_space(std::size_t bytes, stream_ref stream, bool by_choice) {
   if (!live_mode_ || !installed_ || arena_ == nullptr) return nullptr;
+  const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
   const std::size_t rounded = round_up(bytes);
   const auto lo = reinterpret_cast<std::uintptr_t>(arena_);
   const std::uintptr_t hi = lo + arena_bytes_;
@@ -737,7 +743,9 @@ void* plan_front::lend_arena_space(std::size_t bytes, stream_ref stream, bool by
   for (const auto& [addr, size] : used) {
     if (addr >= gap + rounded) {
       for (const std::uintptr_t at : {gap, addr - rounded}) {  // either end of the gap
-        const std::size_t score = slots_before_reuse(at, rounded);
+        bool foreign = false;
+        const std::size_t score = slots_before_reuse(at, rounded, st, foreign);
+        if (by_choice && (foreign || score < kLookahead)) continue;
         if (!found || score > best_score) {
           best_at = at;
           best_score = score;
@@ -747,13 +755,13 @@ void* plan_front::lend_arena_space(std::size_t bytes, stream_ref stream, bool by
     }
     gap = std::max(gap, addr + size);
   }
-  if (!found || (by_choice && best_score < kLookahead)) return nullptr;
+  if (!found) return nullptr;
   const std::uintptr_t at = best_at;
-  // Whatever any stream did in this space before must be done first: the borrower's stream waits
-  // on the device for every other stream that has used the arena, as far as its work goes now.
-  const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
+  // Whatever any stream did in this space before must be done first: under pressure the
+  // borrower's stream waits on the device for every other stream that has used the arena, as far
+  // as its work goes now. (By choice the space is the borrower's stream's own.)
   for (std::uintptr_t other : arena_users_) {
-    if (other == st) continue;
+    if (by_choice || other == st) continue;
     const event_ref e = acquire_event();
     device_.record(e, stream_ref{reinterpret_cast<void*>(other)});
     device_.wait(stream, e);
@@ -844,7 +852,7 @@ bool plan_front::space_free(std::size_t j) const noexcept {
       if (a < b + n && b < a + s.size) return false;
     }
   }
-  // Blocks lent out of the arena under memory pressure lie where the plan did not expect them.
+  // Guests (lend_arena_space) lie where the plan did not expect them.
   for (const auto& [b, n] : guests_) {
     const std::uintptr_t a = slot_pos(j);
     if (a < b + n && b < a + s.size) return false;

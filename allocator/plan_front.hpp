@@ -208,7 +208,8 @@ class plan_front {
   bool arena_quiet() const noexcept;
   bool arena_idle() const noexcept;
   void* lend_arena_space(std::size_t bytes, stream_ref stream, bool by_choice);
-  std::size_t slots_before_reuse(std::uintptr_t at, std::size_t size) const;
+  std::size_t slots_before_reuse(std::uintptr_t at, std::size_t size, std::uintptr_t stream,
+                                 bool& foreign) const;
   void* hand_out_unplanned(std::uintptr_t at, live_entry e);
 
   device_backend& device_;
