@@ -661,9 +661,9 @@ TEST(PlannedPolicy, UnderMemoryPressureThePlanLendsItsFreeSpace) {
   o.check_invariants_every = 61;
   const auto p = terrace::tools::replay(events, o);
   EXPECT_EQ(p.ooms, 0u);
-  // The extra fetch borrows arena space from its first occurrence on (a request outside the
-  // plan), before the device is full; under pressure it would have had to (pressure_loans).
-  EXPECT_GT(p.plan.miss_loans + p.plan.pressure_loans, 0);
+  // The extra fetch (copy stream) finds free space only in the compute stream's part, which a
+  // request outside the plan does not borrow by choice; under pressure it does.
+  EXPECT_GT(p.plan.pressure_loans, 0);
   EXPECT_GT(p.plan.hit_rate(), 0.95);  // measured 98.2%, as without the capacity
   EXPECT_LT(p.steady_peak_reserved_bytes, c.steady_peak_reserved_bytes);  // 26.44 vs 27.85 MiB
 }
