@@ -612,6 +612,41 @@ TEST(PlannedPolicy, RecordedTrainingTraceStaysPlannedAndBeatsCaching) {
   EXPECT_LE(p.peak_reserved_bytes, c.peak_reserved_bytes);  // the learning steps are caching's
 }
 
+// An occasional request outside the plan (an extra block in every other iteration) borrows free
+// arena space that no slot needs soon, instead of a segment of the caching allocator beside the
+// arena; the plan keeps its hits and no block overlaps another.
+TEST(PlannedPolicy, AnOccasionalExtraRequestBorrowsFreeArenaSpace) {
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
+      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  held_blocks live(a);
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  auto iteration = [&](bool extra) {
+    a.begin_iteration();
+    // A large block first, freed at once; the short blocks after it use part of its space, and
+    // the rest is free until the next iteration begins.
+    void* base = live.get(kUnit);
+    live.give(live.get(3 * kUnit));
+    for (int k = 0; k < 24; ++k) {
+      void* p = live.get(kUnit + static_cast<std::size_t>(k % 3) * 4096);
+      if (extra && k == 4) live.give(live.get(kUnit / 4));  // outside the plan
+      live.give(p);
+    }
+    live.give(base);
+    a.end_iteration();
+    ASSERT_NO_THROW(a.check_invariants());
+  };
+  for (int it = 0; it < 4; ++it) iteration(false);
+  ASSERT_TRUE(a.plan_stats().active);
+  const auto device_allocs = a.stats().num_device_alloc;
+  for (int it = 0; it < 8; ++it) iteration(it % 2 == 1);
+  EXPECT_EQ(a.plan_stats().miss_loans, 4);
+  EXPECT_EQ(a.stats().num_device_alloc, device_allocs) << "the extra request reserved memory";
+  EXPECT_GT(a.plan_stats().hit_rate(), 0.95);
+  EXPECT_EQ(a.plan_stats().lost_iterations, 0);
+  EXPECT_TRUE(live.empty());
+}
+
 // A deviating iteration (another shape) uninstalls the plan; the arena becomes a segment of the
 // caching allocator, which serves that iteration from it instead of reserving beside it.
 TEST(PlannedPolicy, ADeviatingIterationIsServedFromTheArenasMemory) {
