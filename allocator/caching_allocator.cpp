@@ -814,7 +814,9 @@ class allocator_impl {
 
   // While a plan is installed, the fallback serves only requests outside it: occasional ones,
   // which a 20 MiB segment per 2 MiB request would turn into cached memory beside the arena for
-  // the rest of the run. Large segments are then cut to the request (rounded to large_round).
+  // the rest of the run. Large segments are then cut to the request (rounded to large_round). So
+  // they stay through a deviating iteration, which the arena's memory (adopted as a segment)
+  // serves first: what does not fit there is the iteration's excess, not a cache to keep.
   void set_exact_large_segments(bool exact) {
     std::lock_guard<std::mutex> lock(mutex_);
     exact_large_segments_ = exact;

@@ -360,7 +360,6 @@ void plan_front::uninstall() {
   by_addr_.clear();
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   installed_ = false;
-  if (fallback_exact_) fallback_exact_(false);
   stats_.arena_reserved_bytes = stats_.hole_bytes = 0;
   if (had_holes && fallback_totals_) last_totals_ = fallback_totals_();
 }
@@ -581,6 +580,8 @@ void plan_front::note_lost_iteration() {
   if (++lost_in_row_ < kMaxLostInRow) return;
   lost_in_row_ = 0;
   ++stats_.suspensions;
+  // Set aside, the caching allocator serves everything: with its own segment sizes again.
+  if (fallback_exact_) fallback_exact_(false);
   suspend_left_ = suspend_next_;
   suspend_next_ = std::min(suspend_next_ * 2, kMaxSuspension);
 }

@@ -109,7 +109,8 @@ class plan_front {
   void set_fallback_segment(std::function<void(void*, std::size_t, std::uintptr_t)> segment) {
     adopt_segment_ = std::move(segment);
   }
-  /// `exact(true)` while a plan is installed: the fallback then cuts large segments to the request.
+  /// `exact(true)` from a plan's installation until it is set aside: the fallback then cuts large
+  /// segments to the request.
   void set_fallback_sizing(std::function<void(bool)> exact) { fallback_exact_ = std::move(exact); }
 
   void note_totals(const fallback_totals& t) noexcept;
