@@ -300,6 +300,45 @@ TEST(TierManager, UsesThatOverwriteAreNeitherPrefetchedNorCountedAsUses) {
   r.tm->check_invariants();
 }
 
+// A backward: each layer reads its parameters and writes its gradient. Prefetch brings the next
+// layers' parameters up ahead, but must leave room for the gradients written before them: a
+// prefetch into that room was evicted by the next gradient's write before its use, and copied up
+// again (measured on the demo: 23% more bytes up with a device of 32 MiB than of 28).
+TEST(TierManager, PrefetchLeavesRoomForTheWritesBeforeItsUse) {
+  constexpr std::size_t kP = 64 * KiB, kG = 128 * KiB;  // fp32 gradients of bf16 params
+  constexpr int kLayers = 8;
+  rig r(4 * kP + 2 * kG, 0.0, 2 * kP);  // room for a layer's two tensors and a little more
+  std::vector<tensor_id> p, g;
+  for (int i = 0; i < kLayers; ++i) {
+    p.push_back(r.tm->add("p" + std::to_string(i), kP, pattern(kP, i).data()));
+    g.push_back(r.tm->add("g" + std::to_string(i), kG));
+  }
+  const auto backward = [&] {
+    for (int i = kLayers; i-- > 0;) {
+      r.tm->acquire(p[i], r.compute);
+      r.tm->acquire(g[i], r.compute, access::write);
+      r.tm->release(g[i], r.compute);
+      r.tm->flush(g[i]);
+      r.tm->release(p[i], r.compute);
+    }
+    r.dev->synchronize_device();
+  };
+  r.tm->begin_iteration();
+  backward();
+  r.tm->begin_iteration();
+  const tier_stats before = r.tm->stats();
+  for (int it = 0; it < 4; ++it) backward();
+  const tier_stats after = r.tm->stats();
+  EXPECT_GT(after.prefetches, before.prefetches);
+  // Every prefetch is used: none is evicted by a gradient's write before its use. (A hit may
+  // count a prefetch from before `before`, at the iteration boundary.)
+  EXPECT_LE(after.prefetches - before.prefetches, after.prefetch_hits - before.prefetch_hits);
+  // No parameter is copied up twice in an iteration.
+  EXPECT_LE(after.host_to_device_bytes - before.host_to_device_bytes,
+            static_cast<std::int64_t>(4 * kLayers * kP));
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, OffScheduleAcquiresAreServedAndCounted) {
   rig r(2 * MiB);
   std::vector<tensor_id> ids;

@@ -410,18 +410,33 @@ struct tier_manager::impl {
   }
 
   // Copies the next tensors of the schedule up, in order of use, while the window and the budget
-  // allow it without evicting anything needed before them.
+  // allow it without evicting anything needed before them. That includes the blocks the writes
+  // before a prefetched tensor's use will take (a tensor to be overwritten gets a block at its
+  // acquire, with no copy up): without them, a prefetch into the room a gradient's write is about
+  // to take is evicted by that write before its use, and copied up again. (Reads of tensors not
+  // prefetched yet are not counted: they are prefetched in turn, or wait on NVMe, whose host-side
+  // room is another budget.)
   void prefetch() {
     if (schedule.empty()) return;
     std::size_t in_flight = prefetch_bytes_in_flight();
     const std::size_t n = schedule.size();
     const std::size_t start = pos >= n ? 0 : pos;
     const std::size_t horizon = prefetch_horizon();
+    std::size_t taken_before = 0;  // blocks the writes before position k will take
+    std::vector<tensor_id> counted;  // tensors already in taken_before
+    const auto needs_block_first = [&](tensor_id id, const tensor& t) {
+      if (std::find(counted.begin(), counted.end(), id) != counted.end()) return;
+      counted.push_back(id);
+      taken_before += t.bytes;
+    };
     for (std::size_t k = 0; k < horizon; ++k) {
       const tensor_id id = schedule[(start + k) % n];
       tensor& t = tensors[id];
       if (t.dev != nullptr) continue;
-      if (overwrites[(start + k) % n]) continue;  // its data is not wanted there: no copy up
+      if (overwrites[(start + k) % n]) {  // its data is not wanted there: no copy up
+        needs_block_first(id, t);
+        continue;
+      }
       if (t.nvme_reading) {
         if (!t.nvme_io.ready()) continue;  // still on its way from NVMe: a later call takes it
         finish_read(t);
@@ -431,8 +446,8 @@ struct tier_manager::impl {
       // Under the default window (a quarter of the budget) one prefetch of any size may be in
       // flight, so that a model of a few large layers is still brought up ahead of use.
       if (in_flight + t.bytes > options.prefetch_window && (in_flight > 0 || !default_window)) return;
-      if (t.bytes > options.device_budget) return;
-      if (!make_room(t.bytes, id, k)) return;
+      if (t.bytes + taken_before > options.device_budget) return;
+      if (!make_room(t.bytes + taken_before, id, k)) return;
       void* block = device_block(id, k, /*soft=*/true);
       if (block == nullptr) return;
       bring_up(id, block, true);
