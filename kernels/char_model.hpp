@@ -47,6 +47,11 @@ struct char_model_config {
   /// the blocking of a GEMM may depend on it, so it is part of what makes a run reproducible).
   /// 0 = the machine's hardware threads, at most 16.
   int cpu_threads = 0;
+  /// Activation checkpointing of the residual blocks: forward keeps only each block's input h (the
+  /// previous block's output), not relu(h W + b); backward recomputes it from h and the params it
+  /// is given. Half the blocks' activation memory for one more GEMM per block in backward; the
+  /// results are the same bits (the same GEMM on the same inputs, the same elementwise ops).
+  bool recompute_blocks = false;
 };
 
 /// @brief Throws logic_error unless every size is positive, vocab <= 256 (tokens are bytes) and

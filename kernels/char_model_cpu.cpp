@@ -173,24 +173,32 @@ class cpu_char_model final : public char_model {
   }
 
   // Block `block` (1-based): r = relu(h W + b), h' = h + r. Both r (its sign is relu's mask) and
-  // h (the next GEMM's input, and this block's weight gradient's) are kept for backward.
+  // h (the next GEMM's input, and this block's weight gradient's) are kept for backward; with
+  // recompute_blocks r is scratch, and backward makes it again (block_relu).
   void forward_block(int block, const layer_shape& s, const std::uint16_t* params) {
     const auto w = widen(params, s.elements());
     const float* h = h_[static_cast<std::size_t>(block) - 1];
-    float* r = activation(batch() * s.out, "char_model.r");
+    float* r = config_.recompute_blocks ? allocate(batch() * s.out, "char_model.r_scratch")
+                                        : activation(batch() * s.out, "char_model.r");
+    const scratch r_scratch(memory_, stream_, config_.recompute_blocks ? r : nullptr);
     float* next = activation(batch() * s.out, "char_model.h");
-    gemm_forward(h, w.p, r, s.in, s.out);
-    const float* bias = w.p + s.in * s.out;
+    block_relu(h, w.p, r, s);
+    for (std::size_t i = 0; i < batch() * s.out; ++i) next[i] = h[i] + r[i];
+    if (r_.empty()) r_.push_back(nullptr);  // r_[0] unused: blocks count from 1
+    r_.push_back(config_.recompute_blocks ? nullptr : r);
+    h_.push_back(next);
+  }
+
+  // r = relu(h W + b), W and b widened (w).
+  void block_relu(const float* h, const float* w, float* r, const layer_shape& s) {
+    gemm_forward(h, w, r, s.in, s.out);
+    const float* bias = w + s.in * s.out;
     for (std::size_t b = 0; b < batch(); ++b) {
       for (std::size_t j = 0; j < s.out; ++j) {
         const std::size_t i = b * s.out + j;
         r[i] = std::max(r[i] + bias[j], 0.0f);
-        next[i] = h[i] + r[i];
       }
     }
-    if (r_.empty()) r_.push_back(nullptr);  // r_[0] unused: blocks count from 1
-    r_.push_back(r);
-    h_.push_back(next);
   }
 
   void forward_output(const layer_shape& s, const std::uint16_t* params) {
@@ -234,6 +242,12 @@ class cpu_char_model final : public char_model {
   void backward_block(int block, const layer_shape& s, const std::uint16_t* params, float* grad) {
     const auto w = widen(params, s.elements());
     const float* r = r_[static_cast<std::size_t>(block)];
+    const scratch again(memory_, stream_,
+                        r == nullptr ? allocate(batch() * s.out, "char_model.r_scratch") : nullptr);
+    if (r == nullptr) {  // recompute_blocks: make r again from the block's input
+      block_relu(h_[static_cast<std::size_t>(block) - 1], w.p, again.p, s);
+      r = again.p;
+    }
     scratch dr(memory_, stream_, allocate(batch() * s.out, "char_model.dr"));
     for (std::size_t i = 0; i < batch() * s.out; ++i) dr.p[i] = r[i] > 0.0f ? dh_[i] : 0.0f;
     gemm_weight_grad(h_[static_cast<std::size_t>(block) - 1], dr.p, grad, s.in, s.out);

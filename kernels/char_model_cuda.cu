@@ -389,17 +389,20 @@ class cuda_char_model final : public char_model {
     h_.assign(1, h);
   }
 
+  // With recompute_blocks r is scratch, and backward makes it again (as the cpu model does).
   void forward_block(int block, const layer_shape& s, const std::uint16_t* params) {
     const scratch w = widen(params, s.in * s.out);
     const float* h = h_[static_cast<std::size_t>(block) - 1];
-    float* r = activation(batch() * s.out, "char_model.r");
+    const scratch r_scratch = allocate_scratch(config_.recompute_blocks ? batch() * s.out : 0,
+                                               "char_model.r_scratch");
+    float* r = config_.recompute_blocks ? r_scratch.p : activation(batch() * s.out, "char_model.r");
     float* next = activation(batch() * s.out, "char_model.h");
     gemm_forward(h, w.p, r, s.in, s.out);
     block_forward_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
         r, params + s.in * s.out, h, next, batch(), s.out);
     launch_check("block_forward_kernel");
     if (r_.empty()) r_.push_back(nullptr);  // r_[0] unused: blocks count from 1
-    r_.push_back(r);
+    r_.push_back(config_.recompute_blocks ? nullptr : r);
     h_.push_back(next);
   }
 
@@ -427,9 +430,18 @@ class cuda_char_model final : public char_model {
 
   void backward_block(int block, const layer_shape& s, const std::uint16_t* params, float* grad) {
     const scratch w = widen(params, s.in * s.out);
+    const float* r = r_[static_cast<std::size_t>(block)];
+    const scratch again = allocate_scratch(r == nullptr ? batch() * s.out : 0, "char_model.r_scratch");
+    if (r == nullptr) {  // recompute_blocks: make r again from the block's input
+      gemm_forward(h_[static_cast<std::size_t>(block) - 1], w.p, again.p, s.in, s.out);
+      bias_relu_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
+          again.p, params + s.in * s.out, batch(), s.out);
+      launch_check("bias_relu_kernel");
+      r = again.p;
+    }
     const scratch dr = allocate_scratch(batch() * s.out, "char_model.dr");
     relu_backward_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
-        dh_, r_[static_cast<std::size_t>(block)], dr.p, batch() * s.out);
+        dh_, r, dr.p, batch() * s.out);
     launch_check("relu_backward_kernel");
     gemm_weight_grad(h_[static_cast<std::size_t>(block) - 1], dr.p, grad, s.in, s.out);
     bias_grad(dr.p, grad + s.in * s.out, s.out);

@@ -139,6 +139,25 @@ TEST_F(CharModelGpu, RunsAreBitwiseRepeatable) {
   }
 }
 
+// Activation checkpointing on the GPU: the same bits as without it (the same GEMMs on the same
+// inputs, and bias_relu_kernel does what block_forward_kernel does to r).
+TEST_F(CharModelGpu, RecomputedBlocksGiveTheSameBits) {
+  auto c = small();
+  const auto w = testing::make_weights(c, 11);
+  const auto tokens = testing::random_tokens(c, 12);
+  std::vector<step_result> runs;
+  for (const bool recompute : {false, true}) {
+    c.recompute_blocks = recompute;
+    rig gpu("cuda", c);
+    runs.push_back(run_gpu(*gpu.model, w, tokens));
+  }
+  EXPECT_EQ(std::memcmp(&runs[0].loss, &runs[1].loss, sizeof(float)), 0);
+  for (std::size_t l = 0; l < runs[0].grads.size(); ++l) {
+    EXPECT_EQ(std::memcmp(runs[0].grads[l].data(), runs[1].grads[l].data(), runs[0].grads[l].size() * 4), 0)
+        << "layer " << l;
+  }
+}
+
 TEST_F(CharModelGpu, ActivationsCountAgainstTheDeviceAndAreFreed) {
   const auto c = small();
   rig gpu("cuda", c);

@@ -141,6 +141,21 @@ TEST(TrainCli, ThePlannedPolicyTrainsExactlyAsCachingDoes) {
   }
 }
 
+// --recompute (activation checkpointing of the blocks) changes what is held, not what is computed.
+TEST(TrainCli, RecomputedActivationsTrainTheSameBits) {
+  scratch_dir dir("cli-recompute");
+  std::vector<std::vector<std::string>> losses;
+  for (const std::string flag : {"", "--recompute"}) {
+    const std::filesystem::path log = dir.path() / ("log" + flag);
+    const run_result r = train("--steps 6 --no-report " + flag + " --log '" + log.string() +
+                               "' --dir '" + (dir.path() / ("state" + flag)).string() + "'");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    losses.push_back(exact_losses(log));
+  }
+  ASSERT_EQ(losses[0].size(), 6u);
+  EXPECT_EQ(losses[1], losses[0]);
+}
+
 TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
   scratch_dir dir("cli-bad");
   const std::string d = " --no-report --dir '" + dir.path().string() + "' ";

@@ -357,6 +357,9 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
   cmd->add_flag("--fresh", o.fresh, "discard a checkpoint in --dir and start over");
   cmd->add_flag("--resident", o.resident,
                 "budgets so large that nothing is offloaded (the peer run)");
+  cmd->add_flag("--recompute", o.model.recompute_blocks,
+                "activation checkpointing: each residual block keeps only its input, and backward "
+                "recomputes the rest (half the blocks' activations, one more GEMM per block)");
   cmd->add_flag("--delayed-update", o.delayed_update,
                 "run each step's CPU optimizer beside the next step's forward (ZeRO-Offload's "
                 "delayed parameter update: one step staler gradients)");

@@ -92,8 +92,8 @@ std::vector<std::uint8_t> sample_batch(const std::vector<std::uint8_t>& corpus,
 }
 
 // What kernels/char_model_cpu.cpp allocates, at its peak (backward of the first block, or of the
-// input projection): every forward activation, dh, dr, dx0 and one layer's weights widened to
-// fp32. Small blocks round to 512 B and are carved from the small pool's segments; larger ones get
+// input projection): every forward activation (each block's r only without recompute_blocks;
+// with it, one r recomputed in backward), dh, dr, dx0 and one layer's weights widened to fp32. Small blocks round to 512 B and are carved from the small pool's segments; larger ones get
 // segments of their own (offload_engine_options::default_device_allocator).
 std::size_t char_model_activation_bytes(const model::char_model_config& c) {
   model::validate(c);
@@ -112,7 +112,11 @@ std::size_t char_model_activation_bytes(const model::char_model_config& c) {
   };
   block(batch * in);                                 // x0
   for (int l = 0; l <= c.layers; ++l) block(batch * width);  // h after the input and each block
-  for (int l = 0; l < c.layers; ++l) block(batch * width);   // r of each block
+  if (c.recompute_blocks) {
+    block(batch * width);  // one block's r, made again in its backward (scratch)
+  } else {
+    for (int l = 0; l < c.layers; ++l) block(batch * width);  // r of each block
+  }
   block(batch * static_cast<std::size_t>(c.vocab));  // probs
   block(batch * width);                              // dh
   block(batch * width);                              // dr (scratch)
