@@ -199,7 +199,8 @@ offload_engine_options engine_options_for(const train_options& o, const device_b
 
 std::string model_text(const model::char_model_config& c) {
   return std::to_string(c.layers) + " blocks x " + std::to_string(c.width) + ", context " +
-         std::to_string(c.context) + ", batch " + std::to_string(c.batch);
+         std::to_string(c.context) + ", batch " + std::to_string(c.batch) +
+         (c.recompute_blocks ? ", blocks recomputed in backward" : "");
 }
 
 }  // namespace
