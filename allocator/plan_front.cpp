@@ -721,7 +721,7 @@ std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size,
 // space it overlaps stay unserved while it lives (their requests go elsewhere), other streams
 // reuse its space after device-side waits, and when the plan is uninstalled the fallback adopts it
 // with the arena. Of the free space, the part the plan reuses last. Under memory pressure any free
-// space will do, and the borrower's stream waits for every other stream that used the arena. By
+// space will do, after the host waits for the device (every stream's work in it is done). By
 // choice (a request outside the plan, in sync) only space of the borrower's own stream's part
 // (stream order then covers the slots' work there; no wait on another stream, which would cost
 // the overlap of a prefetch) that no slot needs within the next kLookahead slots of its lane.
@@ -758,19 +758,12 @@ void* plan_front::lend_arena_space(std::size_t bytes, stream_ref stream, bool by
   }
   if (!found) return nullptr;
   const std::uintptr_t at = best_at;
-  // Whatever any stream did in this space before must be done first: under pressure the
-  // borrower's stream waits on the device for every other stream that has used the arena, as far
-  // as its work goes now. (By choice the space is the borrower's stream's own.)
-  for (std::uintptr_t other : arena_users_) {
-    if (by_choice || other == st) continue;
-    const event_ref e = acquire_event();
-    device_.record(e, stream_ref{reinterpret_cast<void*>(other)});
-    device_.wait(stream, e);
-    event_pool_.push_back(e);
-    ++stats_.stream_waits;
-  }
+  // Whatever any stream did in this space before must be done first. Under pressure, where the
+  // alternative is failing, the host waits for the device (as the caching allocator's own
+  // out-of-memory path does before it gives memory back); by choice the space is the borrower's
+  // stream's own, and the waits record_stream asked for are the deferred ranges'.
+  if (!by_choice) device_.synchronize_device();
   order_after_frees(at, rounded, st);
-  note_arena_user(st);
   guests_.insert(std::upper_bound(guests_.begin(), guests_.end(), std::make_pair(at, rounded)),
                  {at, rounded});
   live_entry e;
@@ -796,12 +789,6 @@ void* plan_front::hand_out_unplanned(std::uintptr_t at, live_entry e) {
   arena_live_requested_ += e.requested;
   note_totals(last_totals_);
   return reinterpret_cast<void*>(at);
-}
-
-void plan_front::note_arena_user(std::uintptr_t stream) {
-  if (std::find(arena_users_.begin(), arena_users_.end(), stream) == arena_users_.end()) {
-    arena_users_.push_back(stream);
-  }
 }
 
 // Whether the arena can be uninstalled now: no slot block is live in it. Blocks from hole tails,
@@ -937,7 +924,6 @@ void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
     if (at + rounded <= t.addr + t.size) {
       tail_live_.insert(it, {at, rounded});
       order_after_frees(at, rounded, stream);
-      note_arena_user(stream);
       return reinterpret_cast<void*>(at);
     }
   }
@@ -990,7 +976,6 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       }
       void* p = reinterpret_cast<void*>(s.addr);
       order_after_frees(s.addr, rounded, st);
-      note_arena_user(st);
       live_entry e;
       e.key = key;
       e.size = rounded;
@@ -1171,7 +1156,6 @@ bool plan_front::record_stream(void* p, stream_ref stream) {
   if (st != it->second.stream) {
     it->second.synced_streams = true;
     arena_streams_[it->first].push_back(st);
-    note_arena_user(st);
   }
   return true;
 }

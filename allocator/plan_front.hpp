@@ -205,7 +205,6 @@ class plan_front {
   void order_after_frees(std::uintptr_t addr, std::size_t size, std::uintptr_t stream);
   void finish_deferred();
   event_ref acquire_event();
-  void note_arena_user(std::uintptr_t stream);
   bool arena_quiet() const noexcept;
   bool arena_idle() const noexcept;
   void* lend_arena_space(std::size_t bytes, stream_ref stream, bool by_choice);
@@ -253,7 +252,6 @@ class plan_front {
   };
   std::unordered_map<std::uintptr_t, std::map<std::uintptr_t, deferred_range>> deferred_;
   std::vector<event_ref> event_pool_;  // recorded events already waited on, for reuse
-  std::vector<std::uintptr_t> arena_users_;  // every stream that got or used an arena block
   // The installed plan's slots by address, and the largest (slots_before_reuse).
   std::vector<std::pair<std::uintptr_t, std::uint32_t>> by_addr_;
   std::size_t max_slot_size_ = 0;
