@@ -7,7 +7,8 @@ flat tensor of N parameters and prints one line that bench_adam parses:
 
 impl: torch (torch.optim.AdamW, fp32), deepspeed (DeepSpeedCPUAdam, fp32), deepspeed-mixed
 (DeepSpeed's sequence of separate passes for a mixed-precision step: bf16 grads to fp32,
-overflow check, unscale, DeepSpeedCPUAdam, bf16 copy of the params)."""
+overflow check, unscale, DeepSpeedCPUAdam, bf16 copy of the params), torch-cuda
+(torch.optim.AdamW(fused=True) on the GPU, fp32; for tools/bench_adam_gpu)."""
 import argparse
 import statistics
 import sys
@@ -16,7 +17,7 @@ import time
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", required=True, choices=["torch", "deepspeed", "deepspeed-mixed"])
+    ap.add_argument("--impl", required=True, choices=["torch", "deepspeed", "deepspeed-mixed", "torch-cuda"])
     ap.add_argument("--params", type=int, default=100_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
@@ -25,6 +26,9 @@ def main():
         import torch
     except ImportError as e:
         print(f"UNAVAILABLE {a.impl} torch not importable by {sys.executable}: {e}")
+        return
+    if a.impl == "torch-cuda":
+        cuda_step(torch, a)
         return
     torch.set_num_threads(a.threads)
     n = a.params
@@ -61,6 +65,28 @@ def main():
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
+    print(f"RESULT {a.impl} {statistics.median(times):.6f}")
+
+
+def cuda_step(torch, a):
+    if not torch.cuda.is_available():
+        print(f"UNAVAILABLE {a.impl} torch {torch.__version__} sees no CUDA device")
+        return
+    n = a.params
+    p = torch.nn.Parameter(torch.zeros(n, device="cuda"))
+    p.grad = torch.zeros(n, device="cuda")
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.01, fused=True)
+    with torch.no_grad():
+        for _ in range(2):
+            opt.step()  # warm-up: state allocation
+        times = []
+        for _ in range(a.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            opt.step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
     print(f"RESULT {a.impl} {statistics.median(times):.6f}")
 
 
