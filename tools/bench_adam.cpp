@@ -23,6 +23,7 @@
 
 #include "optimizer/thread_pool.hpp"
 #include "terrace/adam.hpp"
+#include "tools/bench_python.hpp"
 
 namespace {
 
@@ -184,28 +185,11 @@ double python_step(const std::string& impl, std::size_t n, unsigned threads, int
   if (impl != "torch") {
     if (const char* path = std::getenv("TERRACE_DEEPSPEED_PYTHONPATH")) env = "PYTHONPATH=" + std::string(path) + " ";
   }
-  const std::string cmd = env + "/usr/bin/python3 " TERRACE_SOURCE_DIR "/tools/bench_adam_torch.py --impl " + impl +
-                          " --params " + std::to_string(n) + " --threads " + std::to_string(threads) +
-                          " --reps " + std::to_string(reps) + " 2>/dev/null";
-  FILE* f = popen(cmd.c_str(), "r");
-  if (f == nullptr) {
-    note = "could not run /usr/bin/python3";
-    return -1;
-  }
-  char line[4096];
-  double result = -1;
-  note = "no output from bench_adam_torch.py";
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    char name[64];
-    double s;
-    if (std::sscanf(line, "RESULT %63s %lf", name, &s) == 2) result = s;
-    if (std::strncmp(line, "UNAVAILABLE", 11) == 0) {
-      note = line;
-      if (!note.empty() && note.back() == '\n') note.pop_back();
-    }
-  }
-  pclose(f);
-  return result;
+  return terrace::tools::python_result(
+      env + "/usr/bin/python3 " TERRACE_SOURCE_DIR "/tools/bench_adam_torch.py --impl " + impl +
+          " --params " + std::to_string(n) + " --threads " + std::to_string(threads) +
+          " --reps " + std::to_string(reps) + " 2>/dev/null",
+      note);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/adam.hpp"
+#include "tools/bench_python.hpp"
 
 namespace {
 
@@ -64,28 +65,11 @@ double time_ms(cudaStream_t stream, int reps, F fn) {
 // (the GPU machines' torch is a pip one, not Debian's).
 double torch_step(std::size_t n, int reps, std::string& note) {
   const char* py = std::getenv("TERRACE_PYTHON");
-  const std::string cmd = std::string(py != nullptr ? py : "python3") + " " TERRACE_SOURCE_DIR
-                          "/tools/bench_adam_torch.py --impl torch-cuda --params " +
-                          std::to_string(n) + " --reps " + std::to_string(reps) + " 2>/dev/null";
-  FILE* f = popen(cmd.c_str(), "r");
-  if (f == nullptr) {
-    note = "could not run python3";
-    return -1;
-  }
-  char line[4096];
-  double result = -1;
-  note = "no output from bench_adam_torch.py";
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    char name[64];
-    double s;
-    if (std::sscanf(line, "RESULT %63s %lf", name, &s) == 2) result = s;
-    if (std::strncmp(line, "UNAVAILABLE", 11) == 0) {
-      note = line;
-      if (!note.empty() && note.back() == '\n') note.pop_back();
-    }
-  }
-  pclose(f);
-  return result;
+  return terrace::tools::python_result(
+      std::string(py != nullptr ? py : "python3") + " " TERRACE_SOURCE_DIR
+      "/tools/bench_adam_torch.py --impl torch-cuda --params " + std::to_string(n) + " --reps " +
+          std::to_string(reps) + " 2>/dev/null",
+      note);
 }
 
 struct config {
