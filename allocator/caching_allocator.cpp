@@ -6,6 +6,7 @@
 #include "terrace/caching_allocator.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <chrono>
 #include <cinttypes>
@@ -879,6 +880,8 @@ class allocator_impl {
 
   // The planned policy's arena blocks never pass through this allocator, but belong in its trace:
   // a saved trace or a snapshot's device_traces must show every allocation the program made.
+  // Callers check tracing() first, so that the planned hot path takes no lock while it is off.
+  bool tracing() const noexcept { return tracing_.load(std::memory_order_relaxed); }
   void trace_arena_block(trace_action a, stream_ref stream, const void* p, std::size_t size,
                          std::size_t requested, std::string_view tag) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -1101,7 +1104,7 @@ class allocator_impl {
   mutable std::mutex mutex_;
   double memory_fraction_ = 1.0;
   std::size_t granularity_ = kMinBlockSize;
-  bool tracing_ = false;
+  std::atomic<bool> tracing_{false};  // written under mutex_; read without it by tracing()
   bool exact_large_segments_ = false;  // set_exact_large_segments
 
   free_set small_free_;
@@ -1153,7 +1156,9 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
   if (!plan_ || bytes == 0) return impl_->allocate(bytes, stream, tag);
   std::lock_guard<std::mutex> lock(plan_->mutex());
   if (void* p = plan_->try_allocate(bytes, stream, tag)) {
-    impl_->trace_arena_block(trace_action::alloc, stream, p, plan_->block_size(p), bytes, tag);
+    if (impl_->tracing()) {
+      impl_->trace_arena_block(trace_action::alloc, stream, p, plan_->block_size(p), bytes, tag);
+    }
     return p;
   }
   void* p = nullptr;
@@ -1165,7 +1170,9 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
     if (!plan_->release_under_pressure()) {
       void* q = plan_->lend_under_pressure(bytes, stream);
       if (q == nullptr) throw;
-      impl_->trace_arena_block(trace_action::alloc, stream, q, plan_->block_size(q), bytes, tag);
+      if (impl_->tracing()) {
+        impl_->trace_arena_block(trace_action::alloc, stream, q, plan_->block_size(q), bytes, tag);
+      }
       plan_->note_totals(impl_->totals());
       return q;
     }
@@ -1180,9 +1187,11 @@ void caching_allocator::deallocate(void* p, stream_ref) {
   std::lock_guard<std::mutex> lock(plan_->mutex());
   detail::arena_free freed;
   if (plan_->on_free(p, &freed)) {
-    const stream_ref owner{reinterpret_cast<void*>(freed.stream)};
-    impl_->trace_arena_block(trace_action::free_requested, owner, p, freed.size, freed.requested, {});
-    impl_->trace_arena_block(trace_action::free_completed, owner, p, freed.size, 0, {});
+    if (impl_->tracing()) {
+      const stream_ref owner{reinterpret_cast<void*>(freed.stream)};
+      impl_->trace_arena_block(trace_action::free_requested, owner, p, freed.size, freed.requested, {});
+      impl_->trace_arena_block(trace_action::free_completed, owner, p, freed.size, 0, {});
+    }
     return;
   }
   impl_->deallocate(p);

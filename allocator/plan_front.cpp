@@ -656,10 +656,15 @@ void plan_front::start_iteration() {
   reset_recording();
 }
 
-void plan_front::deviate() {
-  if (mode_ == mode::in_sync) note_lost_iteration();
+// This iteration left the plan somewhere (counted once per iteration).
+void plan_front::note_deviation() noexcept {
   if (!iteration_deviated_) ++stats_.deviating_iterations;
   iteration_deviated_ = true;
+}
+
+void plan_front::deviate() {
+  if (mode_ == mode::in_sync) note_lost_iteration();
+  note_deviation();
   mode_ = mode::seeking;
   reset_recording();
   release_idle_arena();
@@ -893,10 +898,7 @@ void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
   }
   if (s.pos >= l.cursor) {
     for (std::uint32_t p = l.cursor; p < s.pos; ++p) l.skipped.push_back(p);
-    if (s.pos > l.cursor && !iteration_deviated_) {
-      ++stats_.deviating_iterations;
-      iteration_deviated_ = true;
-    }
+    if (s.pos > l.cursor) note_deviation();
     l.cursor = s.pos + 1;
   }
   // Forget skipped slots that were taken or fell out of reach.
@@ -1002,8 +1004,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       // was held is used up: its request has been served. Many misses in a row mean another
       // iteration altogether: then the rest of it goes to the fallback, as before.
       if (blocked >= 0) take_slot(static_cast<std::size_t>(blocked), /*served_elsewhere=*/true);
-      if (!iteration_deviated_) ++stats_.deviating_iterations;
-      iteration_deviated_ = true;
+      note_deviation();
       // It is served from a claimed hole's tail when one fits (else the fallback, whose free
       // blocks the plan claimed, would reserve anew); a tail block that outlives the plan becomes
       // the fallback's own (uninstall). It still counts as a miss: a run of them is another shape.

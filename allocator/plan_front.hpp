@@ -178,6 +178,7 @@ class plan_front {
   void detect_steady_state();
   void make_plan(std::size_t lo, std::size_t hi);
   void deviate();
+  void note_deviation() noexcept;
   void note_lost_iteration();
   void start_iteration();
   void start_lane(lane& l);

@@ -529,6 +529,12 @@ struct offload_engine::impl {
 
   // ---------------------------------------------------------------- one step
 
+  // Where the optimizer reads a layer's gradients: their home copy, or (delayed_update) the copy
+  // the running update made of it.
+  const void* gradients_of(const layer& l, bool delayed) {
+    return delayed ? static_cast<const void*>(grads_copy.data() + l.delayed_at) : tm->host_data(l.grad);
+  }
+
   // Global gradient norm and finiteness, one layer at a time (the same summation whatever the
   // budgets, so resident and offloaded runs agree bit for bit). Returns the seconds spent waiting
   // for gradients to come home.
@@ -537,7 +543,7 @@ struct offload_engine::impl {
     finite = true;
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       const auto t = clock_type::now();
-      const void* g = delayed ? grads_copy.data() + it->delayed_at : tm->host_data(it->grad);
+      const void* g = gradients_of(*it, delayed);
       waited += seconds_since(t);
       const offload_group_step s{it->group, g, nullptr};
       const grad_norm_result r = adam->grad_norm({&s, 1}, dtype::f32);
@@ -560,7 +566,7 @@ struct offload_engine::impl {
     for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
       const auto t = clock_type::now();
       void* p = delayed ? next_params.data() + it->delayed_at : tm->host_data(it->param, access::write);
-      const void* g = delayed ? grads_copy.data() + it->delayed_at : tm->host_data(it->grad);
+      const void* g = gradients_of(*it, delayed);
       waited += seconds_since(t);
       groups.push_back({it->group, g, p});
     }

@@ -465,6 +465,15 @@ void* occupy_copy_stream(rig& r, tensor_id slow) {
   return d;
 }
 
+// A "kernel" writes `bytes` (which must outlive it) into tensor `id` on the device, acquired for
+// writing and released. Returns its block.
+unsigned char* write_on_device(rig& r, tensor_id id, const std::vector<unsigned char>& bytes) {
+  auto* d = static_cast<unsigned char*>(r.tm->acquire(id, r.compute, access::write));
+  r.launch([d, &bytes] { std::memcpy(d, bytes.data(), bytes.size()); });
+  r.tm->release(id, r.compute);
+  return d;
+}
+
 // A flushed tensor is evicted and its block reused by a tensor acquired without a copy up, while
 // the flush's copy down still waits its turn: the kernel writing the new tensor must not run before
 // that copy has read the block (else the old tensor's home copy gets the new bytes).
@@ -478,9 +487,7 @@ TEST(TierManagerBlockReuse, AnAcquireWithoutCopyUpWaitsForTheFlushOfTheBlocksLas
     const tensor_id reuser = r.tm->add("new", kReuseBytes);
     const auto old_bytes = pattern(kReuseBytes, 1), new_bytes = pattern(kReuseBytes, 2);
 
-    auto* od = static_cast<unsigned char*>(r.tm->acquire(old_owner, r.compute, access::write));
-    r.launch([od, &old_bytes] { std::memcpy(od, old_bytes.data(), kReuseBytes); });
-    r.tm->release(old_owner, r.compute);
+    unsigned char* od = write_on_device(r, old_owner, old_bytes);
     occupy_copy_stream(r, slow);  // ~21 ms ahead of the next copy
     r.tm->flush(old_owner);       // queued behind it
     // The allocator reuses a block used on the compute stream only once that stream's work (at
@@ -525,12 +532,8 @@ TEST(TierManagerBlockReuse, AWriteAcquireWaitsForTheLatestCopyOfEveryBlockItsMem
   const auto new_bytes = pattern(2 * kPart, 6);
 
   occupy_copy_stream(r, slow);  // the flushes below wait ~21 ms behind it
-  auto* sd = static_cast<unsigned char*>(r.tm->acquire(second, r.compute, access::write));
-  r.launch([sd, &second_bytes] { std::memcpy(sd, second_bytes.data(), kPart); });
-  r.tm->release(second, r.compute);
-  auto* fd = static_cast<unsigned char*>(r.tm->acquire(first, r.compute, access::write));
-  r.launch([fd, &first_bytes] { std::memcpy(fd, first_bytes.data(), kPart); });
-  r.tm->release(first, r.compute);
+  unsigned char* sd = write_on_device(r, second, second_bytes);
+  unsigned char* fd = write_on_device(r, first, first_bytes);
   ASSERT_EQ(fd, sd + kPart) << "the scenario needs neighbouring blocks";
   r.tm->flush(first);   // queued first
   r.tm->flush(second);  // queued last: its copy ends after first's

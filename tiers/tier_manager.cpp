@@ -68,6 +68,7 @@ struct tier_manager::impl {
     // serving host-side waits on the home buffer after the block is gone.
     event_ref last_copy;
     std::uint64_t last_copy_seq = 0;  // when last_copy was recorded, in copy-stream order
+    std::uint64_t counted_in_walk = 0;  // prefetch(): the walk that counted its write's block
     bool block_copied = false;  // a copy touched the current block (last_copy is meaningful)
     std::vector<std::size_t> uses;   // positions in the schedule, ascending
     std::vector<std::size_t> reads;  // those of them that need the data (not access::write)
@@ -109,6 +110,7 @@ struct tier_manager::impl {
   };
   std::deque<fence> fences;
   std::uint64_t copy_seq = 0;  // copies noted so far (note_block_copy)
+  std::uint64_t prefetch_walks = 0;  // prefetch() calls so far
   std::vector<event_ref> spare_events;  // events of completed fences, for reuse
 
   impl(device_backend& d, caching_allocator& m, pinned_host_pool& h, tier_manager_options o,
@@ -423,10 +425,10 @@ struct tier_manager::impl {
     const std::size_t start = pos >= n ? 0 : pos;
     const std::size_t horizon = prefetch_horizon();
     std::size_t taken_before = 0;  // blocks the writes before position k will take
-    std::vector<tensor_id> counted;  // tensors already in taken_before
-    const auto needs_block_first = [&](tensor_id id, const tensor& t) {
-      if (std::find(counted.begin(), counted.end(), id) != counted.end()) return;
-      counted.push_back(id);
+    const std::uint64_t walk = ++prefetch_walks;
+    const auto needs_block_first = [&](tensor& t) {
+      if (t.counted_in_walk == walk) return;  // written twice ahead: one block
+      t.counted_in_walk = walk;
       taken_before += t.bytes;
     };
     for (std::size_t k = 0; k < horizon; ++k) {
@@ -434,7 +436,7 @@ struct tier_manager::impl {
       tensor& t = tensors[id];
       if (t.dev != nullptr) continue;
       if (overwrites[(start + k) % n]) {  // its data is not wanted there: no copy up
-        needs_block_first(id, t);
+        needs_block_first(t);
         continue;
       }
       if (t.nvme_reading) {
