@@ -42,12 +42,16 @@ class stream_table {
   }
 
   // Trace stream 0 is the default stream on every backend; others get a stream of their own.
+  // Consecutive events mostly name the same stream: the last one is remembered.
   stream_ref get(std::uintptr_t id) {
+    if (id == last_id_ && !streams_.empty()) return last_;
     auto it = streams_.find(id);
-    if (it != streams_.end()) return it->second;
-    const stream_ref s = id == 0 ? stream_ref{} : device_.create_stream();
-    streams_.emplace(id, s);
-    return s;
+    if (it == streams_.end()) {
+      it = streams_.emplace(id, id == 0 ? stream_ref{} : device_.create_stream()).first;
+    }
+    last_id_ = id;
+    last_ = it->second;
+    return last_;
   }
 
   std::size_t size() const noexcept { return streams_.size(); }
@@ -55,13 +59,70 @@ class stream_table {
  private:
   device_backend& device_;
   std::unordered_map<std::uintptr_t, stream_ref> streams_;
+  std::uintptr_t last_id_ = 0;
+  stream_ref last_{};
 };
 
-struct live_block {
+// What the replay holds for one recorded allocation (one slot per alloc event, and one per
+// pre-existing block).
+struct slot {
   void* ptr = nullptr;
   std::size_t event = 0;  // index of the alloc event, for error messages; SIZE_MAX: pre-existing
   std::size_t bytes = 0;
+  bool failed = false;    // its allocation failed with out_of_memory: its free is expected
 };
+
+constexpr std::uint32_t no_slot = UINT32_MAX;
+
+// The trace's addresses resolved once, before the timed loop: each alloc event gets a fresh
+// slot, each free_requested event the slot of the allocation it frees (or no_slot: a free of a
+// block that was never allocated in the window and is not accounted for). Resolving here rather
+// than in the loop keeps one hash lookup per event out of the figure that measures the
+// allocator, and finds an inconsistent trace before anything is replayed.
+struct resolved_trace {
+  std::vector<std::uint32_t> slot_of_event;  // per event; no_slot for the other actions
+  std::vector<slot> slots;
+  std::vector<std::size_t> preexisting;      // indices of free events whose block is pre-existing
+  std::size_t inconsistent_event = SIZE_MAX; // the first alloc of an address still held
+  std::size_t inconsistent_holder = 0;       // the alloc event that holds it
+};
+
+resolved_trace resolve(const std::vector<trace_event>& events, bool account_preexisting) {
+  resolved_trace t;
+  t.slot_of_event.assign(events.size(), no_slot);
+  std::unordered_map<std::uintptr_t, std::uint32_t> open;  // address -> slot of its live alloc
+  std::unordered_set<std::uintptr_t> preallocated;         // addresses given a pre-existing slot
+  open.reserve(1024);
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const trace_event& e = events[i];
+    if (e.action == trace_action::alloc) {
+      const auto s = static_cast<std::uint32_t>(t.slots.size());
+      const auto [it, inserted] = open.emplace(e.addr, s);
+      if (!inserted) {
+        t.inconsistent_event = i;
+        t.inconsistent_holder = t.slots[it->second].event;
+        break;
+      }
+      t.slots.push_back({nullptr, i, 0, false});
+      t.slot_of_event[i] = s;
+    } else if (e.action == trace_action::free_requested) {
+      if (auto it = open.find(e.addr); it != open.end()) {
+        t.slot_of_event[i] = it->second;
+        open.erase(it);
+      } else if (account_preexisting && (e.requested != 0 || e.size != 0) &&
+                 preallocated.insert(e.addr).second) {
+        t.slot_of_event[i] = static_cast<std::uint32_t>(t.slots.size());
+        t.slots.push_back({nullptr, SIZE_MAX, 0, false});
+        t.preexisting.push_back(i);
+      }
+    }
+  }
+  if (t.slots.size() >= no_slot) {
+    throw logic_error("trace has " + std::to_string(t.slots.size()) +
+                      " allocations: more than the replay can index");
+  }
+  return t;
+}
 
 }  // namespace
 
@@ -78,36 +139,27 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   stream_table streams(*device);
   caching_allocator alloc(*device, options.config);
 
-  std::unordered_map<std::uintptr_t, live_block> live;
-  // Addresses whose replayed allocation failed: their frees are expected, not pre-existing.
-  std::unordered_set<std::uintptr_t> failed;
-  live.reserve(1024);
   r.policy = std::string(to_string(options.config.policy));
+  resolved_trace t = resolve(events, options.account_preexisting);
 
   // A free of an address not live in the window held memory since before it: allocate it first,
   // with the size its free gives, so that the peak counts it.
-  if (options.account_preexisting) {
-    std::unordered_set<std::uintptr_t> seen_live;
-    for (const trace_event& e : events) {
-      if (e.action == trace_action::alloc) {
-        seen_live.insert(e.addr);
-      } else if (e.action == trace_action::free_requested && seen_live.erase(e.addr) == 0 &&
-                 live.count(e.addr) == 0) {
-        const std::size_t bytes = e.requested != 0 ? e.requested : e.size;
-        if (bytes == 0) continue;
-        try {
-          void* p = alloc.allocate(bytes, streams.get(e.stream), "pre-existing");
-          live.emplace(e.addr, live_block{p, SIZE_MAX, bytes});
-          ++r.preexisting_allocs;
-        } catch (const out_of_memory&) {
-          ++r.ooms;
-          failed.insert(e.addr);
-        }
-      }
+  std::int64_t live_bytes = 0;
+  std::size_t held = 0;  // slots allocated and not yet freed
+  for (std::size_t i : t.preexisting) {
+    const trace_event& e = events[i];
+    slot& b = t.slots[t.slot_of_event[i]];
+    b.bytes = e.requested != 0 ? e.requested : e.size;
+    try {
+      b.ptr = alloc.allocate(b.bytes, streams.get(e.stream), "pre-existing");
+      live_bytes += static_cast<std::int64_t>((b.bytes + 511) / 512 * 512);
+      ++r.preexisting_allocs;
+      ++held;
+    } catch (const out_of_memory&) {
+      ++r.ooms;
+      b.failed = true;
     }
   }
-  std::int64_t live_bytes = 0;
-  for (const auto& [addr, b] : live) live_bytes += static_cast<std::int64_t>((b.bytes + 511) / 512 * 512);
   std::int64_t peak_live = live_bytes;
   const std::size_t stride =
       options.timeline_points > 0 ? std::max<std::size_t>(1, events.size() / options.timeline_points) : 0;
@@ -121,8 +173,10 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   if (steady_from == SIZE_MAX && !planned) steady_from = 0;
   bool steady = steady_from == 0;
   std::int64_t steady_live = 0, steady_reserved = 0;
+  const std::size_t end = std::min(events.size(), t.inconsistent_event);
+  bool stopped = false;
   const auto start = std::chrono::steady_clock::now();
-  for (std::size_t i = 0; i < events.size(); ++i) {
+  for (std::size_t i = 0; i < end; ++i) {
     if (!steady) {
       if (steady_from == SIZE_MAX ? (i % 64 == 0 && alloc.plan_stats().iterations > 0)
                                   : i >= steady_from) {
@@ -137,54 +191,44 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
     }
     if (i == options.stop_after_event) {
       r.snapshot_at_stop = alloc.snapshot();
+      stopped = true;
       break;
     }
     const trace_event& e = events[i];
     if (stride != 0 && i % stride == 0 && i != 0) sample(i);
     if (e.action == trace_action::alloc) {
-      if (auto it = live.find(e.addr); it != live.end()) {
-        throw logic_error("trace event " + std::to_string(i) + ": alloc of " + hex(e.addr) +
-                          ", which the alloc at event " + std::to_string(it->second.event) +
-                          " still holds (no free_requested in between): the trace is inconsistent");
-      }
-      if (failed.count(e.addr) != 0) {
-        throw logic_error("trace event " + std::to_string(i) + ": alloc of " + hex(e.addr) +
-                          ", which an earlier alloc still holds (no free_requested in between): "
-                          "the trace is inconsistent");
-      }
-      const std::size_t bytes = e.requested != 0 ? e.requested : e.size;
+      slot& b = t.slots[t.slot_of_event[i]];
+      b.bytes = e.requested != 0 ? e.requested : e.size;
       ++r.allocs;
       ++r.events_replayed;
       try {
-        void* p = alloc.allocate(bytes, streams.get(e.stream), e.tag);
-        live.emplace(e.addr, live_block{p, i, bytes});
-        if (p != nullptr) live_bytes += static_cast<std::int64_t>((bytes + 511) / 512 * 512);
+        b.ptr = alloc.allocate(b.bytes, streams.get(e.stream), e.tag);
+        ++held;
+        if (b.ptr != nullptr) live_bytes += static_cast<std::int64_t>((b.bytes + 511) / 512 * 512);
         if (live_bytes > peak_live) {
           peak_live = live_bytes;
           r.peak_live_event = i;
         }
       } catch (const out_of_memory&) {
         ++r.ooms;
-        failed.insert(e.addr);
+        b.failed = true;
       }
     } else if (e.action == trace_action::free_requested) {
-      if (auto it = live.find(e.addr); it != live.end()) {
-        alloc.deallocate(it->second.ptr, streams.get(e.stream));
-        if (it->second.ptr != nullptr) {
-          live_bytes -= static_cast<std::int64_t>((it->second.bytes + 511) / 512 * 512);
-        }
-        if (it->second.event == SIZE_MAX) {
-          ++r.preexisting_frees;
-        } else {
-          ++r.frees;
-        }
-        live.erase(it);
-        ++r.events_replayed;
-      } else if (failed.erase(e.addr) != 0) {
-        ++r.failed_alloc_frees;
-        ++r.events_replayed;
-      } else {
+      const std::uint32_t s = t.slot_of_event[i];
+      if (s == no_slot) {
         ++r.preexisting_frees;
+        continue;
+      }
+      slot& b = t.slots[s];
+      ++r.events_replayed;
+      if (b.failed) {
+        ++r.failed_alloc_frees;
+      } else {
+        alloc.deallocate(b.ptr, streams.get(e.stream));
+        if (b.ptr != nullptr) live_bytes -= static_cast<std::int64_t>((b.bytes + 511) / 512 * 512);
+        ++(b.event == SIZE_MAX ? r.preexisting_frees : r.frees);
+        b.ptr = nullptr;
+        --held;
       }
     } else {
       ++r.skipped_events;
@@ -196,6 +240,13 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
     }
   }
   const auto stop = std::chrono::steady_clock::now();
+  if (!stopped && t.inconsistent_event != SIZE_MAX) {
+    const trace_event& e = events[t.inconsistent_event];
+    throw logic_error("trace event " + std::to_string(t.inconsistent_event) + ": alloc of " +
+                      hex(e.addr) + ", which the alloc at event " +
+                      std::to_string(t.inconsistent_holder) +
+                      " still holds (no free_requested in between): the trace is inconsistent");
+  }
   if (stride != 0) sample(events.empty() ? 0 : events.size() - 1);
   if (steady) {
     steady_live = std::max(steady_live, live_bytes);
@@ -214,7 +265,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   r.seconds = std::chrono::duration<double>(stop - start).count();
   r.events_per_second = r.seconds > 0.0 ? static_cast<double>(r.events_replayed) / r.seconds : 0.0;
   r.streams = streams.size();
-  r.live_at_end = live.size();
+  r.live_at_end = held;
   r.stats = alloc.stats();
   const auto all = static_cast<int>(stat_pool::all);
   r.peak_requested_bytes = r.stats.requested_bytes[all].peak;
