@@ -49,6 +49,10 @@ struct block_order {
 
 using free_set = std::set<block*, block_order>;
 
+struct address_order {
+  bool operator()(const block* a, const block* b) const noexcept { return a->addr < b->addr; }
+};
+
 // An address range obtained from the device: a plain segment (reserve/release) or, with
 // expandable segments, a reserved virtual range whose pages are mapped on demand.
 struct segment {
@@ -59,6 +63,10 @@ struct segment {
   bool small_pool = false;
   bool expandable = false;
   block* head = nullptr;
+  // Expandable only: its unmapped blocks, by address. Growth searches these, not every block of
+  // the segment: a long-running job tiles the range with tens of thousands of blocks and only a
+  // handful of holes.
+  std::set<block*, address_order> unmapped;
 
   // Bytes this segment holds on the device: what counts as reserved.
   std::size_t reserved() const noexcept { return expandable ? mapped_bytes : size; }

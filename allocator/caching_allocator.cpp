@@ -361,6 +361,7 @@ class allocator_impl {
     free_set& pool = pool_of(b->seg->small_pool);
     if (block* n = b->next; n != nullptr && n->is_free() && n->mapped == b->mapped) {
       pool.erase(n);
+      if (!n->mapped) b->seg->unmapped.erase(n);
       if (n->mapped && n->is_split()) count_inactive_split(n, -1);
       b->size += n->size;
       b->next = n->next;
@@ -369,6 +370,7 @@ class allocator_impl {
     }
     if (block* pv = b->prev; pv != nullptr && pv->is_free() && pv->mapped == b->mapped) {
       pool.erase(pv);
+      if (!b->mapped) b->seg->unmapped.erase(b);
       if (pv->mapped && pv->is_split()) count_inactive_split(pv, -1);
       pv->size += b->size;
       pv->next = b->next;
@@ -435,13 +437,13 @@ class allocator_impl {
       void* p = device_.reserve_address_range(range);
       seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
       seg->head->mapped = false;  // address space only: kept out of the free set
+      seg->unmapped.insert(seg->head);
       expandable_.emplace(key, seg);
     } else {
       seg = found->second;
     }
     // The unmapped tail (or any unmapped hole) large enough, preferring the lowest address.
-    for (block* b = seg->head; b != nullptr; b = b->next) {
-      if (b->mapped || !b->is_free()) continue;
+    for (block* b : seg->unmapped) {
       const std::size_t have = (b->prev && b->prev->is_free() && b->prev->mapped) ? b->prev->size : 0;
       if (b->size + have < rounded) continue;
       const std::size_t need = round_up(rounded - std::min(have, rounded), granularity_);
@@ -483,7 +485,9 @@ class allocator_impl {
       if (b->next) b->next->prev = rest;
       b->next = rest;
       b->size = need;
+      seg->unmapped.insert(rest);
     }
+    seg->unmapped.erase(b);
     b->mapped = true;
     // The new pages join the mapped free predecessor, and, when they fill a hole exactly, the
     // mapped free block after the hole as well.
@@ -514,6 +518,7 @@ class allocator_impl {
         ++stats_.num_device_free;
         if (tracing_) trace(trace_action::segment_unmap, seg->stream, mid->addr, mid->size, 0, {});
         mid->mapped = false;
+        seg->unmapped.insert(mid);
         b = merge_free_neighbours(mid);
       }
     }
@@ -957,6 +962,7 @@ class allocator_impl {
       const int p = pool_index(seg->small_pool);
       std::uintptr_t at = seg->addr;
       std::size_t mapped = 0;
+      std::size_t unmapped_blocks = 0;
       const block* last = nullptr;
       for (const block* b = seg->head; b != nullptr; b = b->next) {
         if (b->seg != seg) fail("block " + format_addr(b->addr) + " names the wrong segment");
@@ -990,7 +996,11 @@ class allocator_impl {
             active_b[i] += static_cast<std::int64_t>(b->size);
           }
         } else if (!b->mapped) {
+          ++unmapped_blocks;
           if (in_set) fail("unmapped block " + format_addr(b->addr) + " is in a free set");
+          if (seg->unmapped.count(const_cast<block*>(b)) == 0) {
+            fail("unmapped block " + format_addr(b->addr) + " is missing from its segment's holes");
+          }
           if (b->next && b->next->is_free() && !b->next->mapped) {
             fail("adjacent unmapped blocks not merged at " + format_addr(b->addr));
           }
@@ -1011,6 +1021,7 @@ class allocator_impl {
       }
       if (at != seg->addr + seg->size) fail("blocks do not cover segment " + format_addr(seg->addr));
       if (seg->expandable && mapped != seg->mapped_bytes) fail("expandable mapped bytes disagree");
+      if (unmapped_blocks != seg->unmapped.size()) fail("a segment's holes name a block it lacks");
       if (!seg->expandable && mapped != seg->size) fail("plain segment with unmapped block");
       for (int i : {0, p}) {
         reserved[i] += static_cast<std::int64_t>(seg->reserved());
