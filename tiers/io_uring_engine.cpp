@@ -65,8 +65,9 @@ class uring_engine final : public io_engine {
     // Bounce buffers, only for blocks whose memory or length breaks O_DIRECT's alignment. They are
     // registered (the kernel pins them once rather than on every transfer). Capped at 64 MiB.
     if (any_direct_) {
-      std::size_t slots = std::clamp<std::size_t>((std::size_t{64} << 20) / opt_.block_size, 2, opt_.queue_depth);
-      slots = std::max<std::size_t>(slots, 1);
+      // As many as the queue holds (at least 2 when it holds more), within the cap.
+      std::size_t slots = std::max<std::size_t>((std::size_t{64} << 20) / opt_.block_size, 2);
+      slots = std::min<std::size_t>(slots, opt_.queue_depth);
       bounce_ = static_cast<std::byte*>(std::aligned_alloc(kDirectAlign, slots * opt_.block_size));
       if (!bounce_) {
         io_uring_queue_exit(&ring_);
@@ -385,7 +386,8 @@ class uring_engine final : public io_engine {
       case io_fault::kind::enospc: return -ENOSPC;
       case io_fault::kind::eagain: return -EAGAIN;
       case io_fault::kind::short_io: return static_cast<int>(p->len / 2 / kDirectAlign * kDirectAlign);
-      case io_fault::kind::none: break;
+      case io_fault::kind::none:
+      case io_fault::kind::sync_eio: break;  // the store's, never armed here
     }
     return res;
   }

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -92,6 +93,14 @@ bool enable_direct(int fd, const std::string& path) {
   return false;
 }
 
+void disable_direct(int fd, const std::string& path) {
+  const int flags = ::fcntl(fd, F_GETFL);
+  if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_DIRECT) != 0) {
+    const int e = errno;
+    throw io_error(sys("cannot turn O_DIRECT off for " + path, e), e);
+  }
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------ the store itself
@@ -139,6 +148,29 @@ class tensor_store_impl {
     }
     block_size_ = index.block_size;
     generation_ = index.generation;
+    try {
+      open_and_start(dir, opt, index, create);
+    } catch (...) {
+      // The destructor does not run for a constructor that throws: close what was opened, and
+      // remove what a failed create made, so that the same create can be tried again.
+      engine_.reset();
+      for (int fd : fds_) ::close(fd);
+      fds_.clear();
+      for (auto& [dfd, base] : created_) ::unlinkat(dfd >= 0 ? dfd : dirfd_.fd, base.c_str(), 0);
+      forget_created();
+      throw;
+    }
+    forget_created();
+  }
+
+  ~tensor_store_impl() {
+    engine_.reset();  // drains every transfer before the files close
+    for (int fd : fds_) ::close(fd);
+  }
+
+ private:
+  void open_and_start(const std::filesystem::path& dir, const tensor_store_options& opt,
+                      store_index& index, bool create) {
     open_files(dir, opt, index, create);
     alloc_ = std::make_unique<extent_allocator>(index.file_size * index.files, kDirectAlign);
     for (auto& e : index.entries) {
@@ -167,10 +199,14 @@ class tensor_store_impl {
     }
   }
 
-  ~tensor_store_impl() {
-    engine_.reset();  // drains every transfer before the files close
-    for (int fd : fds_) ::close(fd);
+  // The swap files a create made, each with a descriptor of its directory (-1: the store's own).
+  void forget_created() {
+    for (auto& [dfd, base] : created_)
+      if (dfd >= 0) ::close(dfd);
+    created_.clear();
   }
+
+ public:
 
   // ---- operations
 
@@ -260,6 +296,13 @@ class tensor_store_impl {
 
   std::uint64_t checkpoint() {
     std::lock_guard serial(checkpoint_mutex_);  // one checkpoint at a time
+    if (sync_failed_) {
+      throw io_error("terrace: tensor store " + dir_ + ": an earlier fdatasync failed, so tensors " +
+                         "written since generation " + std::to_string(generation()) +
+                         " may not be on disk; no checkpoint can be made over them (reopen the " +
+                         "store to recover that generation)",
+                     EIO);
+    }
     // 1. Let every put issued so far finish (outside the lock: puts and gets go on meanwhile).
     std::vector<completion_ptr> writes;
     {
@@ -293,8 +336,16 @@ class tensor_store_impl {
     index.files = static_cast<std::uint32_t>(fds_.size());
     index.file_size = file_size_;
     // 3. The data first, then the index that points at it.
-    for (std::size_t i = 0; i < fds_.size(); ++i)
-      if (::fdatasync(fds_[i]) != 0) throw io_error(sys("cannot fdatasync " + names_[i], errno), errno);
+    // A failed fdatasync poisons the store for checkpoints: Linux may mark the lost pages clean
+    // and report success on the next call, which would then commit an index over lost data.
+    for (std::size_t i = 0; i < fds_.size(); ++i) {
+      const int rc = fake_sync_failure_.exchange(false) ? (errno = EIO, -1) : ::fdatasync(fds_[i]);
+      if (rc != 0) {
+        const int e = errno;
+        sync_failed_ = true;
+        throw io_error(sys("cannot fdatasync " + names_[i], e), e);
+      }
+    }
     write_index_atomically(dirfd_.fd, dir_, index);
     // 4. Committed: what was freed before the snapshot is no longer referenced by any index.
     std::lock_guard lock(mutex_);
@@ -358,7 +409,13 @@ class tensor_store_impl {
   }
   bool direct() const { return direct_; }
   std::string describe() const { return engine_->describe(); }
-  void inject_fault(const io_fault& f) { engine_->inject(f); }
+  void inject_fault(const io_fault& f) {
+    if (f.what == io_fault::kind::sync_eio) {
+      fake_sync_failure_.store(true);
+    } else {
+      engine_->inject(f);
+    }
+  }
 
  private:
   // REQUIRES: mutex_ held (for all below).
@@ -442,9 +499,7 @@ class tensor_store_impl {
                   bool create) {
     file_size_ = index.file_size;
     direct_ = opt.direct;
-    std::vector<std::string> created;
-    std::vector<int> created_dirfds;
-    try {
+    {
       for (std::uint32_t i = 0; i < index.files; ++i) {
         std::filesystem::path d = opt.stripe_directories.empty() ? dir : opt.stripe_directories[i % opt.stripe_directories.size()];
         fd_guard local;
@@ -465,8 +520,7 @@ class tensor_store_impl {
         fds_.push_back(fd);
         names_.push_back(path);
         if (create) {
-          created.push_back(base);
-          created_dirfds.push_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd));
+          created_.emplace_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd), base);
           // Preallocated: a write inside the file never meets ENOSPC, so a full disk is reported
           // here, once, rather than in the middle of a training step.
           int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(index.file_size));
@@ -483,19 +537,14 @@ class tensor_store_impl {
             throw io_error("terrace: " + path + " is " + std::to_string(st.st_size) + " bytes; the index says " +
                            std::to_string(index.file_size));
         }
-        if (direct_) direct_ = enable_direct(fd, path);
+        if (direct_ && !enable_direct(fd, path)) {
+          // Buffered from here on, for every file: the engine drives them all one way, and an
+          // earlier file left with O_DIRECT would get unaligned transfers without a bounce buffer.
+          direct_ = false;
+          for (std::size_t k = 0; k + 1 < fds_.size(); ++k) disable_direct(fds_[k], names_[k]);
+        }
       }
-    } catch (...) {
-      for (int fd : fds_) ::close(fd);
-      fds_.clear();
-      for (std::size_t i = 0; i < created.size(); ++i) {
-        ::unlinkat(created_dirfds[i] >= 0 ? created_dirfds[i] : dirfd_.fd, created[i].c_str(), 0);
-        if (created_dirfds[i] >= 0) ::close(created_dirfds[i]);
-      }
-      throw;
     }
-    for (int fd : created_dirfds)
-      if (fd >= 0) ::close(fd);
   }
 
   const std::string dir_;
@@ -503,6 +552,9 @@ class tensor_store_impl {
   fd_guard lock_fd_;
   std::vector<int> fds_;
   std::vector<std::string> names_;
+  std::vector<std::pair<int, std::string>> created_;  // during the constructor only
+  bool sync_failed_ = false;                 // under checkpoint_mutex_
+  std::atomic<bool> fake_sync_failure_{false};  // the sync_eio seam
   std::uint64_t file_size_ = 0;
   std::uint64_t block_size_ = 0;
   bool direct_ = true;

@@ -51,6 +51,9 @@ struct io_fault {
     enospc,     ///< the transfer completes with -ENOSPC
     short_io,   ///< the transfer reports half its bytes; the engine must carry on with the rest
     eagain,     ///< the transfer completes with -EAGAIN; the engine must resubmit it
+    /// the next checkpoint's fdatasync fails with EIO (faked by the store; reads, writes, skip
+    /// and count do not apply)
+    sync_eio,
   };
   kind what = kind::none;
   bool reads = true;    ///< applies to reads
@@ -124,7 +127,11 @@ class tensor_store {
   /// @brief Waits for all transfers, makes the data durable (fdatasync) and commits a new index
   /// atomically (write, fsync, rename, fsync directory). Puts that failed are not in it.
   /// @returns the new generation (one more than the last).
-  /// @throws io_error when the index cannot be written; the last committed checkpoint stays.
+  /// @throws io_error when the data cannot be made durable or the index cannot be written; the
+  /// last committed checkpoint stays. After a failed fdatasync every later checkpoint() throws
+  /// too (io_error, EIO): the kernel may have dropped the unwritten pages and report success on
+  /// the next sync, so nothing written since the last commit can be vouched for. Gets go on;
+  /// reopening the store recovers the last committed generation.
   std::uint64_t checkpoint();
 
   /// @brief Waits until every transfer issued so far has finished (errors stay on their handles).
