@@ -161,6 +161,20 @@ class allocator_impl {
     return reinterpret_cast<void*>(b->addr);
   }
 
+  // A request near SIZE_MAX (a negative size cast, say) would wrap to a tiny size in rounding and
+  // be handed a block that is already live: out of memory at once, before any rounding. Smaller
+  // requests beyond the device take the ordinary path, whose report shows the allocator's state.
+  void refuse_impossible(std::size_t bytes) {
+    if (bytes <= (SIZE_MAX >> 2)) return;
+    const auto& props = device_.properties();
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++stats_.num_ooms;
+    throw out_of_memory("terrace: out of memory on device '" + props.name + "' " +
+                        std::to_string(props.device_index) + ": tried to allocate " +
+                        std::to_string(bytes) + " bytes, more than the device's capacity (" +
+                        format_bytes(props.capacity) + ")");
+  }
+
   // b, out of every free set, becomes a live allocation of `requested` bytes, and is counted.
   void hand_out(block* b, std::size_t requested) {
     b->allocated = true;
@@ -212,6 +226,8 @@ class allocator_impl {
     if (block* b = try_new_memory(small, stream, rounded)) return b;
     ++stats_.num_alloc_retries;
     release_cached_memory();
+    // Waiting for the pending frees may have made a block that fits reusable.
+    if (block* b = find_free_block(small, stream, rounded)) return b;
     if (block* b = try_new_memory(small, stream, rounded)) return b;
     ++stats_.num_ooms;
     if (tracing_) trace(trace_action::oom, stream, 0, rounded, requested, {});
@@ -299,6 +315,21 @@ class allocator_impl {
     auto it = live_.find(addr);
     if (it == live_.end()) throw logic_error(describe_bad_pointer(addr, "free"));
     block* b = it->second;
+    // Events first: if the device refuses one (a stream destroyed since record_stream named it),
+    // the block stays live and the free can be retried; nothing has changed.
+    std::vector<event_ref> events;
+    if (!b->used_streams.empty()) {
+      try {
+        for (std::uintptr_t s : b->used_streams) {
+          event_ref e = acquire_event();
+          events.push_back(e);
+          device_.record(e, stream_ref{reinterpret_cast<void*>(s)});
+        }
+      } catch (...) {
+        for (event_ref e : events) event_pool_.push_back(e);
+        throw;
+      }
+    }
     live_.erase(it);
     b->allocated = false;
     const bool small = b->seg->small_pool;
@@ -310,15 +341,10 @@ class allocator_impl {
     }
     if (tracing_) trace(trace_action::free_requested, b->stream, b->addr, b->size, b->requested, b->tag);
     b->requested = 0;
-    if (!b->used_streams.empty()) {
-      // Work queued on those streams may still use the block: it becomes reusable only once an
-      // event recorded on each of them now has completed.
-      pending_free pf{b, {}};
-      for (std::uintptr_t s : b->used_streams) {
-        event_ref e = acquire_event();
-        device_.record(e, stream_ref{reinterpret_cast<void*>(s)});
-        pf.events.push_back(e);
-      }
+    if (!events.empty()) {
+      // Work queued on those streams may still use the block: it becomes reusable only once the
+      // event recorded on each of them above has completed.
+      pending_free pf{b, std::move(events)};
       b->pending_events = static_cast<int>(pf.events.size());
       b->used_streams.clear();
       pending_.push_back(std::move(pf));
@@ -402,13 +428,20 @@ class allocator_impl {
   }
 
   // Blocks until every pending free has completed.
+  // If a synchronisation throws, the frees completed so far are gone from the list and the rest
+  // stay pending, whole.
   void wait_for_pending_frees() {
-    for (pending_free& pf : pending_) {
-      for (event_ref e : pf.events) {
-        device_.synchronize(e);
-        event_pool_.push_back(e);
+    std::size_t done = 0;
+    try {
+      for (; done < pending_.size(); ++done) {
+        pending_free& pf = pending_[done];
+        for (event_ref e : pf.events) device_.synchronize(e);
+        for (event_ref e : pf.events) event_pool_.push_back(e);
+        complete_free(pf.b);
       }
-      complete_free(pf.b);
+    } catch (...) {
+      pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+      throw;
     }
     pending_.clear();
   }
@@ -1164,6 +1197,7 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
 caching_allocator::~caching_allocator() = default;
 
 void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
+  impl_->refuse_impossible(bytes);
   if (!plan_ || bytes == 0) return impl_->allocate(bytes, stream, tag);
   std::lock_guard<std::mutex> lock(plan_->mutex());
   if (void* p = plan_->try_allocate(bytes, stream, tag)) {
@@ -1230,7 +1264,12 @@ void caching_allocator::reset_peak_stats() {
   impl_->reset_peak_stats();
   plan_->reset_peaks(impl_->totals());
 }
-void caching_allocator::reset_accumulated_stats() { impl_->reset_accumulated_stats(); }
+void caching_allocator::reset_accumulated_stats() {
+  if (!plan_) return impl_->reset_accumulated_stats();
+  std::lock_guard<std::mutex> lock(plan_->mutex());
+  impl_->reset_accumulated_stats();
+  plan_->reset_accumulated();
+}
 void caching_allocator::record_trace(bool on) { impl_->set_tracing(on); }
 memory_snapshot caching_allocator::snapshot() const {
   if (!plan_) return impl_->snapshot();

@@ -115,6 +115,8 @@ class plan_front {
 
   void note_totals(const fallback_totals& t) noexcept;
   void reset_peaks(const fallback_totals& t) noexcept;
+  /// Zeroes the counters merge_into adds to the fallback's (the arena's device reservations).
+  void reset_accumulated() noexcept { arena_reservations_ = 0; }
   /// Adds the arena (a segment) and its live blocks to the fallback's stats; combined peaks.
   void merge_into(allocator_stats& s) const;
   void add_to_snapshot(memory_snapshot& snap) const;

@@ -718,3 +718,107 @@ TEST(CachingAllocator, NullBackendReplaysHugePeaksWithoutTouchingMemory) {
 
 }  // namespace
 }  // namespace terrace
+
+namespace terrace {
+namespace {
+
+// Found in review: a size near SIZE_MAX wrapped to 0 in rounding and was handed a block that was
+// already live, so two callers got the same pointer.
+TEST(CachingAllocator, ASizeNoDeviceCanHoldIsOutOfMemoryAndNeverAliasesALiveBlock) {
+  auto dev = sim(64 * MiB);
+  for (const alloc_policy policy : {alloc_policy::caching, alloc_policy::planned}) {
+    allocator_config cfg;
+    cfg.policy = policy;
+    caching_allocator a(*dev, cfg);
+    void* live = a.allocate(1000);
+    for (std::size_t bytes : {SIZE_MAX, SIZE_MAX - 511, SIZE_MAX / 2, 64 * MiB + 1}) {
+      try {
+        a.allocate(bytes);
+        FAIL() << bytes << " bytes were allocated";
+      } catch (const out_of_memory& e) {
+        if (bytes > 64 * MiB + 1) {  // the others get the full report, in MiB
+          EXPECT_NE(std::string(e.what()).find(std::to_string(bytes)), std::string::npos) << e.what();
+        }
+      }
+    }
+    void* other = a.allocate(1000);
+    EXPECT_NE(other, live);
+    EXPECT_EQ(a.stats().num_ooms, 4);
+    a.check_invariants();
+    a.deallocate(other);
+    a.deallocate(live);
+    a.check_invariants();
+  }
+}
+
+// Found in review: the free took the block out of the live map before recording its events, so
+// a device that refused the record lost the block (in no list, never reusable).
+TEST(CachingAllocator, AFreeWhoseEventTheDeviceRefusesChangesNothing) {
+  auto dev = sim(64 * MiB);
+  caching_allocator a(*dev);
+  stream_ref side = dev->create_stream();
+  void* p = a.allocate(4 * MiB);
+  a.record_stream(p, side);
+  dev->destroy_stream(side);  // the stream record_stream named is gone
+  EXPECT_ANY_THROW(a.deallocate(p));
+  a.check_invariants();  // the block is still live and accounted
+  const auto s = a.stats();
+  EXPECT_EQ(s.allocation[0].current, 1);
+  EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
+  void* q = a.allocate(4 * MiB);  // served elsewhere: p's memory is not handed out twice
+  EXPECT_NE(q, p);
+  a.deallocate(q);
+  a.check_invariants();
+}
+
+// Found in review: the out-of-memory retry waited for pending frees, which made a fitting block
+// reusable, then asked the device only, and failed.
+TEST(CachingAllocator, TheOutOfMemoryRetryReusesABlockThatWaitingForPendingFreesReleased) {
+  auto dev = sim(20 * MiB);
+  caching_allocator a(*dev);
+  void* keep = a.allocate(8 * MiB);
+  void* b = a.allocate(12 * MiB);
+  stream_ref side = dev->create_stream();
+  std::atomic<bool> go{false};
+  enqueue_host_function(*dev, side, [&] {
+    while (!go.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  a.record_stream(b, side);
+  a.deallocate(b);  // pending on `side`, which is busy
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    go = true;
+  });
+  void* c = nullptr;
+  EXPECT_NO_THROW(c = a.allocate(12 * MiB));  // waits for the pending free, then reuses it
+  opener.join();
+  EXPECT_EQ(c, b);
+  EXPECT_EQ(a.stats().num_ooms, 0);
+  EXPECT_EQ(a.stats().num_alloc_retries, 1);
+  a.deallocate(c);
+  a.deallocate(keep);
+  dev->synchronize_device();
+  dev->destroy_stream(side);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, ResetAccumulatedStatsAlsoResetsThePlansDeviceAllocations) {
+  auto dev = sim(256 * MiB);
+  allocator_config cfg;
+  cfg.policy = alloc_policy::planned;
+  caching_allocator a(*dev, cfg);
+  for (int it = 0; it < 6; ++it) {
+    a.begin_iteration();
+    void* x = a.allocate(3 * MiB);
+    void* y = a.allocate(5 * MiB);
+    a.deallocate(x);
+    a.deallocate(y);
+    a.end_iteration();
+  }
+  ASSERT_GT(a.plan_stats().iterations, 0);
+  a.reset_accumulated_stats();
+  EXPECT_EQ(a.stats().num_device_alloc, 0);
+}
+
+}  // namespace
+}  // namespace terrace
