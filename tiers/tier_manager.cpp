@@ -61,8 +61,12 @@ struct tier_manager::impl {
     bool dev_newer = false;     // the device copy was written after the home copy
     bool prefetched = false;    // brought up ahead of use and not acquired since
     int pins = 0;
-    event_ref up, down, done;   // created lazily
-    bool up_pending = false, down_pending = false, done_recorded = false;
+    event_ref up, down;         // created lazily
+    bool up_pending = false, down_pending = false;
+    // Per stream that released the tensor: an event recorded at its latest release. A copy down
+    // waits for all of them: a tensor acquired on two streams at once (pins nest) may have been
+    // written on one and released last on the other.
+    std::vector<std::pair<std::uintptr_t, event_ref>> done;
     // Recorded on the copy stream after each copy into or out of the current block: when the block
     // is given back, the fence (see the file comment). Separate from `up`/`down`, which keep
     // serving host-side waits on the home buffer after the block is gone.
@@ -152,9 +156,10 @@ struct tier_manager::impl {
       // The device is idle (synchronized above): no fence is needed for these blocks.
       if (t.dev != nullptr) memory.deallocate(t.dev, copy);
       if (t.host != nullptr) host.deallocate(t.host);
-      for (event_ref e : {t.up, t.down, t.done, t.last_copy}) {
+      for (event_ref e : {t.up, t.down, t.last_copy}) {
         if (e.native != nullptr) device.destroy_event(e);
       }
+      for (auto& [stream, e] : t.done) device.destroy_event(e);
     }
     for (const fence& f : fences) device.destroy_event(f.last_copy);
     for (event_ref e : spare_events) device.destroy_event(e);
@@ -341,7 +346,7 @@ struct tier_manager::impl {
   }
 
   void copy_down(tensor& t) {
-    if (t.done_recorded) device.wait(copy, t.done);
+    for (auto& [stream, e] : t.done) device.wait(copy, e);
     device.copy_async(t.host, t.dev, t.bytes, copy_kind::device_to_host, copy);
     device.record(ensure(t.down), copy);
     note_block_copy(t);
@@ -778,8 +783,14 @@ struct tier_manager::impl {
     }
     --t.pins;
     // The copy down of an eviction must wait for the work that used the tensor on `stream`.
-    device.record(ensure(t.done), stream);
-    t.done_recorded = true;
+    const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
+    auto d = std::find_if(t.done.begin(), t.done.end(), [&](const auto& x) { return x.first == s; });
+    if (d == t.done.end()) {
+      event_ref e{};
+      t.done.emplace_back(s, ensure(e));
+      d = std::prev(t.done.end());
+    }
+    device.record(d->second, stream);
   }
 
   void* host_data(tensor_id id, access mode) {
@@ -858,7 +869,7 @@ struct tier_manager::impl {
     if (t.dev == nullptr || !t.dev_newer) return;  // the home copy is current
     // A tensor on the device always has its home buffer (host eviction skips them), and no NVMe
     // read into it is in flight (acquire finished it or never started one).
-    copy_down(t);  // after t.done, the event recorded at release: never blocks the host
+    copy_down(t);  // after t.done, the events recorded at release: never blocks the host
   }
 
   void host_modified(tensor_id id) {
