@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -334,6 +335,106 @@ TEST(TierManagerNvme, MisuseIsAClearError) {
   EXPECT_THROW(tm.checkpoint(), logic_error);
   tm.add("x", 4096);
   EXPECT_THROW(tm.add("x", 4096), logic_error);
+}
+
+}  // namespace
+}  // namespace terrace
+
+namespace terrace {
+namespace {
+
+// Found in review: a write acquire takes a home buffer without reading the data in; when the
+// device block then failed, the empty buffer stayed and later reads returned its garbage.
+TEST(TierManagerNvme, AFailedWriteAcquireLeavesNoEmptyHomeBufferStandingForTheData) {
+  testing::scratch_dir dir("tm-write-oom");
+  const std::size_t n = 256 << 10;
+  tensor_store_options so;
+  so.capacity = 16 << 20;
+  so.block_size = 64 << 10;
+  auto store = tensor_store::create(dir.path(), so);
+  device_options o;
+  o.capacity = 32 << 20;
+  auto dev = make_device("sim", o);
+  caching_allocator mem(*dev);
+  pinned_pool_options po;
+  po.region_size = 4 << 20;
+  pinned_host_pool host(*dev, po);
+  stream_ref compute = dev->create_stream();
+  {
+    tier_manager_options to;
+    to.device_budget = 8 << 20;
+    to.host_budget = 2 * n;  // t0 and t1 go to NVMe as t2 and t3 are added
+    tier_manager tm(*dev, mem, host, to, &store);
+    std::vector<tensor_id> ids;
+    for (int i = 0; i < 4; ++i) {
+      std::vector<unsigned char> init(n, static_cast<unsigned char>(0x10 + i));
+      ids.push_back(tm.add("t" + std::to_string(i), n, init.data()));
+    }
+    ASSERT_FALSE(tm.on_host(ids[0]));
+    void* other = mem.allocate(32 << 20, compute, "other");  // the device is full for a moment
+    EXPECT_THROW(tm.acquire(ids[0], compute, access::write), out_of_memory);
+    mem.deallocate(other, compute);
+    dev->synchronize_device();
+    tm.check_invariants();
+    const auto* h = static_cast<const unsigned char*>(tm.host_data(ids[0], access::read));
+    EXPECT_EQ(h[0], 0x10);
+    EXPECT_EQ(h[n - 1], 0x10);
+  }
+  dev->destroy_stream(compute);
+}
+
+// Found in review: acquire pinned the tensor, then ran the prefetch walks, whose failure (another
+// tensor's NVMe read) threw out of acquire and left the pin behind.
+TEST(TierManagerNvme, AnAcquireThatFailsInAnotherTensorsPrefetchLeavesNothingPinned) {
+  testing::scratch_dir dir("tm-prefetch-fail");
+  const std::size_t n = 256 << 10;
+  tensor_store_options so;
+  so.capacity = 16 << 20;
+  so.block_size = 64 << 10;
+  auto store = tensor_store::create(dir.path(), so);
+  auto dev = make_device("sim", {});
+  caching_allocator mem(*dev);
+  pinned_host_pool host(*dev);
+  stream_ref compute = dev->create_stream();
+  {
+    tier_manager_options to;
+    to.device_budget = 2 * n;
+    to.host_budget = 3 * n;
+    tier_manager tm(*dev, mem, host, to, &store);
+    std::vector<tensor_id> ids;
+    for (int i = 0; i < 8; ++i) {
+      std::vector<unsigned char> init(n, static_cast<unsigned char>(0x10 + i));
+      ids.push_back(tm.add("t" + std::to_string(i), n, init.data()));
+    }
+    tm.begin_iteration();
+    for (tensor_id id : ids) {
+      tm.acquire(id, compute);
+      tm.release(id, compute);
+      dev->synchronize(compute);
+    }
+    io_fault f;
+    f.what = io_fault::kind::eio;
+    f.writes = false;
+    f.count = 1000;
+    store.inject_fault(f);
+    tm.begin_iteration();  // the schedule is known: prefetch starts NVMe reads, which fail
+    int failures = 0;
+    for (tensor_id id : ids) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the reads fail
+      try {
+        tm.acquire(id, compute);
+        tm.release(id, compute);
+      } catch (const io_error&) {
+        ++failures;
+        EXPECT_THROW(tm.release(id, compute), logic_error) << tm.name(id) << " was left pinned";
+      }
+    }
+    EXPECT_GT(failures, 0);
+    dev->synchronize_device();
+    store.inject_fault({});
+    tm.check_invariants();
+  }
+  dev->destroy_stream(compute);
 }
 
 }  // namespace

@@ -736,8 +736,23 @@ struct tier_manager::impl {
                             detail::describe_bytes(device_bytes) + " are held by " +
                             std::to_string(pinned_count()) + " acquired tensors");
       }
+      const bool had_home = t.host != nullptr;
       ensure_home(id, mode != access::write);
-      bring_up(id, device_block(id, kNever, /*soft=*/false), mode != access::write);
+      void* block = nullptr;
+      try {
+        block = device_block(id, kNever, /*soft=*/false);
+      } catch (...) {
+        // A write acquire takes a home buffer without reading the data in (it will be
+        // overwritten); failing here, that empty buffer must not stand for the tensor's data.
+        if (!had_home && t.host != nullptr && !t.host_written && !t.nvme_reading) {
+          host.deallocate(t.host);
+          t.host = nullptr;
+          host_bytes -= t.bytes;
+          counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+        }
+        throw;
+      }
+      bring_up(id, block, mode != access::write);
       if (t.up_pending) ++counters.demand_fetches;
     }
     t.prefetched = false;
@@ -763,9 +778,18 @@ struct tier_manager::impl {
     }
     if (stream.native != copy.native) memory.record_stream(t.dev, stream);
     ++t.pins;
+    const bool was_newer = t.dev_newer;
     if (mode != access::read) t.dev_newer = true;
-    prefetch();
-    prefetch_from_nvme();
+    try {
+      prefetch();
+      prefetch_from_nvme();
+    } catch (...) {
+      // A failure of another tensor's prefetch (its NVMe read, say) fails this acquire, which
+      // then must leave nothing pinned: the caller gets no pointer and will not release it.
+      --t.pins;
+      t.dev_newer = was_newer;
+      throw;
+    }
     return t.dev;
   }
 
