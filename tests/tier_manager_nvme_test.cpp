@@ -348,10 +348,7 @@ namespace {
 TEST(TierManagerNvme, AFailedWriteAcquireLeavesNoEmptyHomeBufferStandingForTheData) {
   testing::scratch_dir dir("tm-write-oom");
   const std::size_t n = 256 << 10;
-  tensor_store_options so;
-  so.capacity = 16 << 20;
-  so.block_size = 64 << 10;
-  auto store = tensor_store::create(dir.path(), so);
+  auto store = tensor_store::create(dir.path(), store_options());
   device_options o;
   o.capacity = 32 << 20;
   auto dev = make_device("sim", o);
@@ -387,54 +384,36 @@ TEST(TierManagerNvme, AFailedWriteAcquireLeavesNoEmptyHomeBufferStandingForTheDa
 // tensor's NVMe read) threw out of acquire and left the pin behind.
 TEST(TierManagerNvme, AnAcquireThatFailsInAnotherTensorsPrefetchLeavesNothingPinned) {
   testing::scratch_dir dir("tm-prefetch-fail");
-  const std::size_t n = 256 << 10;
-  tensor_store_options so;
-  so.capacity = 16 << 20;
-  so.block_size = 64 << 10;
-  auto store = tensor_store::create(dir.path(), so);
-  auto dev = make_device("sim", {});
-  caching_allocator mem(*dev);
-  pinned_host_pool host(*dev);
-  stream_ref compute = dev->create_stream();
-  {
-    tier_manager_options to;
-    to.device_budget = 2 * n;
-    to.host_budget = 3 * n;
-    tier_manager tm(*dev, mem, host, to, &store);
-    std::vector<tensor_id> ids;
-    for (int i = 0; i < 8; ++i) {
-      std::vector<unsigned char> init(n, static_cast<unsigned char>(0x10 + i));
-      ids.push_back(tm.add("t" + std::to_string(i), n, init.data()));
-    }
-    tm.begin_iteration();
-    for (tensor_id id : ids) {
-      tm.acquire(id, compute);
-      tm.release(id, compute);
-      dev->synchronize(compute);
-    }
-    io_fault f;
-    f.what = io_fault::kind::eio;
-    f.writes = false;
-    f.count = 1000;
-    store.inject_fault(f);
-    tm.begin_iteration();  // the schedule is known: prefetch starts NVMe reads, which fail
-    int failures = 0;
-    for (tensor_id id : ids) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the reads fail
-      try {
-        tm.acquire(id, compute);
-        tm.release(id, compute);
-      } catch (const io_error&) {
-        ++failures;
-        EXPECT_THROW(tm.release(id, compute), logic_error) << tm.name(id) << " was left pinned";
-      }
-    }
-    EXPECT_GT(failures, 0);
-    dev->synchronize_device();
-    store.inject_fault({});
-    tm.check_invariants();
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  const auto ids = add_patterned(r, "t", 8);
+  r.tm->begin_iteration();
+  for (tensor_id id : ids) {
+    r.tm->acquire(id, r.compute);
+    r.tm->release(id, r.compute);
+    r.dev->synchronize(r.compute);
   }
-  dev->destroy_stream(compute);
+  io_fault f;
+  f.what = io_fault::kind::eio;
+  f.writes = false;
+  f.count = 1000;
+  store.inject_fault(f);
+  r.tm->begin_iteration();  // the schedule is known: prefetch starts NVMe reads, which fail
+  int failures = 0;
+  for (tensor_id id : ids) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the reads fail
+    try {
+      r.tm->acquire(id, r.compute);
+      r.tm->release(id, r.compute);
+    } catch (const io_error&) {
+      ++failures;
+      EXPECT_THROW(r.tm->release(id, r.compute), logic_error) << r.tm->name(id) << " was left pinned";
+    }
+  }
+  EXPECT_GT(failures, 0);
+  r.dev->synchronize_device();
+  store.inject_fault({});
+  r.tm->check_invariants();
 }
 
 }  // namespace

@@ -207,7 +207,6 @@ class tensor_store_impl {
   }
 
  public:
-
   // ---- operations
 
   io_handle put(const std::string& id, const void* data, std::size_t size) {
@@ -499,50 +498,48 @@ class tensor_store_impl {
                   bool create) {
     file_size_ = index.file_size;
     direct_ = opt.direct;
-    {
-      for (std::uint32_t i = 0; i < index.files; ++i) {
-        std::filesystem::path d = opt.stripe_directories.empty() ? dir : opt.stripe_directories[i % opt.stripe_directories.size()];
-        fd_guard local;
-        int dfd = dirfd_.fd;
-        if (!opt.stripe_directories.empty()) {
-          local.fd = open_directory(d);
-          dfd = local.fd;
-        }
-        const std::string base = "swap." + std::to_string(i);
-        const std::string path = (d / base).string();
-        const int flags = O_RDWR | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0);
-        const int fd = ::openat(dfd, base.c_str(), flags, 0600);
-        if (fd < 0) {
+    for (std::uint32_t i = 0; i < index.files; ++i) {
+      std::filesystem::path d = opt.stripe_directories.empty() ? dir : opt.stripe_directories[i % opt.stripe_directories.size()];
+      fd_guard local;
+      int dfd = dirfd_.fd;
+      if (!opt.stripe_directories.empty()) {
+        local.fd = open_directory(d);
+        dfd = local.fd;
+      }
+      const std::string base = "swap." + std::to_string(i);
+      const std::string path = (d / base).string();
+      const int flags = O_RDWR | O_NOFOLLOW | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0);
+      const int fd = ::openat(dfd, base.c_str(), flags, 0600);
+      if (fd < 0) {
+        const int e = errno;
+        if (e == EEXIST) throw io_error("terrace: " + path + " already exists; refusing to overwrite it", e);
+        throw io_error(sys("cannot " + std::string(create ? "create " : "open ") + path, e), e);
+      }
+      fds_.push_back(fd);
+      names_.push_back(path);
+      if (create) {
+        created_.emplace_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd), base);
+        // Preallocated: a write inside the file never meets ENOSPC, so a full disk is reported
+        // here, once, rather than in the middle of a training step.
+        int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(index.file_size));
+        if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) rc = ::ftruncate(fd, static_cast<off_t>(index.file_size));
+        if (rc != 0) {
           const int e = errno;
-          if (e == EEXIST) throw io_error("terrace: " + path + " already exists; refusing to overwrite it", e);
-          throw io_error(sys("cannot " + std::string(create ? "create " : "open ") + path, e), e);
+          throw io_error(sys("cannot preallocate " + human_bytes(index.file_size) + " for " + path, e), e);
         }
-        fds_.push_back(fd);
-        names_.push_back(path);
-        if (create) {
-          created_.emplace_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd), base);
-          // Preallocated: a write inside the file never meets ENOSPC, so a full disk is reported
-          // here, once, rather than in the middle of a training step.
-          int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(index.file_size));
-          if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) rc = ::ftruncate(fd, static_cast<off_t>(index.file_size));
-          if (rc != 0) {
-            const int e = errno;
-            throw io_error(sys("cannot preallocate " + human_bytes(index.file_size) + " for " + path, e), e);
-          }
-          if (::fsync(dfd) != 0) throw io_error(sys("cannot fsync directory " + d.string(), errno), errno);
-        } else {
-          struct ::stat st {};
-          if (::fstat(fd, &st) != 0) throw io_error(sys("cannot stat " + path, errno), errno);
-          if (static_cast<std::uint64_t>(st.st_size) != index.file_size)
-            throw io_error("terrace: " + path + " is " + std::to_string(st.st_size) + " bytes; the index says " +
-                           std::to_string(index.file_size));
-        }
-        if (direct_ && !enable_direct(fd, path)) {
-          // Buffered from here on, for every file: the engine drives them all one way, and an
-          // earlier file left with O_DIRECT would get unaligned transfers without a bounce buffer.
-          direct_ = false;
-          for (std::size_t k = 0; k + 1 < fds_.size(); ++k) disable_direct(fds_[k], names_[k]);
-        }
+        if (::fsync(dfd) != 0) throw io_error(sys("cannot fsync directory " + d.string(), errno), errno);
+      } else {
+        struct ::stat st {};
+        if (::fstat(fd, &st) != 0) throw io_error(sys("cannot stat " + path, errno), errno);
+        if (static_cast<std::uint64_t>(st.st_size) != index.file_size)
+          throw io_error("terrace: " + path + " is " + std::to_string(st.st_size) + " bytes; the index says " +
+                         std::to_string(index.file_size));
+      }
+      if (direct_ && !enable_direct(fd, path)) {
+        // Buffered from here on, for every file: the engine drives them all one way, and an
+        // earlier file left with O_DIRECT would get unaligned transfers without a bounce buffer.
+        direct_ = false;
+        for (std::size_t k = 0; k + 1 < fds_.size(); ++k) disable_direct(fds_[k], names_[k]);
       }
     }
   }

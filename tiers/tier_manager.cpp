@@ -537,12 +537,17 @@ struct tier_manager::impl {
       t.nvme_current = true;
       counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
     }
+    give_back_home_buffer(t);
+    t.host_written = false;
+    ++counters.host_evictions;
+  }
+
+  // The pinned buffer of `t` goes back to the pool and out of the host budget.
+  void give_back_home_buffer(tensor& t) {
     host.deallocate(t.host);
     t.host = nullptr;
-    t.host_written = false;
     host_bytes -= t.bytes;
     counters.host_bytes = static_cast<std::int64_t>(host_bytes);
-    ++counters.host_evictions;
   }
 
   // A copy up or down may still touch the home buffer of a tensor about to leave: both first.
@@ -657,10 +662,7 @@ struct tier_manager::impl {
       t.nvme_io.wait();
     } catch (...) {
       t.nvme_reading = false;
-      host.deallocate(t.host);
-      t.host = nullptr;
-      host_bytes -= t.bytes;
-      counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+      give_back_home_buffer(t);
       throw;
     }
     t.nvme_reading = false;
@@ -745,10 +747,7 @@ struct tier_manager::impl {
         // A write acquire takes a home buffer without reading the data in (it will be
         // overwritten); failing here, that empty buffer must not stand for the tensor's data.
         if (!had_home && t.host != nullptr && !t.host_written && !t.nvme_reading) {
-          host.deallocate(t.host);
-          t.host = nullptr;
-          host_bytes -= t.bytes;
-          counters.host_bytes = static_cast<std::int64_t>(host_bytes);
+          give_back_home_buffer(t);
         }
         throw;
       }
@@ -810,10 +809,10 @@ struct tier_manager::impl {
     const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
     auto d = std::find_if(t.done.begin(), t.done.end(), [&](const auto& x) { return x.first == s; });
     if (d == t.done.end()) {
-      event_ref e{};
-      t.done.emplace_back(s, ensure(e));
+      t.done.emplace_back(s, event_ref{});
       d = std::prev(t.done.end());
     }
+    ensure(d->second);
     device.record(d->second, stream);
   }
 

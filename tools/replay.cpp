@@ -74,6 +74,11 @@ struct slot {
 
 constexpr std::uint32_t no_slot = UINT32_MAX;
 
+// A live block's size as the allocator sees it (rounded to its 512 B minimum).
+std::int64_t rounded_live_bytes(std::size_t bytes) {
+  return static_cast<std::int64_t>((bytes + 511) / 512 * 512);
+}
+
 // The trace's addresses resolved once, before the timed loop: each alloc event gets a fresh
 // slot, each free_requested event the slot of the allocation it frees (or no_slot: a free of a
 // block that was never allocated in the window and is not accounted for). Resolving here rather
@@ -152,7 +157,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
     b.bytes = e.requested != 0 ? e.requested : e.size;
     try {
       b.ptr = alloc.allocate(b.bytes, streams.get(e.stream), "pre-existing");
-      live_bytes += static_cast<std::int64_t>((b.bytes + 511) / 512 * 512);
+      live_bytes += rounded_live_bytes(b.bytes);
       ++r.preexisting_allocs;
       ++held;
     } catch (const out_of_memory&) {
@@ -204,7 +209,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
       try {
         b.ptr = alloc.allocate(b.bytes, streams.get(e.stream), e.tag);
         ++held;
-        if (b.ptr != nullptr) live_bytes += static_cast<std::int64_t>((b.bytes + 511) / 512 * 512);
+        if (b.ptr != nullptr) live_bytes += rounded_live_bytes(b.bytes);
         if (live_bytes > peak_live) {
           peak_live = live_bytes;
           r.peak_live_event = i;
@@ -225,7 +230,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
         ++r.failed_alloc_frees;
       } else {
         alloc.deallocate(b.ptr, streams.get(e.stream));
-        if (b.ptr != nullptr) live_bytes -= static_cast<std::int64_t>((b.bytes + 511) / 512 * 512);
+        if (b.ptr != nullptr) live_bytes -= rounded_live_bytes(b.bytes);
         ++(b.event == SIZE_MAX ? r.preexisting_frees : r.frees);
         b.ptr = nullptr;
         --held;
