@@ -86,6 +86,9 @@ plan_front::plan_front(device_backend& device, const allocator_config& config, b
 plan_front::~plan_front() {
   try {
     finish_deferred();
+    // Work queued before a stream-ordered free may still use arena blocks: release() requires
+    // that none does (the caching allocator's own destructor waits likewise, but runs after this).
+    if (arena_ != nullptr) device_.synchronize_device();
   } catch (...) {  // a failed device: its work is over either way
   }
   for (event_ref e : event_pool_) device_.destroy_event(e);
@@ -893,8 +896,11 @@ void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
   taken_gen_[j] = l.gen;
   if (served_elsewhere) {
     freed_gen_[j] = l.gen;  // nothing of it is live in the arena
-  } else {
-    l.checked_upto = std::max<std::size_t>(l.checked_upto, s.pos + 1);  // space_free(j) held
+  } else if (s.planned) {
+    // space_free(j) checked the due lists up to j. Not for a slot the fallback serves (its
+    // space_free checks nothing): moving past it would leave a late free unchecked, and the next
+    // slot would be handed out over a block that is still live.
+    l.checked_upto = std::max<std::size_t>(l.checked_upto, s.pos + 1);
   }
   if (s.pos >= l.cursor) {
     for (std::uint32_t p = l.cursor; p < s.pos; ++p) l.skipped.push_back(p);

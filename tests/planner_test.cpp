@@ -683,6 +683,71 @@ TEST(PlannedPolicy, ADeviatingIterationIsServedFromTheArenasMemory) {
 // a request fail that caching would serve. The extra param fetch outside the plan (2 MiB) finds
 // the device full while the arena holds live blocks: it borrows free space of the arena. Before,
 // 9 requests ran out of memory.
+TEST(PlannedPolicy, ALateFreeBeforeASlotTheFallbackServesIsStillChecked) {
+  // x's space is planned for c, x being freed first. b, between them, outlives the iteration, so
+  // the fallback serves it; handing b out marked the due lists up to it as checked without
+  // checking them, and when x was freed late c was placed over the live x. Found by a fuzzer.
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned"));
+  void* b_prev = nullptr;
+  for (int it = 0; it < 6; ++it) {
+    const bool late_free = it >= 3;
+    a.begin_iteration();
+    if (b_prev != nullptr) a.deallocate(b_prev);
+    void* x = a.allocate(kMiB);
+    if (!late_free) a.deallocate(x);
+    void* b = a.allocate(3 * kMiB);
+    void* c = a.allocate(kMiB);
+    const auto xa = reinterpret_cast<std::uintptr_t>(x);
+    const auto ca = reinterpret_cast<std::uintptr_t>(c);
+    if (late_free) {
+      EXPECT_FALSE(xa < ca + kMiB && ca < xa + kMiB) << "iteration " << it << ": c lies on the live x";
+      a.deallocate(x);
+    }
+    a.deallocate(c);
+    b_prev = b;
+    a.end_iteration();
+    a.check_invariants();
+  }
+  a.deallocate(b_prev);
+  EXPECT_GT(a.plan_stats().planned_hits, 0);
+}
+
+TEST(PlannedPolicy, DestroyingTheAllocatorWaitsForWorkStillUsingTheArena) {
+  // A stream-ordered free is legal while a kernel queued before it still writes the block; the
+  // arena went back to the device before that kernel ran (ASan: heap-use-after-free on the sim
+  // stream's thread; with blocks this large the sim device maps the arena, so a plain build
+  // faults too).
+  constexpr std::size_t kBlock = std::size_t{2} << 20;
+  auto dev = terrace::make_device("sim");
+  const terrace::stream_ref s = dev->create_stream();
+  std::atomic<bool> wrote{false};
+  {
+    terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned"));
+    for (int it = 0; it < 4; ++it) {
+      a.begin_iteration();
+      void* x = a.allocate(kBlock, s);
+      void* y = a.allocate(2 * kBlock, s);
+      a.deallocate(x, s);
+      a.deallocate(y, s);
+      a.end_iteration();
+    }
+    a.begin_iteration();
+    void* p = a.allocate(kBlock, s);
+    ASSERT_GT(a.plan_stats().planned_hits, 0) << "the block must come from the arena";
+    terrace::enqueue_host_function(*dev, s, [p, &wrote] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::memset(p, 0xab, kBlock);
+      wrote = true;
+    });
+    a.deallocate(p, s);
+  }
+  EXPECT_TRUE(wrote.load()) << "the allocator was destroyed before the queued work finished";
+  dev->synchronize_device();
+  dev->destroy_stream(s);
+}
+
 TEST(PlannedPolicy, UnderMemoryPressureThePlanLendsItsFreeSpace) {
   const auto path = std::filesystem::path(__FILE__).parent_path() / "data" / "train_offload_trace.jsonl";
   const auto events = terrace::tools::load_trace(path.string());
