@@ -668,6 +668,46 @@ TEST(SimErrors, HostFunctionsNeedASimDeviceAndAFunction) {
                logic_error);
 }
 
+TEST(SimErrors, CopiesOutsideLiveDeviceMemoryAreRefusedAtTheCall) {
+  // On a GPU each is a fault or silent corruption later, on another thread; sim refuses it now.
+  auto dev = sim();
+  stream_ref s = dev->create_stream();
+  std::vector<unsigned char> host(4 * MiB, 7);
+  const auto refused = [&](void* dst, const void* src, std::size_t n, copy_kind kind,
+                           const char* why) {
+    try {
+      dev->copy_async(dst, src, n, kind, s);
+      ADD_FAILURE() << "accepted: " << why;
+    } catch (const logic_error& e) {
+      EXPECT_TRUE(contains(e.what(), "copy_async")) << e.what();
+    }
+  };
+  void* small = dev->reserve(1024);       // heap-backed
+  void* large = dev->reserve(1 * MiB);    // mmap-backed
+  refused(small, host.data(), 4096, copy_kind::host_to_device, "past a small segment's end");
+  refused(large, host.data(), 2 * MiB, copy_kind::host_to_device, "past a large segment's end");
+  refused(host.data(), static_cast<char*>(large) + 512 * KiB, 1 * MiB, copy_kind::device_to_host,
+          "a source past the end");
+  refused(large, static_cast<char*>(large) + 100, 4096, copy_kind::device_to_device, "overlap");
+  void* gone = dev->reserve(4 * MiB);
+  dev->release(gone, 4 * MiB);
+  refused(gone, host.data(), 4096, copy_kind::host_to_device, "a released segment");
+  // A whole segment, and mapped pages of a reserved range, are fine.
+  dev->copy_async(large, host.data(), 1 * MiB, copy_kind::host_to_device, s);
+  const std::size_t g = dev->properties().map_granularity;
+  void* range = dev->reserve_address_range(4 * g);
+  dev->map(range, 2 * g);
+  dev->copy_async(range, host.data(), 2 * g, copy_kind::host_to_device, s);
+  refused(range, host.data(), 2 * g + 1, copy_kind::host_to_device, "into unmapped pages");
+  dev->synchronize(s);
+  EXPECT_EQ(std::memcmp(large, host.data(), 1 * MiB), 0);
+  dev->unmap(range, 2 * g);
+  dev->release_address_range(range, 4 * g);
+  dev->release(small, 1024);
+  dev->release(large, 1 * MiB);
+  dev->destroy_stream(s);
+}
+
 TEST(SimDeathTest, DestroyingAnUnknownOrTheDefaultStreamAborts) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto dev = sim();
@@ -700,6 +740,23 @@ TEST(SimBandwidth, ALargeCopyTakesBytesOverBandwidth) {
   EXPECT_LT(took, expected * 30) << "the model overshoots wildly";
   dev->destroy_stream(s);
   dev->release(d, n);
+}
+
+TEST(SimBandwidth, AVanishingBandwidthIsSlowNotInstant) {
+  // bytes / bandwidth seconds overflowed the clock's nanoseconds and wrapped: the slowest link
+  // finished first. Destroying the stream cuts the modelled wait short.
+  auto dev = sim(1e-9);
+  void* d = dev->reserve(16 * KiB);
+  std::vector<unsigned char> host(16 * KiB, 5);
+  stream_ref s = dev->create_stream();
+  event_ref e = dev->create_event();
+  dev->copy_async(d, host.data(), host.size(), copy_kind::host_to_device, s);
+  dev->record(e, s);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(dev->query(e)) << "a copy modelled to take 1.6e13 s completed at once";
+  dev->destroy_stream(s);
+  dev->destroy_event(e);
+  dev->release(d, 16 * KiB);
 }
 
 TEST(SimBandwidth, ARunOfSmallCopiesKeepsTheModelledRate) {

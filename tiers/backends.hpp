@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -37,6 +39,13 @@ bool cuda_runtime_device_present() noexcept;
 
 /// "4.00 MiB (4194304 bytes)": the exact figure for scripts, the rounded one for people.
 std::string describe_bytes(std::size_t bytes);
+
+/// "0x7f12a4000000", for messages about an address.
+inline std::string hex_address(std::uintptr_t a) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%jx", static_cast<std::uintmax_t>(a));
+  return buf;
+}
 
 /// A broken precondition in a call that may not throw (release, unmap, destroy_*): the state the
 /// backend would leave is unknowable, so it reports and aborts, as mimalloc does on a bad free.

@@ -205,13 +205,19 @@ class sim_stream {
     const clock_type::time_point copy_began = clock_type::now();
     std::memcpy(item.dst, item.src, item.bytes);
     const clock_type::duration took = clock_type::now() - copy_began;
-    const auto modelled = std::chrono::duration_cast<clock_type::duration>(
-        std::chrono::duration<double>(static_cast<double>(item.bytes) / bandwidth_));
+    // Clamped to a century: a bandwidth far below a byte per second would otherwise overflow the
+    // clock's 64-bit nanoseconds and, wrapped, make the slowest link the fastest.
+    constexpr double kLongestCopySeconds = 100.0 * 365 * 24 * 3600;
+    const auto modelled = std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(
+        std::min(static_cast<double>(item.bytes) / bandwidth_, kLongestCopySeconds)));
     // The copy holds the link for the modelled time, or for as long as the memcpy really took.
     // The end is reckoned from `start`, not from now, so a late wakeup of this thread (a timer's
     // oversleep on the previous copy) is made up here.
     link_free_at_ = start + std::max(modelled, took);
-    std::this_thread::sleep_until(link_free_at_);
+    // The bytes have moved; what is left is modelled time, which destroying the stream cuts short
+    // (stop_and_join would otherwise wait out a pathological bandwidth's century).
+    std::unique_lock<std::mutex> lock(m_);
+    work_cv_.wait_until(lock, link_free_at_, [&] { return stopping_; });
   }
 
   void set_error(std::string message) {
@@ -550,9 +556,10 @@ class sim_device final : public device_backend {
 
   // -------------------------------------------------------------- copies
 
-  void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind,
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind kind,
                      stream_ref s) override {
     TERRACE_EXPECTS(dst != nullptr && src != nullptr, "copy_async with a null pointer on device 'sim'");
+    check_copy(dst, src, bytes, kind);
     work_item item;
     item.what = work_item::kind::copy;
     item.dst = dst;
@@ -561,10 +568,45 @@ class sim_device final : public device_backend {
     stream_of(s)->push(std::move(item));
   }
 
+  /// The strict device refuses at the call what a GPU would turn into corruption or a fault
+  /// later, on a worker thread: device bytes outside every live segment and mapped page (past a
+  /// segment's end, a released segment), and overlapping ranges (memcpy's, and CUDA's, undefined
+  /// case). Host pointers are the caller's to vouch for.
+  void check_copy(const void* dst, const void* src, std::size_t bytes, copy_kind kind) const {
+    const auto d = reinterpret_cast<std::uintptr_t>(dst);
+    const auto s = reinterpret_cast<std::uintptr_t>(src);
+    if (bytes == 0) return;
+    if (d < s + bytes && s < d + bytes) {
+      throw logic_error("terrace: copy_async on device 'sim': the source [" + hex_address(s) + ", +" +
+                        std::to_string(bytes) + ") and the destination [" + hex_address(d) +
+                        ", +" + std::to_string(bytes) + ") overlap");
+    }
+    const bool dst_on_device = kind == copy_kind::host_to_device || kind == copy_kind::device_to_device;
+    const bool src_on_device = kind == copy_kind::device_to_host || kind == copy_kind::device_to_device;
+    std::lock_guard<std::mutex> lock(memory_mutex_);
+    if (dst_on_device) check_device_bytes("destination", d, bytes);
+    if (src_on_device) check_device_bytes("source", s, bytes);
+  }
+
+  /// REQUIRES: memory_mutex_ held.
+  void check_device_bytes(const char* which, std::uintptr_t p, std::size_t bytes) const {
+    if (p + bytes < p) {
+      throw logic_error("terrace: copy_async on device 'sim': the " + std::string(which) +
+                        " range wraps the address space");
+    }
+    auto seg = segments_.upper_bound(p);
+    if (seg != segments_.begin() && std::prev(seg)->first + std::prev(seg)->second >= p + bytes) return;
+    if (vmm_.is_mapped(p, bytes)) return;
+    throw logic_error("terrace: copy_async on device 'sim': the " + std::string(which) + " [" +
+                      hex_address(p) + ", +" + std::to_string(bytes) +
+                      ") is not inside one live segment or mapped pages (past a segment's end, or "
+                      "released memory)");
+  }
+
   const double bandwidth_;
 
   mutable std::mutex memory_mutex_;  // guards segments_, vmm_ and meter_'s counts
-  std::unordered_map<std::uintptr_t, std::size_t> segments_;
+  std::map<std::uintptr_t, std::size_t> segments_;  // ordered: a copy's bounds check finds its segment
   vmm_book vmm_;
   capacity_meter meter_;  // charged and uncharged under memory_mutex_
 

@@ -25,12 +25,6 @@
 
 namespace terrace::detail {
 
-inline std::string hex_address(std::uintptr_t a) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%jx", static_cast<std::uintmax_t>(a));
-  return buf;
-}
-
 class vmm_book {
  public:
   vmm_book(std::string backend, std::size_t granularity)
@@ -126,6 +120,12 @@ class vmm_book {
   }
 
   std::size_t mapped_bytes() const noexcept { return mapped_bytes_; }
+
+  /// Whether every byte of [p, p+bytes) is mapped (for bounds checks of copies).
+  bool is_mapped(std::uintptr_t p, std::size_t bytes) const {
+    auto it = mapped_.upper_bound(p);
+    return it != mapped_.begin() && std::prev(it)->second >= p + bytes;
+  }
 
   /// Every mapped [begin, end) run; for a backend's destructor, which cleans up after leaks.
   const std::map<std::uintptr_t, std::uintptr_t>& mapped_runs() const noexcept { return mapped_; }
