@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -199,6 +200,102 @@ TEST(PinnedPool, TheMemlockLimitRefusalNamesTheLimit) {
   if (verdict.rfind("skip:", 0) == 0) GTEST_SKIP() << verdict;
   EXPECT_NE(verdict.find("mlock"), std::string::npos) << verdict;
   EXPECT_NE(verdict.find("RLIMIT_MEMLOCK) is 64.00 KiB"), std::string::npos) << verdict;
+}
+
+// Pinned memory only, as a host whose pinned allocations are page aligned but no more (Debian 12's
+// kernel, cudaHostAlloc: nothing promises more), and that refuses regions above `limit` bytes the
+// way a locked-memory limit does. Its other calls are never reached by the pool.
+class page_aligned_host final : public device_backend {
+ public:
+  explicit page_aligned_host(std::size_t limit) : limit_(limit) { properties_.name = "page-aligned"; }
+  ~page_aligned_host() override { EXPECT_EQ(live, 0); }
+  int reserves = 0;
+  int live = 0;
+
+ private:
+  static constexpr std::size_t kSkew = 4 * KiB;  // one page past a 2 MiB boundary
+  void* do_reserve_pinned_host(std::size_t bytes) override {
+    if (bytes > limit_) throw out_of_memory("page-aligned host: mlock refused (limit)");
+    void* raw = std::aligned_alloc(2 * MiB, bytes + 2 * MiB);
+    if (raw == nullptr) throw out_of_memory("page-aligned host: no memory");
+    ++reserves;
+    ++live;
+    return static_cast<char*>(raw) + kSkew;
+  }
+  void do_release_pinned_host(void* p, std::size_t) noexcept override {
+    --live;
+    std::free(static_cast<char*>(p) - kSkew);
+  }
+  [[noreturn]] static void unused() { throw device_error("page-aligned host: not a device"); }
+  void* do_reserve(std::size_t) override { unused(); }
+  void do_release(void*, std::size_t) noexcept override {}
+  std::size_t do_used_bytes() const noexcept override { return 0; }
+  stream_ref do_create_stream() override { unused(); }
+  void do_destroy_stream(stream_ref) noexcept override {}
+  void do_synchronize_stream(stream_ref) override {}
+  void do_synchronize_device() override {}
+  event_ref do_create_event() override { unused(); }
+  void do_destroy_event(event_ref) noexcept override {}
+  void do_record(event_ref, stream_ref) override { unused(); }
+  bool do_query(event_ref) override { return true; }
+  void do_wait(stream_ref, event_ref) override { unused(); }
+  void do_synchronize_event(event_ref) override {}
+  void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override { unused(); }
+
+  std::size_t limit_;
+};
+
+TEST(PinnedPool, AlignmentsAbovePageSizeHoldOnARegionThatIsOnlyPageAligned) {
+  page_aligned_host host(SIZE_MAX);
+  for (std::size_t alignment : {64 * KiB, 2 * MiB}) {
+    pinned_pool_options o = small_regions();
+    o.alignment = alignment;
+    pinned_host_pool pool(host, o);
+    std::vector<void*> held;
+    for (std::size_t bytes : {std::size_t{1}, 100 * KiB, 3 * MiB, 8 * MiB, 8 * MiB - 1}) {
+      void* p = pool.allocate(bytes);
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % alignment, 0u) << bytes << " at " << alignment;
+      std::memset(p, 0xab, bytes);  // ASan: inside the region
+      held.push_back(p);
+    }
+    pool.check_invariants();
+    for (void* p : held) pool.deallocate(p);
+  }
+}
+
+TEST(PinnedPool, WhenTheHostRefusesAWholeRegionTheRetryAsksForWhatTheRequestNeeds) {
+  // A 256 MiB default region under an 8 MiB memlock limit: small buffers must still work.
+  page_aligned_host host(8 * MiB);
+  pinned_host_pool pool(host, {});
+  void* a = pool.allocate(4 * KiB);  // 256 MiB refused, then a 2 MiB region
+  void* b = pool.allocate(1 * MiB);  // the rest of that region
+  EXPECT_EQ(pool.stats().num_alloc_retries, 1);
+  EXPECT_EQ(pool.stats().num_ooms, 0);
+  EXPECT_EQ(pool.stats().reserved_bytes.current, static_cast<std::int64_t>(2 * MiB));
+  EXPECT_THROW((void)pool.allocate(16 * MiB), out_of_memory);  // past the limit even when tight
+  EXPECT_EQ(pool.stats().num_ooms, 1);
+  pool.deallocate(a);
+  pool.deallocate(b);
+  pool.check_invariants();
+}
+
+TEST(PinnedPool, AHugeRegionSizeIsRefusedNotWrappedToZero) {
+  auto dev = sim();
+  pinned_pool_options o;
+  o.region_size = SIZE_MAX - 4096;
+  EXPECT_THROW(pinned_host_pool(*dev, o), logic_error);
+}
+
+TEST(PinnedHostDeathTest, ReleasingARegionTwiceOrWithAnotherSizeAborts) {
+  // munmap accepts both silently, and would unmap whatever lies there now.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto dev = sim();
+  void* p = dev->reserve_pinned_host(2 * MiB);
+  EXPECT_DEATH(dev->release_pinned_host(p, 4 * MiB), "reserved with 2097152 bytes");
+  dev->release_pinned_host(p, 2 * MiB);
+  EXPECT_DEATH(dev->release_pinned_host(p, 2 * MiB), "not a live region");
+  int local = 0;
+  EXPECT_DEATH(dev->release_pinned_host(&local, 4096), "not a live region");
 }
 
 TEST(PinnedPool, StatsSerializeWithPyTorchStyleNames) {

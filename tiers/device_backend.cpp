@@ -60,7 +60,35 @@ void device_backend::map(void* p, std::size_t bytes) {
 void* device_backend::reserve_pinned_host(std::size_t bytes) {
   TERRACE_EXPECTS(bytes > 0, "reserve_pinned_host of 0 bytes on device '" + properties_.name + "'");
   throw_if_injected(bytes, "reserve_pinned_host");
-  return do_reserve_pinned_host(bytes);
+  void* p = do_reserve_pinned_host(bytes);
+  try {
+    std::lock_guard<std::mutex> lock(pinned_mutex_);
+    pinned_regions_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+  } catch (...) {
+    do_release_pinned_host(p, bytes);
+    throw;
+  }
+  return p;
+}
+
+void device_backend::release_pinned_host(void* p, std::size_t bytes) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(pinned_mutex_);
+    const auto it = pinned_regions_.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == pinned_regions_.end()) {
+      detail::contract_violation(properties_.name,
+                                 "release_pinned_host(" + detail::hex_address(reinterpret_cast<std::uintptr_t>(p)) +
+                                     "): not a live region from reserve_pinned_host (released twice?)");
+    }
+    if (it->second != bytes) {
+      detail::contract_violation(properties_.name,
+                                 "release_pinned_host(" + detail::hex_address(reinterpret_cast<std::uintptr_t>(p)) + ", " +
+                                     std::to_string(bytes) + "): the region was reserved with " +
+                                     std::to_string(it->second) + " bytes");
+    }
+    pinned_regions_.erase(it);
+  }
+  do_release_pinned_host(p, bytes);
 }
 
 // ---------------------------------------------------------------- defaults: no virtual memory

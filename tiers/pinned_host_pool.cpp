@@ -26,14 +26,10 @@ constexpr std::size_t kDefaultRegion = 256 * MiB;
 constexpr std::size_t kDefaultAlignment = 4 * KiB;
 // Regions are whole transparent huge pages: the host backs them with 2 MiB pages when it can.
 constexpr std::size_t kRegionGranule = 2 * MiB;
+// The smallest page any host has: the alignment a region's base is known to have.
+constexpr std::size_t kMinPage = 4 * KiB;
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
-
-std::string hex(std::uintptr_t a) {
-  char buf[24];
-  std::snprintf(buf, sizeof buf, "0x%jx", static_cast<std::uintmax_t>(a));
-  return buf;
-}
 
 }  // namespace
 
@@ -59,11 +55,17 @@ std::string pinned_pool_stats::to_json() const {
 
 struct pinned_host_pool::impl {
   struct region {
-    std::uintptr_t base = 0;
-    std::size_t size = 0;
+    std::uintptr_t base = 0;   // as the backend gave it: page aligned only
+    std::size_t size = 0;      // as reserved
+    std::size_t start = 0;     // offset of the first `unit`-aligned address: extents count from it
     detail::extent_allocator extents;
     std::size_t live = 0;  // buffers handed out from it
-    region(std::uintptr_t b, std::size_t s, std::size_t unit) : base(b), size(s), extents(s, unit) {}
+    region(std::uintptr_t b, std::size_t s, std::size_t unit)
+        : base(b),
+          size(s),
+          start(round_up(b, unit) - b),
+          extents(start < s ? (s - start) / unit * unit : 0, unit) {}
+    std::uintptr_t first() const { return base + start; }
   };
   struct buffer {
     region* owner = nullptr;
@@ -85,7 +87,17 @@ struct pinned_host_pool::impl {
     TERRACE_EXPECTS(a >= 64 && a <= kRegionGranule && (a & (a - 1)) == 0,
                     "pinned pool alignment " + std::to_string(a) +
                         " must be a power of two from 64 B to 2 MiB");
+    TERRACE_EXPECTS(options.region_size <= SIZE_MAX - kRegionGranule,
+                    "pinned pool region_size " + std::to_string(options.region_size) + " is too large");
     options.region_size = round_up(options.region_size, kRegionGranule);
+  }
+
+  // The smallest region that holds `rounded` bytes at the pool's alignment. The backend promises
+  // page alignment only (cudaHostAlloc, mmap), so an alignment above a page may cost up to one
+  // alignment of the region's start.
+  std::size_t tight_region(std::size_t rounded) const {
+    const std::size_t slack = options.alignment > kMinPage ? options.alignment - kMinPage : 0;
+    return round_up(rounded + slack, kRegionGranule);
   }
 
   ~impl() {
@@ -106,7 +118,7 @@ struct pinned_host_pool::impl {
   }
 
   void* hand_out(region& r, std::uint64_t offset, std::size_t bytes, std::size_t rounded) {
-    const std::uintptr_t addr = r.base + offset;
+    const std::uintptr_t addr = r.first() + offset;
     live.emplace(addr, buffer{&r, rounded, bytes});
     ++r.live;
     counters.allocation.increase(1);
@@ -116,11 +128,12 @@ struct pinned_host_pool::impl {
   }
 
   // A new region big enough for `rounded`; throws out_of_memory (from the host, or the capacity).
-  region& grow(std::size_t rounded) {
-    const std::size_t size = std::max(options.region_size, round_up(rounded, kRegionGranule));
+  // `tight_only`: no region larger than the request needs (the retry after the host refused).
+  region& grow(std::size_t rounded, bool tight_only = false) {
+    const std::size_t tight = tight_region(rounded);
+    const std::size_t size = tight_only ? tight : std::max(options.region_size, tight);
     if (options.capacity != 0 && reserved() + size > options.capacity) {
       // A smaller region that still fits the request may be within the cap.
-      const std::size_t tight = round_up(rounded, kRegionGranule);
       if (reserved() + tight > options.capacity) {
         throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
                             " would be exceeded");
@@ -168,7 +181,7 @@ struct pinned_host_pool::impl {
 
   void* allocate(std::size_t bytes) {
     if (bytes == 0) return nullptr;
-    TERRACE_EXPECTS(bytes <= SIZE_MAX - kRegionGranule, "pinned allocation of " +
+    TERRACE_EXPECTS(bytes <= SIZE_MAX - 4 * kRegionGranule, "pinned allocation of " +
                                                             std::to_string(bytes) + " bytes");
     std::lock_guard lock(mutex);
     const std::size_t rounded = round_up(bytes, options.alignment);
@@ -179,11 +192,13 @@ struct pinned_host_pool::impl {
     } catch (const out_of_memory&) {
       // fall through to the retry
     }
-    // Free regions may be the wrong shape (too small): give them back and ask once more.
+    // Free regions may be the wrong shape (too small): give them back and ask once more, for no
+    // more than this request needs, since a whole default region may be what the host refused
+    // (a locked-memory limit of a few MiB is common).
     ++counters.num_alloc_retries;
     release_empty_regions();
     try {
-      region& r = grow(rounded);
+      region& r = grow(rounded, /*tight_only=*/true);
       return hand_out(r, *r.extents.allocate(rounded), bytes, rounded);
     } catch (const out_of_memory& e) {
       ++counters.num_ooms;
@@ -206,7 +221,7 @@ struct pinned_host_pool::impl {
     if (it == live.end()) throw logic_error(describe_bad(addr, "deallocate"));
     const buffer b = it->second;
     live.erase(it);
-    b.owner->extents.release(addr - b.owner->base, b.size);
+    b.owner->extents.release(addr - b.owner->first(), b.size);
     --b.owner->live;
     counters.allocation.decrease(1);
     counters.allocated_bytes.decrease(static_cast<std::int64_t>(b.size));
@@ -223,11 +238,11 @@ struct pinned_host_pool::impl {
 
   std::string describe_bad(std::uintptr_t addr, const char* call) const {
     if (region_of(addr) != nullptr) {
-      return std::string("terrace: pinned host pool: ") + call + "(" + hex(addr) +
+      return std::string("terrace: pinned host pool: ") + call + "(" + detail::hex_address(addr) +
              "): inside a pinned region but not a live buffer (a double free, or a pointer into "
              "the middle of a buffer)";
     }
-    return std::string("terrace: pinned host pool: ") + call + "(" + hex(addr) +
+    return std::string("terrace: pinned host pool: ") + call + "(" + detail::hex_address(addr) +
            "): a foreign pointer, not from this pool";
   }
 
@@ -240,20 +255,20 @@ struct pinned_host_pool::impl {
     std::unordered_map<const region*, std::uint64_t> used_in;
     std::unordered_map<const region*, std::size_t> count_in;
     for (const auto& [addr, b] : live) {
-      if (region_of(addr) != b.owner) fail("buffer " + hex(addr) + " outside its region");
-      if (addr + b.size > b.owner->base + b.owner->size) fail("buffer " + hex(addr) + " overruns");
-      if (addr % options.alignment != 0) fail("buffer " + hex(addr) + " misaligned");
+      if (region_of(addr) != b.owner) fail("buffer " + detail::hex_address(addr) + " outside its region");
+      if (addr + b.size > b.owner->base + b.owner->size) fail("buffer " + detail::hex_address(addr) + " overruns");
+      if (addr % options.alignment != 0) fail("buffer " + detail::hex_address(addr) + " misaligned");
       allocated += static_cast<std::int64_t>(b.size);
       requested += static_cast<std::int64_t>(b.requested);
       used_in[b.owner] += b.size;
       ++count_in[b.owner];
     }
     for (const auto& [base, r] : regions) {
-      if (!r->extents.consistent()) fail("extent books of region " + hex(base));
-      if (r->extents.free_bytes() + used_in[r.get()] != r->size) {
-        fail("region " + hex(base) + ": free + live != size");
+      if (!r->extents.consistent()) fail("extent books of region " + detail::hex_address(base));
+      if (r->extents.free_bytes() + used_in[r.get()] != r->extents.capacity()) {
+        fail("region " + detail::hex_address(base) + ": free + live != size");
       }
-      if (count_in[r.get()] != r->live) fail("region " + hex(base) + ": live count");
+      if (count_in[r.get()] != r->live) fail("region " + detail::hex_address(base) + ": live count");
       reserved_sum += static_cast<std::int64_t>(r->size);
     }
     if (allocated != counters.allocated_bytes.current) fail("allocated_bytes does not recount");

@@ -22,7 +22,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -107,8 +109,10 @@ class device_backend {
   ///         the cause (or an injected OOM); device_error on any other failure.
   void* reserve_pinned_host(std::size_t bytes);
   /// @brief Returns memory from reserve_pinned_host. REQUIRES: `p`, `bytes` exactly as reserved;
-  /// no queued copy still uses it. Never throws.
-  void release_pinned_host(void* p, std::size_t bytes) noexcept { do_release_pinned_host(p, bytes); }
+  /// no queued copy still uses it. Never throws; a region that is not live (a double or foreign
+  /// release) or a wrong size aborts with a message, since munmap would quietly drop whatever
+  /// mapping now lies there.
+  void release_pinned_host(void* p, std::size_t bytes) noexcept;
 
   // ---------------------------------------------------------------- streams and events
   /// @throws device_error
@@ -180,6 +184,9 @@ class device_backend {
 
   std::atomic<int> injected_oom_{0};
   std::atomic<int> injected_error_{0};
+
+  std::mutex pinned_mutex_;  // guards pinned_regions_
+  std::map<std::uintptr_t, std::size_t> pinned_regions_;  // live reserve_pinned_host regions
 };
 
 /// @brief True when this build has CUDA support and a CUDA device is present and usable.
