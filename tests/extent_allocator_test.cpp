@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "terrace/error.hpp"
 #include "tiers/extent_allocator.hpp"
 
 namespace terrace::detail {
@@ -57,6 +58,31 @@ TEST(ExtentAllocator, ReserveRebuildsFromAnIndex) {
   EXPECT_TRUE(a.consistent());
 }
 
+TEST(ExtentAllocator, ARequestNear2To64FindsNoHoleInsteadOfWrapping) {
+  extent_allocator a(16 * U, U);
+  EXPECT_EQ(a.extent_size(UINT64_MAX - 100), UINT64_MAX);
+  EXPECT_FALSE(a.allocate(UINT64_MAX - 100));
+  EXPECT_FALSE(a.reserve(0, UINT64_MAX));
+  EXPECT_EQ(a.free_bytes(), 16 * U);
+  EXPECT_TRUE(a.consistent());
+}
+
+TEST(ExtentAllocator, DoubleAndForeignReleasesAreRefusedAndChangeNothing) {
+  extent_allocator a(16 * U, U);
+  const std::uint64_t x = *a.allocate(2 * U);
+  const std::uint64_t y = *a.allocate(2 * U);
+  a.release(x, 2 * U);
+  EXPECT_THROW(a.release(x, 2 * U), logic_error);     // twice: the hole is already there
+  EXPECT_THROW(a.release(y, 3 * U), logic_error);     // a size that runs into free space
+  EXPECT_THROW(a.release(15 * U, 2 * U), logic_error);  // past the end
+  EXPECT_THROW(a.release(y + 1, U), logic_error);     // unaligned
+  EXPECT_EQ(a.free_bytes(), 14 * U);
+  EXPECT_TRUE(a.consistent());
+  a.release(y, 2 * U);
+  EXPECT_EQ(a.free_bytes(), 16 * U);
+  EXPECT_EQ(a.holes(), 1u);
+}
+
 TEST(ExtentAllocator, RandomizedAgainstShadow) {
   constexpr std::uint64_t units = 512;
   extent_allocator a(units * U, U);
@@ -79,7 +105,9 @@ TEST(ExtentAllocator, RandomizedAgainstShadow) {
       a.release(it->first, it->second);
       live.erase(it);
     }
-    if (step % 500 == 0) ASSERT_TRUE(a.consistent());
+    if (step % 500 == 0) {
+      ASSERT_TRUE(a.consistent());
+    }
   }
   std::uint64_t free_units = 0;
   for (bool u : used) free_units += !u;

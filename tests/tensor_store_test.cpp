@@ -188,6 +188,20 @@ TEST(TensorStore, FullStoreIsReportedBeforeAnyWrite) {
   s.put("small", v.data(), 10).wait();
 }
 
+TEST(TensorStore, APutNear2To64BytesIsFullAndKeepsTheOldVersion) {
+  // The extent size wrapped to 0 bytes: the put reached the engine, failed there with another
+  // error, and had already dropped the tensor's old version.
+  scratch_dir dir("huge-put");
+  auto s = tensor_store::create(dir.path(), small(MiB, 64 * KiB));
+  auto v = pattern(10000, 3);
+  s.put("w", v.data(), v.size()).wait();
+  EXPECT_THROW(s.put("w", v.data(), SIZE_MAX - 100), out_of_memory);
+  ASSERT_TRUE(s.contains("w"));
+  std::vector<unsigned char> back(v.size());
+  s.get("w", back.data(), back.size()).wait();
+  EXPECT_EQ(back, v);
+}
+
 TEST(TensorStore, FlippedByteOnDiskIsACheckumErrorNamingTheTensor) {
   scratch_dir dir("flip");
   auto good = pattern(200 * KiB, 2);

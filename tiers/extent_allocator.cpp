@@ -1,6 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "tiers/extent_allocator.hpp"
 
+#include <cstdint>
+#include <iterator>
+#include <string>
+
 #include "terrace/error.hpp"
 
 namespace terrace::detail {
@@ -13,6 +17,8 @@ extent_allocator::extent_allocator(std::uint64_t capacity, std::uint64_t unit)
 
 std::uint64_t extent_allocator::extent_size(std::uint64_t bytes) const {
   if (bytes == 0) return unit_;
+  // Saturates instead of wrapping: a request near 2^64 must find no hole, not a zero-byte extent.
+  if (bytes > UINT64_MAX - (unit_ - 1)) return UINT64_MAX;
   return (bytes + unit_ - 1) / unit_ * unit_;
 }
 
@@ -40,6 +46,19 @@ std::optional<std::uint64_t> extent_allocator::allocate(std::uint64_t bytes) {
 
 void extent_allocator::release(std::uint64_t offset, std::uint64_t bytes) {
   std::uint64_t size = extent_size(bytes);
+  // A double or foreign release would otherwise put free space in the books twice, and the next
+  // allocations would hand the same bytes (on disk: the same blocks) to two tensors.
+  if (offset % unit_ != 0 || offset > capacity_ || size > capacity_ - offset) {
+    throw logic_error("terrace: extent release [" + std::to_string(offset) + ", +" +
+                      std::to_string(size) + ") is not inside the store's " +
+                      std::to_string(capacity_) + " bytes");
+  }
+  if (const auto hole = hole_overlapping(offset, size); hole != by_offset_.end()) {
+    throw logic_error("terrace: extent release [" + std::to_string(offset) + ", +" +
+                      std::to_string(size) + ") overlaps the free hole [" +
+                      std::to_string(hole->first) + ", +" + std::to_string(hole->second) +
+                      "): released twice?");
+  }
   // Coalesce with the hole after, then the hole before.
   auto next = by_offset_.lower_bound(offset);
   if (next != by_offset_.end() && next->first == offset + size) {
@@ -56,6 +75,17 @@ void extent_allocator::release(std::uint64_t offset, std::uint64_t bytes) {
     }
   }
   insert_hole(offset, size);
+}
+
+std::map<std::uint64_t, std::uint64_t>::const_iterator extent_allocator::hole_overlapping(
+    std::uint64_t offset, std::uint64_t size) const {
+  auto next = by_offset_.lower_bound(offset);
+  if (next != by_offset_.end() && next->first < offset + size) return next;
+  if (next != by_offset_.begin()) {
+    const auto prev = std::prev(next);
+    if (prev->first + prev->second > offset) return prev;
+  }
+  return by_offset_.end();
 }
 
 bool extent_allocator::reserve(std::uint64_t offset, std::uint64_t bytes) {

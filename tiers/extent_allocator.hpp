@@ -21,7 +21,9 @@ class extent_allocator {
   std::uint64_t extent_size(std::uint64_t bytes) const;
   /// The offset of a new extent of extent_size(bytes), or nullopt when no hole is large enough.
   std::optional<std::uint64_t> allocate(std::uint64_t bytes);
-  /// Returns an extent. REQUIRES: it was allocated or reserved, and not released since.
+  /// Returns an extent allocated or reserved, and not released since.
+  /// @throws logic_error, changing nothing, for a range past the end or overlapping free space (a
+  /// double or foreign release).
   void release(std::uint64_t offset, std::uint64_t bytes);
   /// Marks an extent used (rebuilding from an index). Returns false, changing nothing, when any of
   /// it is not free (overlap, or past the end).
@@ -37,6 +39,9 @@ class extent_allocator {
  private:
   void insert_hole(std::uint64_t offset, std::uint64_t size);
   void erase_hole(std::map<std::uint64_t, std::uint64_t>::iterator it);
+  /// A hole sharing a byte with [offset, offset+size), or by_offset_.end().
+  std::map<std::uint64_t, std::uint64_t>::const_iterator hole_overlapping(std::uint64_t offset,
+                                                                          std::uint64_t size) const;
 
   std::uint64_t capacity_;
   std::uint64_t unit_;

@@ -231,7 +231,6 @@ class tensor_store_impl {
                           human_bytes(alloc_->largest_hole()) + "); " + human_bytes(held) +
                           " is held for the committed checkpoint until the next checkpoint()");
     }
-    if (auto it = entries_.find(id); it != entries_.end()) drop(it);
     entry e;
     e.offset = *offset;
     e.size = size;
@@ -246,7 +245,14 @@ class tensor_store_impl {
     r.hook = [crcs = e.crcs, bs = block_size_](std::size_t off, const std::byte* p, std::size_t n) {
       (*crcs)[off / bs] = crc32c(0, p, n);
     };
-    e.write = engine_->submit(std::move(r));
+    try {
+      e.write = engine_->submit(std::move(r));
+    } catch (...) {
+      alloc_->release(*offset, size);
+      throw;
+    }
+    // Only now is the old version let go: a put that could not be issued leaves it readable.
+    if (auto it = entries_.find(id); it != entries_.end()) drop(it);
     io_handle h(e.write);
     entries_.emplace(id, std::move(e));
     return h;
