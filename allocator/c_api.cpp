@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -55,7 +56,7 @@ void warn_once(std::atomic<bool>& warned, const char* fn) noexcept {
     std::fprintf(stderr,
                  "terrace: warning: %s (the caller cannot see this failure; later %s failures are "
                  "not printed, see terrace_last_error())\n",
-                 terrace::c_boundary::error_text().c_str(), fn);
+                 terrace::c_boundary::error_text(), fn);
   }
 }
 
@@ -141,14 +142,14 @@ class live_table {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.sizes.insert(key, hash, size);
   }
-  // Removes `p` if `size` (0 = any) matches and returns true; false for an unknown pointer.
-  // Throws logic_error on a size mismatch (nothing removed).
-  bool take(void* p, std::size_t size, int device) {
+  // Removes `p` if `size` (0 = any) matches and returns its recorded size; nullopt for an unknown
+  // pointer. Throws logic_error on a size mismatch (nothing removed).
+  std::optional<std::size_t> take(void* p, std::size_t size, int device) {
     const auto [key, hash] = hash_of(p);
     shard& s = shards_[hash >> 58];
     std::lock_guard<std::mutex> lock(s.mutex);
     const std::size_t at = s.sizes.find(key, hash);
-    if (at == flat_size_map::npos) return false;
+    if (at == flat_size_map::npos) return std::nullopt;
     const std::size_t recorded = s.sizes.value(at);
     if (size != 0 && size != recorded) {
       std::ostringstream msg;
@@ -158,7 +159,7 @@ class live_table {
       fail(msg.str());
     }
     s.sizes.erase(at);
-    return true;
+    return recorded;
   }
   bool contains(void* p) {
     const auto [key, hash] = hash_of(p);
@@ -253,7 +254,10 @@ device_slot& create_slot(int device) {
 
 // The slot of `device`, created on first use. The common case is one acquire load.
 device_slot& slot_for(int device) {
-  if (device >= 0 && device < kMaxDevices) {
+  // The fast path checks what check_device checks, so that every entry point agrees on which
+  // devices exist (a malloc accepted after terrace_init lowered the count could not be freed).
+  const int count = g_device_count.load(std::memory_order_relaxed);
+  if (device >= 0 && device < kMaxDevices && (count < 0 || device < count)) {
     if (device_slot* s = find_slot(device)) return *s;
   }
   check_device(device);
@@ -343,8 +347,8 @@ TERRACE_API void* terrace_malloc(size_t size, int device, void* stream) {
     try {
       slot.live.insert(p, size);
     } catch (...) {
-      slot.allocator->deallocate(p, stream_ref{stream});
-      p = nullptr;
+      void* unrecorded = std::exchange(p, nullptr);  // NULL goes back even if this free fails
+      slot.allocator->deallocate(unrecorded, stream_ref{stream});
       throw;
     }
   });
@@ -367,8 +371,16 @@ TERRACE_API void terrace_free(void* ptr, size_t size, int device, void* stream) 
     }
     // An unknown pointer still goes to the allocator, which refuses it and says why (double
     // free, interior pointer, foreign pointer) without changing anything.
-    slot->live.take(ptr, size, device);
-    slot->allocator->deallocate(ptr, stream_ref{stream});
+    const std::optional<std::size_t> recorded = slot->live.take(ptr, size, device);
+    try {
+      slot->allocator->deallocate(ptr, stream_ref{stream});
+    } catch (...) {
+      // The allocator refused and keeps the block live (the free can be retried), so the table
+      // must keep it too. Taking it out first, rather than after, closes the window in which
+      // another thread's malloc could be handed `ptr` before it left the table.
+      if (recorded) slot->live.insert(ptr, *recorded);
+      throw;
+    }
   });
   if (rc != TERRACE_OK) {
     if (rc == TERRACE_EINVAL && device >= 0 && device < kMaxDevices) {
@@ -391,15 +403,15 @@ TERRACE_API void terrace_empty_cache(void) {
   const auto call = [] { return std::string("terrace_empty_cache()"); };
   const int rc = guarded(call, [&] {
     // Every device is tried even when one fails; the first failure is the one reported.
-    std::optional<terrace::device_error> first_failure;
+    std::exception_ptr first_failure;
     for_each_slot([&](int, device_slot& s) {
       try {
         s.allocator->empty_cache();
-      } catch (const terrace::device_error& e) {
-        if (!first_failure) first_failure.emplace(e);
+      } catch (...) {
+        if (!first_failure) first_failure = std::current_exception();
       }
     });
-    if (first_failure) throw *first_failure;
+    if (first_failure) std::rethrow_exception(first_failure);
   });
   if (rc != TERRACE_OK) warn_once(g_warned_empty_cache, "terrace_empty_cache");
 }
@@ -419,6 +431,7 @@ TERRACE_API void terrace_set_memory_fraction(double fraction, int device) {
 TERRACE_API void terrace_record_stream(void* ptr, void* stream) {
   const auto call = [&] { return describe_call("terrace_record_stream", ptr, stream); };
   const int rc = guarded(call, [&] {
+    if (ptr == nullptr) return;  // an empty tensor: PyTorch's own allocator ignores it too
     // PyTorch passes no device: the owner is the device whose live table holds the pointer.
     device_slot* owner = nullptr;
     for_each_slot([&](int, device_slot& s) {

@@ -27,8 +27,9 @@ extern thread_local bool t_has_error;
 
 /// Stores "<call>: <prefix><what>" as the thread's last error. Never throws.
 void set_error(const char* call, const char* prefix, const char* what) noexcept;
-/// The thread's last error text (valid until its next failing call).
-const std::string& error_text() noexcept;
+/// The thread's last error text (valid until its next failing call; at most 4 KiB, longer ones
+/// cut with "...").
+const char* error_text() noexcept;
 
 /// Runs `body`; returns TERRACE_OK, or the status of what it threw with the message stored.
 /// `call` names the C function: a const char*, or a callable returning std::string that runs

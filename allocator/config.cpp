@@ -146,6 +146,8 @@ parsed<std::size_t> parse_size_impl(std::string_view text) {
   // 2^64 is exactly representable, SIZE_MAX is not: compare against the former.
   constexpr long double limit = 18446744073709551616.0L;
   if (!(bytes < limit)) return result::fail(overflow);
+  // Several sizes read 0 as "the default": a fraction of a byte must not turn into that.
+  if (bytes > 0 && bytes < 1) return result::fail("size " + quoted(text) + " is less than one byte");
   return result::ok(static_cast<std::size_t>(bytes));
 }
 
@@ -356,6 +358,7 @@ allocator_config parse(std::string_view source, std::string_view text, allocator
   allocator_config c = std::move(base);
   // The last item that set each cross-checked key, so that a failed cross-check can be quoted.
   std::string_view max_split_item, large_segment_item, small_size_item, small_segment_item;
+  std::string_view policy_item, expandable_item;
 
   std::size_t pos = 0;
   while (pos <= text.size()) {
@@ -378,6 +381,19 @@ allocator_config parse(std::string_view source, std::string_view text, allocator
     if (key == "large_segment_size") large_segment_item = item;
     if (key == "small_size") small_size_item = item;
     if (key == "small_segment_size") small_segment_item = item;
+    if (key == "policy") policy_item = item;
+    if (key == "expandable_segments") expandable_item = item;
+  }
+
+  // policy:expandable is caching with expandable segments; said both ways, they must agree (else
+  // the run would be labelled one policy and behave as the other).
+  if (!policy_item.empty() && !expandable_item.empty()) {
+    if ((c.policy == alloc_policy::expandable && !c.expandable_segments) ||
+        (c.policy == alloc_policy::caching && c.expandable_segments)) {
+      fail(source, expandable_item,
+           "contradicts " + quoted(policy_item) +
+               " (policy:expandable means expandable segments, policy:caching means none)");
+    }
   }
 
   // Cross-key rules, checked on the final values whatever order the items came in.

@@ -38,6 +38,8 @@ constexpr int kFraction = 1;    // SetMemoryFraction only
 constexpr int kEmptyCache = 2;  // EmptyCache only
 constexpr int kRaceA = 3;       // ConcurrentFirstUse only
 constexpr int kRaceB = 4;       // ConcurrentFirstUse only
+constexpr int kLeaky = 5;       // AFreeTheAllocatorRefuses only: it leaves a block behind
+constexpr int kCounted = 6;     // the device-count death test only (in its child)
 constexpr int kNeverUsed = 7;   // nothing ever allocates here
 
 class sim_environment : public ::testing::Environment {
@@ -438,6 +440,74 @@ TEST(CApi, DumpToAnUnwritablePathReportsEIO) {
 }
 
 // ---------------------------------------------------------------------------- the other hooks
+
+TEST(CApi, RecordStreamOfNullIsIgnoredAsPyTorchDoes) {
+  terrace_record_stream(nullptr, nullptr);  // an empty tensor's data pointer
+  EXPECT_STREQ(terrace_last_error(), "");
+}
+
+TEST(CApi, AFreeTheAllocatorRefusesKeepsTheBlockInTheSizeTable) {
+  // The allocator keeps a block whose free it refuses (here: the free's event cannot be recorded
+  // on a stream the device does not know); the C ABI's table used to forget it, so the size check
+  // and record_stream no longer recognised a block that was still live.
+  void* p = terrace_malloc(4 * KiB, kLeaky, nullptr);
+  ASSERT_NE(p, nullptr);
+  terrace_record_stream(p, reinterpret_cast<void*>(0x1234));
+  terrace_free(p, 4 * KiB, kLeaky, nullptr);
+  EXPECT_TRUE(contains(terrace_last_error(), "terrace_free(")) << terrace_last_error();
+  EXPECT_EQ(stat(kLeaky, "allocation.all.current"), 1);
+  terrace_record_stream(p, nullptr);
+  EXPECT_STREQ(terrace_last_error(), "") << "the live block was forgotten";
+  terrace_free(p, 12345, kLeaky, nullptr);
+  EXPECT_TRUE(contains(terrace_last_error(), "allocated with size 4096")) << terrace_last_error();
+}
+
+TEST(CApiDeathTest, MallocAndFreeAgreeOnTheDeviceCountAfterInit) {
+  // malloc's fast path skipped the device-count check for a device already in use, so a block
+  // it handed out after terrace_init lowered the count could never be freed. In a child: the
+  // count is process-wide.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        void* before = terrace_malloc(4 * KiB, kCounted, nullptr);
+        terrace_init(kCounted);  // device kCounted no longer exists
+        void* after = terrace_malloc(4 * KiB, kCounted, nullptr);
+        const bool refused = after == nullptr && contains(terrace_last_error(), "terrace_init was told");
+        std::_Exit(before != nullptr && refused ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+TEST(CApi, TheLastErrorOutlivesTheThreadsOwnThreadLocals) {
+  // A thread's thread_local objects die before its last destructors finish (and before static
+  // destructors, where embedders free too); a std::string error buffer was written after its
+  // destruction (ASan: heap-use-after-free).
+  static std::string seen;
+  struct fails_at_thread_exit {
+    ~fails_at_thread_exit() {
+      int local = 0;
+      terrace_free(&local, 4, kShared, nullptr);
+      seen = terrace_last_error();
+    }
+  };
+  std::thread t([] {
+    static thread_local fails_at_thread_exit guard;  // constructed before the error buffer
+    (void)&guard;
+    int local = 0;
+    terrace_free(&local, 4, kShared, nullptr);  // the error buffer's first use
+  });
+  t.join();
+  EXPECT_TRUE(contains(seen, "terrace_free(")) << seen;
+}
+
+TEST(CApi, AVeryLongErrorIsCutNotLost) {
+  const std::string huge(10000, 'x');
+  EXPECT_NE(terrace_configure(huge.c_str()), TERRACE_OK);
+  const std::string e = terrace_last_error();
+  EXPECT_TRUE(contains(e, "terrace_configure(")) << e.substr(0, 80);
+  EXPECT_EQ(e.size(), 4095u);
+  EXPECT_EQ(e.substr(e.size() - 3), "...");
+}
 
 TEST(CApi, RecordStreamOnALiveBlockAndRefusalOfOthers) {
   void* p = terrace_malloc(4 * KiB, kShared, nullptr);

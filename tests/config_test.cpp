@@ -277,6 +277,19 @@ TEST(AllocConfErrors, SmallSegmentMustHoldASmallBlock) {
   EXPECT_EQ(parse_alloc_conf("small_size:4MiB,small_segment_size:4MiB").small_size, 4 * MiB);
 }
 
+TEST(AllocConfErrors, APolicyAndExpandableSegmentsThatContradictEachOther) {
+  expect_item_error("policy:expandable,expandable_segments:false", "expandable_segments:false",
+                    "contradicts 'policy:expandable'");
+  expect_item_error("policy:caching,expandable_segments:true", "expandable_segments:true",
+                    "contradicts 'policy:caching'");
+  // A later policy sets expandable_segments itself: the later item wins, as for every key.
+  EXPECT_FALSE(parse_alloc_conf("expandable_segments:true,policy:caching").expandable_segments);
+  EXPECT_TRUE(parse_alloc_conf("policy:expandable,expandable_segments:true").expandable_segments);
+  EXPECT_TRUE(parse_alloc_conf("policy:planned,expandable_segments:true").expandable_segments);
+  EXPECT_FALSE(parse_alloc_conf("expandable_segments:true,policy:planned,expandable_segments:0")
+                   .expandable_segments);
+}
+
 TEST(AllocConfErrors, TheFirstBadItemIsReportedAndTheBaseIsUntouched) {
   allocator_config base;
   base.small_size = 4 * KiB;
@@ -322,6 +335,14 @@ TEST(ParseSize, DecimalsAreScaledAndFractionalBytesDropped) {
   EXPECT_EQ(parse_size("0.3K"), 307u);  // 307.2 bytes
   EXPECT_EQ(parse_size("2.25T"), 9 * TiB / 4);
   EXPECT_EQ(parse_size("0.001K"), 1u);  // 1.024 bytes
+  EXPECT_EQ(parse_size("0.0"), 0u);     // zero said as a decimal is still zero
+}
+
+TEST(ParseSize, AFractionOfAByteIsRefusedNotReadAsZero) {
+  // 0 is "the default" for several keys: device_capacity:0.4 became the default 8 GiB.
+  EXPECT_NE(size_error_of("0.4").find("less than one byte"), std::string::npos);
+  EXPECT_NE(size_error_of("0.0001K").find("less than one byte"), std::string::npos);
+  expect_item_error("device_capacity:0.4", "device_capacity:0.4", "less than one byte");
 }
 
 TEST(ParseSize, OverflowIsRejected) {
