@@ -190,7 +190,9 @@ adam_optimizer::~adam_optimizer() = default;
 std::int64_t adam_optimizer::step_count() const noexcept { return impl_->steps.load(std::memory_order_relaxed); }
 
 void adam_optimizer::set_step_count(std::int64_t step) {
-  TERRACE_EXPECTS(step >= 0, "adam: the step count must be >= 0, got " + std::to_string(step));
+  // The next step computes step + 1 (signed overflow at INT64_MAX).
+  TERRACE_EXPECTS(step >= 0 && step < INT64_MAX,
+                  "adam: the step count must be in [0, 2^63 - 1), got " + std::to_string(step));
   std::lock_guard lock(impl_->mutex);
   impl_->steps.store(step, std::memory_order_relaxed);
 }
@@ -242,8 +244,8 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
   check_dtype(so.grad_dtype, "grad");
   check_dtype(so.copy_dtype, "copy");
   check_scale(so.grad_scale);
-  TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef > 0,
-                  "adam: clip_coef must be finite and > 0, got " + std::to_string(so.clip_coef));
+  TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef >= 0,
+                  "adam: clip_coef must be finite and >= 0, got " + std::to_string(so.clip_coef));
   const dtype state = impl_->options.state_dtype;
   const bool lion = impl_->options.mode == adam_mode::lion;
   std::size_t total = 0;

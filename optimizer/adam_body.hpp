@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "optimizer/adam_kernel.hpp"
 #include "optimizer/half.hpp"
@@ -180,9 +181,23 @@ void adam_update(const adam_scalars& s, const adam_config& c, const adam_span& a
   }
 }
 
+// A block's sum of squares in double: for a block whose float sum overflowed although every
+// element is finite (|x| above ~1.8e19, possible in f32 and bf16).
+template <dtype G>
+double sum_of_squares_in_double(const void* grad, std::size_t begin, std::size_t end) noexcept {
+  double sum = 0;
+  for (std::size_t i = begin; i < end; ++i) {
+    const double x = load<scalar_traits, G>(grad, i);
+    sum += x * x;
+  }
+  return sum;
+}
+
 // Sum of squares and finiteness in one read. x * 0 is 0 for every finite x and NaN otherwise, so
 // one extra add carries the finiteness check without a branch. Squares are summed in float within
-// blocks of a few thousand elements and the blocks in double: accurate to ~1e-6 relative.
+// blocks of a few thousand elements and the blocks in double: accurate to ~1e-6 relative. A block
+// of finite values whose float sum overflows is summed again in double, so a finite gradient
+// always has a finite norm.
 template <class V, dtype G>
 grad_scan_result grad_scan_t(const void* grad, std::size_t n) noexcept {
   using F = typename V::F;
@@ -203,13 +218,17 @@ grad_scan_result grad_scan_t(const void* grad, std::size_t n) noexcept {
       }
     }
     float tail = 0;
+    float tail_poison = 0;
     for (; i < end; ++i) {
       const float x = load<scalar_traits, G>(grad, i);
       tail += x * x;
-      poison += x * 0.0f;
+      tail_poison += x * 0.0f;
     }
-    total += static_cast<double>(V::reduce_add(sum)) + tail;
-    poison += V::reduce_add(nan_if_bad);
+    const float block_poison = V::reduce_add(nan_if_bad) + tail_poison;
+    const double block_sum = static_cast<double>(V::reduce_add(sum)) + tail;
+    const bool overflowed = block_poison == 0.0f && !(block_sum <= std::numeric_limits<double>::max());
+    total += overflowed ? sum_of_squares_in_double<G>(grad, begin, end) : block_sum;
+    poison += block_poison;
   }
   return {total, poison == 0.0f};
 }

@@ -466,8 +466,8 @@ struct offload_adam::impl {
     TERRACE_EXPECTS(known(so.grad_dtype) && known(so.copy_dtype), "offload_adam: unknown grad or copy dtype");
     TERRACE_EXPECTS(std::isfinite(so.grad_scale) && so.grad_scale > 0,
                     "offload_adam: grad_scale must be finite and > 0, got " + std::to_string(so.grad_scale));
-    TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef > 0,
-                    "offload_adam: clip_coef must be finite and > 0, got " + std::to_string(so.clip_coef));
+    TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef >= 0,
+                    "offload_adam: clip_coef must be finite and >= 0, got " + std::to_string(so.clip_coef));
     std::vector<bool> seen(groups.size(), false);
     std::size_t with_copy = 0;
     for (const offload_group_step& s : list) {

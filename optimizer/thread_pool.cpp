@@ -1,14 +1,30 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "optimizer/thread_pool.hpp"
 
+#include <exception>
+#include <string>
+
+#include "terrace/error.hpp"
+
 namespace terrace::detail {
 
 thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads) {
-  workers_.reserve(size_ - 1);
-  for (unsigned i = 1; i < size_; ++i) workers_.emplace_back([this, i] { work(i); });
+  try {
+    workers_.reserve(size_ - 1);
+    for (unsigned i = 1; i < size_; ++i) workers_.emplace_back([this, i] { work(i); });
+  } catch (const std::exception& e) {
+    // The threads already started must be joined before workers_ is destroyed (a joinable
+    // std::thread's destructor terminates the process); the error then goes to the caller.
+    stop_and_join();
+    throw out_of_memory("terrace: cannot start " + std::to_string(size_ - 1) +
+                        " optimizer worker threads (started " + std::to_string(workers_.size()) +
+                        "): " + e.what());
+  }
 }
 
-thread_pool::~thread_pool() {
+thread_pool::~thread_pool() { stop_and_join(); }
+
+void thread_pool::stop_and_join() noexcept {
   {
     std::lock_guard lock(mutex_);
     stop_ = true;

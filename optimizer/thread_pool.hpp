@@ -21,6 +21,7 @@ namespace terrace::detail {
 class thread_pool {
  public:
   /// `threads` counts the caller: 1 starts no thread. REQUIRES: threads >= 1.
+  /// @throws out_of_memory, with every thread it started joined, when the host refuses a thread.
   explicit thread_pool(unsigned threads);
   ~thread_pool();
   thread_pool(const thread_pool&) = delete;
@@ -40,6 +41,7 @@ class thread_pool {
  private:
   void run_erased(void (*call)(void*, unsigned), void* fn);
   void work(unsigned index);
+  void stop_and_join() noexcept;
 
   unsigned size_;
   std::mutex run_mutex_;  // one job at a time

@@ -3,10 +3,12 @@
 // has, both modes and every dtype combination; skipped steps, resume, thread-count invariance,
 // the gradient norm and argument checking.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -332,6 +334,33 @@ TEST_P(AdamPerIsa, GradNormMatchesFloat64) {
   }
 }
 
+TEST_P(AdamPerIsa, HugeFiniteGradientsHaveAFiniteNormAndClipToATinyCoefficient) {
+  // Squares above float's range (|x| > ~1.8e19): the float block sums overflowed to inf, the
+  // clip coefficient became 0 and the step refused it. torch (fp32 clip_grad_norm_ of the
+  // unscaled gradients) gives 10.
+  for (dtype grad : {dtype::f32, dtype::bf16}) {
+    auto tensors = make_tensors({100, 5000}, dtype::f32, grad, false);
+    std::vector<adam_tensor> views;
+    for (std::size_t i = 0; i < tensors[0].g.size(); ++i) tensors[0].g.set(i, 1e20f);
+    for (std::size_t i = 0; i < tensors[1].g.size(); ++i) tensors[1].g.set(i, 0.0f);
+    const double element = tensors[0].g.get(0);  // 1e20 as this dtype holds it
+    for (auto& t : tensors) views.push_back(t.view());
+    adam_optimizer adam(small_options(GetParam(), dtype::f32, 2));
+    const grad_norm_result r = adam.grad_norm(views, grad, 1e20f);
+    EXPECT_TRUE(r.finite);
+    const double expected = std::sqrt(100.0) * element / static_cast<double>(1e20f);
+    EXPECT_NEAR(r.norm, expected, 1e-6 * expected) << to_string(grad);
+    adam_step_options so;
+    so.grad_dtype = grad;
+    so.grad_scale = 1e20f;
+    so.clip_coef = clip_coefficient(r.norm, 1e-9);  // tiny, not zero
+    EXPECT_GT(so.clip_coef, 0.0f);
+    EXPECT_TRUE(adam.step(views, so));
+    so.clip_coef = 0.0f;  // torch's coefficient for an infinite norm: a step on zeroed gradients
+    EXPECT_TRUE(adam.step(views, so));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isa, AdamPerIsa, ::testing::ValuesIn(available_isas()),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
@@ -534,6 +563,35 @@ TEST(AdamErrors, BadHyperparametersAreRejected) {
   adam_optimizer adam(adam_options{});
   EXPECT_THROW(adam.set_lr(0), logic_error);
   EXPECT_THROW(adam.set_step_count(-1), logic_error);
+  EXPECT_THROW(adam.set_step_count(INT64_MAX), logic_error);  // the next step would overflow
+  adam.set_step_count(INT64_MAX - 1);
+  EXPECT_EQ(adam.step_count(), INT64_MAX - 1);
+}
+
+TEST(AdamErrorsDeathTest, ThreadsTheHostRefusesAreAnErrorNotATerminate) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' shadow memory does not run under an address-space limit";
+#else
+  // A thread the host refuses (here: no address space for its stack) unwound the pool's
+  // constructor with joinable threads still in it: std::terminate, even through the C ABI.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto start_threads_in_1GiB_of_address_space = [] {
+    rlimit limit{};
+    limit.rlim_cur = limit.rlim_max = 1ull << 30;
+    if (::setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(3);
+    adam_options o;
+    o.threads = 1000;  // 8 MiB of stack each
+    try {
+      adam_optimizer adam(o);
+      std::_Exit(2);  // the host did not refuse: nothing tested
+    } catch (const out_of_memory& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      std::_Exit(0);
+    }
+  };
+  EXPECT_EXIT(start_threads_in_1GiB_of_address_space(), ::testing::ExitedWithCode(0),
+              "cannot start 999 optimizer worker threads");
+#endif
 }
 
 TEST(AdamErrors, BadBuffersAreRejectedAndNothingIsWritten) {
