@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The offloaded optimizer (include/terrace/offload_adam.hpp): group placement, the chunk pipeline
-// over the tensor store, the interrupted-step bookkeeping, checkpoint and resume.
+// over the tensor store, the bookkeeping of unfinished steps (failed, or made in parts), checkpoint
+// and resume.
 //
 // Bitwise equality with one adam_optimizer::step rests on two facts about adam.cpp: the update is
 // element-wise, and an element goes through the SIMD body or the scalar tail depending only on
@@ -147,7 +148,7 @@ struct offload_adam::impl {
     // (step or checkpoint) succeeds, so a failed put never loses state.
     std::byte* host = nullptr;
     bool in_store = false;  // the store holds the current bytes of this chunk
-    bool updated = false;   // updated by the step in progress (or by the interrupted attempt of it)
+    bool updated = false;   // updated by the open step (an earlier part, or a failed attempt of it)
     bool lost = false;      // a failed write whose bytes could not be rescued
   };
   struct group {
@@ -518,7 +519,8 @@ struct offload_adam::impl {
     c.in_store = false;
   }
 
-  bool step(std::span<const offload_group_step> list, const adam_step_options& so) {
+  // One step (`finish`), or one part of a step left open for finish_step().
+  bool step(std::span<const offload_group_step> list, const adam_step_options& so, bool finish) {
     const auto start = clock_type::now();
     struct timer {
       double& into;
@@ -533,7 +535,7 @@ struct offload_adam::impl {
     adam_step_options chunk_options = so;
     chunk_options.grads_known_finite = true;  // decided above, once for the whole step
     const std::int64_t t = adam.step_count() + 1;
-    if (!interrupted) {
+    if (!open) {
       for (group& g : groups)
         for (chunk& c : g.chunks) c.updated = false;
     }
@@ -548,7 +550,7 @@ struct offload_adam::impl {
       group& g = groups[s.group];
       for (std::size_t k = 0; k < g.chunks.size(); ++k) {
         chunk& c = g.chunks[k];
-        if (c.updated) continue;  // updated by the interrupted attempt of this step
+        if (c.updated) continue;  // updated by an earlier part or a failed attempt of this step
         const std::byte* grad = static_cast<const std::byte*>(s.grad) + c.begin * gsize;
         std::byte* copy = s.param_copy ? static_cast<std::byte*>(s.param_copy) + c.begin * csize : nullptr;
         if (g.nvme) {
@@ -571,7 +573,7 @@ struct offload_adam::impl {
     }
     if (failure) {
       adam.set_step_count(t - 1);
-      interrupted = std::any_of(groups.begin(), groups.end(), [](const group& g) {
+      open = std::any_of(groups.begin(), groups.end(), [](const group& g) {
         return std::any_of(g.chunks.begin(), g.chunks.end(), [](const chunk& c) { return c.updated; });
       });
       try {
@@ -580,15 +582,26 @@ struct offload_adam::impl {
         rethrow_with("terrace: offload_adam: step " + std::to_string(t) + " failed" + where +
                      ". The step counter stays at " + std::to_string(t - 1) +
                      "; chunks not yet written keep their previous state" +
-                     (interrupted ? "; the chunks already updated are remembered: call step() again "
-                                    "with the same gradients to finish this step. Cause: "
-                                  : ". Cause: "));
+                     (open ? "; the chunks already updated are remembered: call step() again (or "
+                             "step_part(), for a step made in parts) with the same gradients to "
+                             "finish this step. Cause: "
+                           : ". Cause: "));
       }
     }
+    if (finish) {
+      finish_step(t);
+    } else {
+      // The step stays open: the next part sees step t again.
+      adam.set_step_count(t - 1);
+      open = true;
+    }
+    return true;
+  }
+
+  void finish_step(std::int64_t t) {
     adam.set_step_count(t);
     steps.store(t, std::memory_order_relaxed);
-    interrupted = false;
-    return true;
+    open = false;
   }
 
   // The step proper. On an error it stops issuing, drains every transfer, rescues the updated
@@ -731,9 +744,9 @@ struct offload_adam::impl {
 
   std::uint64_t checkpoint() {
     TERRACE_EXPECTS(store != nullptr, "offload_adam: checkpoint without a tensor store");
-    TERRACE_EXPECTS(!interrupted, "offload_adam: checkpoint after a failed step: call step() again with the "
-                                  "same gradients to finish it first (a checkpoint of half a step would "
-                                  "resume wrong)");
+    TERRACE_EXPECTS(!open, "offload_adam: checkpoint while a step is unfinished (a failed step, or "
+                           "step_part() without finish_step()): finish it first, with the same "
+                           "gradients (a checkpoint of half a step would resume wrong)");
     for (const group& g : groups) check_not_lost(g);
     meta_record m;
     m.state_dtype = static_cast<std::uint32_t>(adam.options().state_dtype);
@@ -797,8 +810,9 @@ struct offload_adam::impl {
   std::vector<slot> slots;
   std::size_t staging_bytes = 0;
   std::optional<meta_record> resume_meta;
-  // A step failed after updating some chunks (they carry `updated`): the next step finishes it.
-  bool interrupted = false;
+  // A step is under way: some chunks carry `updated`, from a failed attempt (the next step()
+  // finishes it) or from step_part() calls (finish_step() ends it).
+  bool open = false;
   // The counter as callers see it: the adam object's moves back and forth within a step.
   std::atomic<std::int64_t> steps{0};
   offload_adam_stats counters;
@@ -826,7 +840,18 @@ grad_norm_result offload_adam::grad_norm(std::span<const offload_group_step> gro
 
 bool offload_adam::step(std::span<const offload_group_step> groups, const adam_step_options& step_options) {
   std::lock_guard lock(impl_->mutex);
-  return impl_->step(groups, step_options);
+  return impl_->step(groups, step_options, /*finish=*/true);
+}
+
+bool offload_adam::step_part(std::span<const offload_group_step> groups,
+                             const adam_step_options& step_options) {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->step(groups, step_options, /*finish=*/false);
+}
+
+void offload_adam::finish_step() {
+  std::lock_guard lock(impl_->mutex);
+  impl_->finish_step(impl_->adam.step_count() + 1);
 }
 
 void offload_adam::read_master(group_id group, float* out) {
@@ -843,8 +868,9 @@ std::int64_t offload_adam::step_count() const noexcept { return impl_->steps.loa
 
 void offload_adam::set_step_count(std::int64_t step) {
   std::lock_guard lock(impl_->mutex);
-  TERRACE_EXPECTS(!impl_->interrupted, "offload_adam: set_step_count after a failed step: finish the step "
-                                       "first (call step() again with the same gradients)");
+  TERRACE_EXPECTS(!impl_->open, "offload_adam: set_step_count while a step is unfinished (a failed step, or "
+                                "step_part() without finish_step()): finish the step first, with the same "
+                                "gradients");
   impl_->adam.set_step_count(step);
   impl_->steps.store(step, std::memory_order_relaxed);
 }

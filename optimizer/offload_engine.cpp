@@ -22,6 +22,15 @@
 // (under a host budget) cannot change under it; it steps them in grads_copy, writes next_params,
 // and the training thread publishes those while no update runs. Every wait is at a fixed point of
 // the step, so the run is deterministic, and resident and offloaded runs still agree bit for bit.
+//
+// A failed optimizer phase is finished, never dropped half-done nor completed with another step's
+// gradients: offload_adam remembers the chunks it updated and finishes a step only when called
+// again with the same gradients, so the engine keeps them where they are (the gradients' home
+// copies, which no backward overwrites before the retry, or grads_copy once the delayed update
+// has copied them out) and the next step(), finish_update() or checkpoint() runs the phase again
+// first (finish_failed_update). Under a host budget the phase is one offload_adam step made in
+// parts (step_part per staged batch, finish_step at the end), and the layers already published
+// are skipped on the retry, so no layer is updated twice and every part sees the same step.
 #include "terrace/stats.hpp"
 #include "terrace/offload_engine.hpp"
 
@@ -108,6 +117,8 @@ struct offload_engine::impl {
     tensor_id grad = 0;
     group_id group = 0;
     std::size_t delayed_at = 0;  // delayed_update: its offset in next_params and grads_copy
+    // step_staged: this step's params are already in its home copy (a retry skips the layer).
+    bool staged_done = false;
   };
 
   device_backend& device;
@@ -151,6 +162,15 @@ struct offload_engine::impl {
   std::future<void> grads_copied;      // ready once grads_copy is filled
   std::future<update_result> pending;
   std::int64_t completed_steps = 0;
+  // delayed_update: grads_copy holds the gradients of the update last started (set by the update
+  // thread once it has copied them; read after joining it).
+  bool grads_in_copy = false;
+
+  // An optimizer phase that threw, waiting to be finished with its own gradients
+  // (finish_failed_update): `update` when grad norm or the CPU Adam (non-delayed: or writing
+  // the params) failed, `publish` when only publishing a delayed update's params is left.
+  enum class failed_phase { none, update, publish };
+  failed_phase failed = failed_phase::none;
 
   impl(device_backend& d, const offload_engine_options& o)
       : device(d), options(o), memory(d, o.device_allocator) {}
@@ -579,19 +599,22 @@ struct offload_engine::impl {
   // The optimizer phase: global grad norm (clipping, inf/NaN), then the CPU Adam. Touches only
   // the optimizer and the tier manager's home copies, so it may run on another thread
   // (delayed_update) while the training thread runs the next forward.
-  // `copied` (delayed_update) is told once the gradients are copied out of their home copies.
-  update_result run_update(bool delayed, std::promise<void>* copied = nullptr) {
+  // delayed_update: `copy_grads` copies the gradients out of their home copies first (a retry
+  // whose gradients are in grads_copy already does not), and `copied`, if any, is told then.
+  update_result run_update(bool delayed, std::promise<void>* copied = nullptr,
+                           bool copy_grads = true) {
     const auto start = clock_type::now();
     const offload_adam_stats before = adam->stats();
     update_result u;
-    if (delayed) {
+    if (delayed && copy_grads) {
       const auto t = clock_type::now();
       for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
         tm->read_home(it->grad, grads_copy.data() + it->delayed_at);
       }
       u.grad_wait += seconds_since(t);
-      copied->set_value();
+      grads_in_copy = true;
     }
+    if (copied != nullptr) copied->set_value();
     adam_step_options so;
     so.grad_dtype = dtype::f32;
     so.copy_dtype = dtype::bf16;
@@ -615,11 +638,17 @@ struct offload_engine::impl {
     return u;
   }
 
-  // delayed_update: waits for the running update (rethrowing what it threw); false if none.
+  // delayed_update: waits for the running update (rethrowing what it threw, which leaves it to
+  // finish_failed_update); false if none.
   bool join_update(update_result& u) {
     if (grads_copied.valid()) grads_copied = {};
     if (!pending.valid()) return false;
-    u = pending.get();
+    try {
+      u = pending.get();
+    } catch (...) {
+      failed = failed_phase::update;
+      throw;
+    }
     completed_steps = adam->step_count();
     return true;
   }
@@ -640,30 +669,62 @@ struct offload_engine::impl {
 
   // delayed_update: the joined update's params become the home copies (dropping stale device
   // copies), where the next forward's prefetch takes them. Nothing to publish for a skipped one.
+  // A host_data() that fails (making room under a host budget) leaves the rest to
+  // finish_failed_update, which publishes all of them again from next_params.
   void publish(const update_result& u) {
     if (u.skipped) return;
-    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
-      std::memcpy(tm->host_data(it->param, access::write), next_params.data() + it->delayed_at,
-                  it->elements * 2);
+    try {
+      for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+        std::memcpy(tm->host_data(it->param, access::write), next_params.data() + it->delayed_at,
+                    it->elements * 2);
+      }
+    } catch (...) {
+      failed = failed_phase::publish;
+      throw;
     }
   }
 
-  void finish_update() {
+  // Finishes the optimizer phase that threw, with its own gradients: they are still in their
+  // home copies (nothing has run backward since: step() finishes it before its forward, and a
+  // delayed update's copy fails before the backward that waits for it), or, once a delayed
+  // update copied them, in grads_copy. offload_adam skips the chunks the failed attempt
+  // updated, step_staged the layers it published; a delayed update's params go out as after any
+  // update. Throws again if it fails again, leaving it failed (and the state consistent).
+  // REQUIRES: failed != none; no update running (a failure is only known once it is joined).
+  update_result finish_failed_update() {
     update_result u;
-    if (!join_update(u)) return;
-    publish(u);
+    if (failed == failed_phase::update) {
+      u = run_update(options.delayed_update, nullptr, /*copy_grads=*/!grads_in_copy);
+      completed_steps = adam->step_count();
+    }
+    if (options.delayed_update) publish(u);
+    failed = failed_phase::none;
+    return u;
+  }
+
+  void finish_update() {
+    if (failed != failed_phase::none) {
+      finish_failed_update();
+    } else {
+      update_result u;
+      if (!join_update(u)) return;
+      publish(u);
+    }
     tm->begin_iteration();  // prefetch the params just published
   }
 
   // Under a host budget a host_data() call may move another home copy to NVMe, invalidating a
   // pointer obtained before it. So the gradients of a batch of layers are copied out into staging
   // buffers one by one, the batch is stepped there, and the bf16 params are copied into their
-  // home copies one by one, each right after its host_data(). The update is elementwise and its
-  // scalars depend only on the step count (reset before each batch), so the batching changes no
-  // bit of the result.
+  // home copies one by one, each right after its host_data(). The batches are parts of one
+  // offload_adam step (step_part, then finish_step), so every one sees the same step number, and
+  // the update is elementwise, so the batching changes no bit of the result.
+  // After a failure the same call finishes the step: layers already published are skipped, and
+  // the batches are cut as before (from the layer sizes alone), so a layer the failed attempt
+  // half-stepped sits at the same offsets, where param_stage (written only here) still holds the
+  // params of its updated chunks (offload_adam does not write them again).
   double step_staged(const adam_step_options& so) {
     double waited = 0;
-    const std::int64_t before = adam->step_count();
     std::size_t i = layers.size();
     while (i > 0) {
       std::size_t first = i, elements = 0;
@@ -674,23 +735,29 @@ struct offload_engine::impl {
       std::size_t at = 0;
       for (std::size_t k = i; k-- > first;) {
         const layer& l = layers[k];
-        const auto t = clock_type::now();
-        const void* g = tm->host_data(l.grad);
-        waited += seconds_since(t);
-        std::memcpy(grad_stage + at, g, l.elements * 4);
-        groups.push_back({l.group, grad_stage + at, param_stage + at});
+        if (!l.staged_done) {
+          const auto t = clock_type::now();
+          const void* g = tm->host_data(l.grad);
+          waited += seconds_since(t);
+          std::memcpy(grad_stage + at, g, l.elements * 4);
+          groups.push_back({l.group, grad_stage + at, param_stage + at});
+        }
         at += l.elements;
       }
-      adam->set_step_count(before);
-      adam->step(groups, so);
+      if (!groups.empty()) adam->step_part(groups, so);
       at = 0;
       for (std::size_t k = i; k-- > first;) {
-        const layer& l = layers[k];
-        std::memcpy(tm->host_data(l.param, access::write), param_stage + at, l.elements * 2);
+        layer& l = layers[k];
+        if (!l.staged_done) {
+          std::memcpy(tm->host_data(l.param, access::write), param_stage + at, l.elements * 2);
+          l.staged_done = true;
+        }
         at += l.elements;
       }
       i = first;
     }
+    adam->finish_step();
+    for (layer& l : layers) l.staged_done = false;
     return waited;
   }
 
@@ -700,6 +767,12 @@ struct offload_engine::impl {
     const auto start = clock_type::now();
     const tier_stats tiers_before = tm->stats();
     const double wait_before = model->wait_seconds();
+    // A failed optimizer phase first, with its own gradients (this step's backward would overwrite
+    // them); if it fails again, nothing of this step has run.
+    update_result retried;
+    const bool finished_failed = failed != failed_phase::none;
+    if (finished_failed) retried = finish_failed_update();
+    const auto forward_start = clock_type::now();
 
     // The first step's acquires are recorded as the schedule (the call after its optimizer step
     // ends the recording); later this restarts the schedule, which that call already did unless
@@ -730,18 +803,23 @@ struct offload_engine::impl {
       tm->release(layers[i].grad, compute);
       tm->flush(layers[i].grad);  // home while the layers below run their backward
     }
-    s.forward_backward_seconds = seconds_since(start) - s.optimizer_wait_seconds;
+    s.forward_backward_seconds = seconds_since(forward_start) - s.optimizer_wait_seconds;
     s.exposed_transfer_seconds = model->wait_seconds() - wait_before;
 
     update_result u;
     if (options.delayed_update) {
-      // This step reports the update that finished during it, publishes its params, and starts
-      // its own update.
+      // This step reports the update that finished during it (the failed one it finished first,
+      // if any: no other was running), publishes its params, and starts its own update.
+      if (finished_failed) {
+        u = retried;
+        s.optimizer_wait_seconds += retried.seconds;
+      }
       const auto join_start = clock_type::now();
       if (join_update(u)) publish(u);
       s.optimizer_wait_seconds += seconds_since(join_start);
       std::promise<void> copied;
       grads_copied = copied.get_future();
+      grads_in_copy = false;
       pending = std::async(std::launch::async, [this, c = std::move(copied)]() mutable {
         try {
           return run_update(/*delayed=*/true, &c);
@@ -756,7 +834,18 @@ struct offload_engine::impl {
         }
       });
     } else {
-      u = run_update(/*delayed=*/false);
+      try {
+        u = run_update(/*delayed=*/false);
+      } catch (...) {
+        failed = failed_phase::update;  // its gradients stay in their home copies until then
+        throw;
+      }
+      // What finishing the failed phase cost counts with this step's own.
+      u.seconds += retried.seconds;
+      u.grad_wait += retried.grad_wait;
+      u.nvme_read += retried.nvme_read;
+      u.nvme_write += retried.nvme_write;
+      u.io_wait += retried.io_wait;
       s.exposed_transfer_seconds += u.grad_wait;
       completed_steps = adam->step_count();
     }
@@ -790,7 +879,10 @@ struct offload_engine::impl {
 
   std::uint64_t checkpoint(std::uint64_t data_cursor) {
     TERRACE_EXPECTS(nvme.has_value(), "offload engine: checkpoint without an NVMe dir");
-    finish_update();  // the state committed is every step's, and a resume continues from it
+    // A running update, or a failed optimizer phase (finished here with its own gradients, or
+    // this throws and commits nothing): the state committed is every step's, whole, and a resume
+    // continues from it.
+    finish_update();
     record_block r{kRecordMagic, 1, adam->step_count(), data_cursor, options.seed,
                    layout_fingerprint()};
     std::memset(record_buffer, 0, kRecordBytes);
@@ -826,6 +918,10 @@ const std::optional<offload_engine_record>& offload_engine::resumed_from() const
 std::int64_t offload_engine::step_count() const noexcept { return impl_->completed_steps; }
 
 void offload_engine::finish_update() { impl_->finish_update(); }
+
+bool offload_engine::update_failed() const noexcept {
+  return impl_->failed != impl::failed_phase::none;
+}
 
 std::size_t offload_engine::state_bytes() const noexcept {
   return impl_->params * impl_->state_per_element();

@@ -686,6 +686,92 @@ TEST(OffloadAdam, AnEioMidStepIsNamedAndTheRetriedStepFinishesItBitwise) {
   }
 }
 
+// ---------------------------------------------------------------------- a step made in parts
+
+// step_part over the groups in a few parts, then finish_step: every part sees the same step
+// number, so the result is bitwise one step over all of them; the counter moves only at the end,
+// and a half-made step can be neither checkpointed nor renumbered.
+TEST(OffloadAdam, AStepMadeInPartsIsBitwiseOneStep) {
+  config c;
+  c.sizes = kOddSizes;
+  c.host_budget = 10100 * 12 + 100;  // host groups and NVMe groups, in different parts
+  c.copy = true;
+  offload_rig r(c);
+  reference ref(c);
+  adam_step_options so = step_options_for(c);
+  so.grads_known_finite = true;  // parts: the caller scans every gradient first
+  for (int s = 0; s < 4; ++s) {
+    const auto grads = gradients(c, s);
+    ASSERT_TRUE(ref.step(grads, so, true));
+    // Parts of 3, 1 and 3 groups, last group first (as the engine steps its layers).
+    for (const auto& [from, to] : {std::pair<std::size_t, std::size_t>{4, 7}, {3, 4}, {0, 3}}) {
+      std::vector<offload_group_step> part;
+      for (std::size_t g = to; g-- > from;) part.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+      ASSERT_TRUE(r.opt->step_part(part, so));
+      EXPECT_EQ(r.opt->step_count(), s);
+      EXPECT_THROW(r.opt->checkpoint(), logic_error);
+      EXPECT_THROW(r.opt->set_step_count(7), logic_error);
+    }
+    r.opt->finish_step();
+    expect_same(r, ref, "after step " + std::to_string(s + 1) + " in parts");
+  }
+  r.opt->checkpoint();
+}
+
+// A group listed again in the open step, by a retry that has forgotten what it did or with other
+// gradients, is not stepped twice and its param_copy is not written again.
+TEST(OffloadAdam, AGroupListedTwiceInOneStepIsSteppedOnce) {
+  config c;
+  c.sizes = {10000, 300};
+  c.copy = true;
+  offload_rig r(c);
+  reference ref(c);
+  adam_step_options so = step_options_for(c);
+  so.grads_known_finite = true;
+  const auto grads = gradients(c, 0), others = gradients(c, 1);
+  ASSERT_TRUE(ref.step(grads, so, true));
+  const offload_group_step first{r.ids[0], grads[0].data(), r.copy[0].data()};
+  ASSERT_TRUE(r.opt->step_part({&first, 1}, so));
+  const std::vector<std::byte> copy0 = r.copy[0];
+  std::vector<std::byte> scratch(r.copy[0].size(), std::byte{0x5a});
+  const offload_group_step again{r.ids[0], others[0].data(), scratch.data()};
+  ASSERT_TRUE(r.opt->step_part({&again, 1}, so));
+  EXPECT_EQ(scratch, std::vector<std::byte>(r.copy[0].size(), std::byte{0x5a}));
+  // step() finishes the open step over the groups it has left.
+  ASSERT_TRUE(r.step(grads, so));
+  EXPECT_EQ(r.copy[0], copy0);
+  expect_same(r, ref, "after the step");
+}
+
+// An EIO in the second part of a step: the first part's groups keep their update, the failed part
+// is retried with the same gradients, and the step ends bitwise as without the error.
+TEST(OffloadAdam, AFailedPartIsRetriedAndTheStepEndsBitwise) {
+  for (bool reads : {true, false}) {
+    SCOPED_TRACE(reads ? "read fault" : "write fault");
+    config c;
+    c.sizes = {10000, 8193, 12345};  // all on NVMe, several chunks each
+    c.copy = true;
+    offload_rig r(c);
+    reference ref(c);
+    adam_step_options so = step_options_for(c);
+    so.grads_known_finite = true;
+    const auto grads = gradients(c, 0);
+    ASSERT_TRUE(ref.step(grads, so, true));
+    const offload_group_step first{r.ids[2], grads[2].data(), r.copy[2].data()};
+    ASSERT_TRUE(r.opt->step_part({&first, 1}, so));
+    std::vector<offload_group_step> second;
+    for (std::size_t g = 2; g-- > 0;) second.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+    r.store->inject_fault(fault(io_fault::kind::eio, reads, !reads, 2));
+    EXPECT_THROW(r.opt->step_part(second, so), io_error);
+    EXPECT_EQ(r.opt->step_count(), 0);
+    EXPECT_THROW(r.opt->checkpoint(), logic_error);
+    ASSERT_TRUE(r.opt->step_part(second, so));
+    r.opt->finish_step();
+    expect_same(r, ref, "after the retried part");
+    r.opt->checkpoint();
+  }
+}
+
 // Which chunk the error names, for the simplest case: every group on NVMe, the first read fails.
 TEST(OffloadAdam, AReadErrorNamesTheStoreTensorOfTheChunk) {
   config c;

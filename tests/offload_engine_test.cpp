@@ -379,7 +379,7 @@ TEST(OffloadEngine, DelayedUpdateComputesWithTheParamsOfTwoStepsBefore) {
 
 // An error of the update thread (here: the optimizer's NVMe read of its state fails) comes out of
 // the next step, which already ran forward and backward; the optimizer's state is the last
-// completed step's, and training goes on from there.
+// completed step's, and the step after finishes the failed update before its own.
 TEST(OffloadEngine, DelayedUpdateErrorComesOutOfTheNextStep) {
   testing::scratch_dir dir("dpu-error");
   const auto config = small_model();
@@ -401,11 +401,321 @@ TEST(OffloadEngine, DelayedUpdateErrorComesOutOfTheNextStep) {
   engine->step(batch[0].data());
   EXPECT_THROW(engine->step(batch[1].data()), io_error);
   EXPECT_EQ(engine->step_count(), 0);
-  // The fault is gone; the next steps update again.
+  EXPECT_TRUE(engine->update_failed());
+  // The fault is gone: step 3's call finishes the update of step 1 (step 2 started none), then
+  // the next steps update again.
   engine->step(batch[2].data());
+  EXPECT_FALSE(engine->update_failed());
   engine->step(batch[3].data());
   engine->finish_update();
-  EXPECT_EQ(engine->step_count(), 2);
+  EXPECT_EQ(engine->step_count(), 3);
+}
+
+// ----------------------------------------------------------------------------- a failed optimizer phase
+
+// A model whose arithmetic is cheap and exact to follow, for the faults below: layers of given
+// sizes, a loss that reads every param and gradients that depend on the params and on the batch
+// (one float), so a param published wrong or an update applied twice or with another step's
+// gradients shows in later losses and in the master weights.
+struct probe_model : layered_model {
+  probe_model(device_backend& d, stream_ref c, std::vector<std::size_t> sizes)
+      : device(d), stream(c), sizes(std::move(sizes)) {}
+  std::size_t layer_count() const override { return sizes.size(); }
+  std::string layer_name(std::size_t l) const override { return "layer" + std::to_string(l); }
+  std::size_t layer_elements(std::size_t l) const override { return sizes[l]; }
+  void init_layer(std::size_t l, float* out) const override {
+    for (std::size_t i = 0; i < sizes[l]; ++i) out[i] = 0.25f + 0.5f * weight(l, i);
+  }
+  std::size_t activation_bytes() const override { return 4096; }
+  void begin_batch(const void* b) override {
+    std::memcpy(&batch, b, sizeof batch);
+    sum = 0;
+  }
+  // The sim device's memory is host memory: once the stream has caught up, the params are there.
+  void forward(std::size_t l, const std::uint16_t* p) override {
+    device.synchronize(stream);
+    for (std::size_t i = 0; i < sizes[l]; ++i) sum += static_cast<double>(param(p[i]) * weight(l, i));
+  }
+  float loss() override { return static_cast<float>(sum); }
+  void backward(std::size_t l, const std::uint16_t* p, float* g) override {
+    device.synchronize(stream);
+    for (std::size_t i = 0; i < sizes[l]; ++i) g[i] = 0.1f * param(p[i]) + batch * weight(l, i);
+  }
+  double wait_seconds() const override { return 0; }
+
+  static float param(std::uint16_t bf16) {
+    const std::uint32_t u = std::uint32_t{bf16} << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static float weight(std::size_t l, std::size_t i) {
+    return static_cast<float>(((i * 2654435761u + l * 40503u) % 2001u)) / 1000.0f - 1.0f;
+  }
+
+  device_backend& device;
+  stream_ref stream;
+  std::vector<std::size_t> sizes;
+  float batch = 0;
+  double sum = 0;
+};
+
+// One engine over probe_model on its own sim device and store directory.
+struct probe_engine {
+  probe_engine(const std::vector<std::size_t>& sizes, const offload_engine_options& o,
+               std::size_t device_memory = 64u << 20) {
+    device_options d;
+    d.capacity = device_memory;
+    device = make_device("sim", d);
+    make(sizes, o);
+  }
+  void make(const std::vector<std::size_t>& sizes, const offload_engine_options& o) {
+    engine.reset();
+    engine = std::make_unique<offload_engine>(
+        *device,
+        [&](caching_allocator&, stream_ref compute) {
+          return std::make_unique<probe_model>(*device, compute, sizes);
+        },
+        o);
+  }
+  float step(float batch) { return engine->step(&batch).loss; }
+  std::vector<std::vector<float>> masters() {
+    engine->finish_update();
+    std::vector<std::vector<float>> out;
+    for (std::size_t l = 0; l < engine->model().layer_count(); ++l) {
+      out.emplace_back(engine->model().layer_elements(l));
+      engine->optimizer().read_master(static_cast<group_id>(l), out.back().data());
+    }
+    return out;
+  }
+  std::unique_ptr<device_backend> device;
+  std::unique_ptr<offload_engine> engine;
+};
+
+const std::vector<float> kProbeBatches = {1.0f, -0.5f, 0.75f, -1.0f, 0.25f};
+
+// Every master weight and the step count, bit for bit.
+void expect_same_state(probe_engine& got, probe_engine& want, const std::string& when) {
+  EXPECT_EQ(got.engine->step_count(), want.engine->step_count()) << when;
+  const auto a = got.masters(), b = want.masters();
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t l = 0; l < a.size(); ++l) {
+    ASSERT_EQ(std::memcmp(a[l].data(), b[l].data(), 4 * a[l].size()), 0)
+        << when << ": layer " << l << " master differs";
+  }
+}
+
+io_fault eio_after(bool reads, int skip) {
+  io_fault f;
+  f.what = io_fault::kind::eio;
+  f.reads = reads;
+  f.writes = !reads;
+  f.skip = skip;
+  return f;
+}
+
+// All optimizer state on NVMe in small chunks, so that a step reads and writes many of them.
+offload_engine_options probe_options(const std::filesystem::path& dir, std::size_t chunk) {
+  offload_engine_options o;
+  o.nvme_dir = dir;
+  o.optimizer_host_budget = 0;
+  o.optimizer.chunk_elements = chunk;
+  o.optimizer.adam.threads = 1;
+  o.optimizer.adam.lr = 1e-2;
+  o.clip_norm = 50.0;  // the retry recomputes the norm: the same gradients give the same one
+  return o;
+}
+
+// Layers of 4096, 3000 and 5000 elements in chunks of 1024: one chunk is one store transfer
+// (12 KiB), so `skip` counts chunks.
+const std::vector<std::size_t> kSmallLayers = {4096, 3000, 5000};
+
+// Steps batches 0..n-1 through `e`, with `fault` armed before step `at` (1-based), which must
+// throw; each later step first finishes it. Returns the losses of the steps that succeeded.
+std::vector<float> run_with_fault(probe_engine& e, std::size_t n, std::size_t at, const io_fault& fault) {
+  std::vector<float> out;
+  for (std::size_t s = 1; s <= n; ++s) {
+    if (s != at) {
+      out.push_back(e.step(kProbeBatches[s - 1]));
+      continue;
+    }
+    e.engine->store()->inject_fault(fault);
+    EXPECT_THROW(e.step(kProbeBatches[s - 1]), io_error) << "step " << s;
+    EXPECT_TRUE(e.engine->update_failed());
+    EXPECT_EQ(e.engine->step_count(), static_cast<std::int64_t>(s - 1));
+  }
+  EXPECT_FALSE(e.engine->update_failed());
+  return out;
+}
+
+// Found in review: after an EIO in the optimizer phase the next step ran a fresh forward and
+// backward and handed offload_adam its new gradients, which finished the failed step with them
+// (the chunks not yet updated got step t from the new gradients, the others nothing) and
+// reported success; checkpoint() then committed the mixed state. Now the next step first
+// finishes the failed phase with its own gradients: bitwise an uninterrupted run.
+TEST(OffloadEngineFaults, AFailedOptimizerPhaseIsFinishedWithItsOwnGradients) {
+  struct scenario {
+    bool reads;
+    int skip;
+  };
+  // 12 chunks per step: the first, one part-way, the last; reads and writes.
+  for (const scenario& sc : {scenario{true, 0}, scenario{true, 5}, scenario{true, 11},
+                             scenario{false, 0}, scenario{false, 1}, scenario{false, 7},
+                             scenario{false, 11}}) {
+    SCOPED_TRACE(std::string(sc.reads ? "read" : "write") + " fault, skip " + std::to_string(sc.skip));
+    testing::scratch_dir ref_dir("fault-ref"), dir("fault-inplace");
+    probe_engine ref(kSmallLayers, probe_options(ref_dir.path(), 1024));
+    probe_engine e(kSmallLayers, probe_options(dir.path(), 1024));
+    std::vector<float> want;
+    for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
+    const std::vector<float> got = run_with_fault(e, 4, 2, eio_after(sc.reads, sc.skip));
+    // Step 2 is finished by step 3's call: steps 1, 3 and 4 report the uninterrupted losses.
+    ASSERT_EQ(got.size(), 3u);
+    EXPECT_TRUE(bitwise_equal(got[0], want[0]));
+    EXPECT_TRUE(bitwise_equal(got[1], want[2])) << got[1] << " " << want[2];
+    EXPECT_TRUE(bitwise_equal(got[2], want[3])) << got[2] << " " << want[3];
+    expect_same_state(e, ref, "after step 4");
+    EXPECT_EQ(e.engine->step_count(), 4);
+  }
+}
+
+// The same under a host budget (step_staged): three layers in two staged batches ({2, 1} and
+// {0}: the staging holds 4 Mi elements). Found in review: a failure after the first batch had
+// stepped either wedged the engine (every later step refused: "set_step_count after a failed
+// step") or, when the second batch had updated nothing, let the next step update the first
+// batch's layers a second time. Now the batches are parts of one optimizer step, and the retry
+// skips the layers already published.
+TEST(OffloadEngineFaults, AFailedStagedPhaseUpdatesNoLayerTwice) {
+  const std::vector<std::size_t> layers = {5u << 19, 1u << 20, 1u << 20};  // 2.5, 1, 1 Mi
+  constexpr std::size_t kChunk = 1u << 18;  // 3 MiB of state: three 1 MiB transfers
+  struct scenario {
+    bool reads;
+    int skip;
+    const char* where;
+  };
+  // Batch 1 reads 8 chunks (24 transfers), batch 2 ten.
+  for (const scenario& sc : {scenario{true, 15, "batch 1, layer 1"}, scenario{true, 24, "batch 2's first read"},
+                             scenario{false, 22, "batch 1's last write"}, scenario{false, 36, "batch 2, part-way"}}) {
+    SCOPED_TRACE(std::string(sc.reads ? "read" : "write") + " fault at " + sc.where);
+    testing::scratch_dir ref_dir("staged-ref"), dir("staged-fault");
+    offload_engine_options o = probe_options(ref_dir.path(), kChunk);
+    o.host_budget = 256u << 20;  // room for every home copy: only the optimizer touches NVMe
+    o.checkpoints = false;
+    probe_engine ref(layers, o);
+    o.nvme_dir = dir.path();
+    probe_engine e(layers, o);
+    std::vector<float> want;
+    for (std::size_t s = 0; s < 3; ++s) want.push_back(ref.step(kProbeBatches[s]));
+    const std::vector<float> got = run_with_fault(e, 3, 1, eio_after(sc.reads, sc.skip));
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_TRUE(bitwise_equal(got[0], want[1])) << got[0] << " " << want[1];
+    EXPECT_TRUE(bitwise_equal(got[1], want[2])) << got[1] << " " << want[2];
+    expect_same_state(e, ref, "after step 3");
+  }
+}
+
+// delayed_update: the failed update (of step 1, reported by step 2 after its backward) is
+// finished by the next call with step 1's gradients, kept in the update's copy (step 2's
+// backward overwrote the home copies); step 2's own update never started, so its batch is fed
+// again. The run is then the uninterrupted one with finish_update() after step 1.
+TEST(OffloadEngineFaults, AFailedDelayedUpdateIsFinishedWithItsOwnGradients) {
+  for (bool reads : {true, false}) {
+    SCOPED_TRACE(reads ? "read fault" : "write fault");
+    testing::scratch_dir ref_dir("dpu-fault-ref"), dir("dpu-fault");
+    offload_engine_options o = probe_options(ref_dir.path(), 1024);
+    o.delayed_update = true;
+    probe_engine ref(kSmallLayers, o);
+    o.nvme_dir = dir.path();
+    probe_engine e(kSmallLayers, o);
+    std::vector<float> want;
+    want.push_back(ref.step(kProbeBatches[0]));
+    ref.engine->finish_update();
+    for (std::size_t s = 1; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
+
+    // Armed before step 1, whose update (on its own thread) is the store's only user: it fails
+    // part-way, beside step 2.
+    e.engine->store()->inject_fault(eio_after(reads, 5));
+    EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[0]), want[0]));
+    EXPECT_THROW(e.step(kProbeBatches[1]), io_error);
+    EXPECT_TRUE(e.engine->update_failed());
+    EXPECT_EQ(e.engine->step_count(), 0);
+    std::vector<float> got;
+    for (std::size_t s = 1; s < 4; ++s) got.push_back(e.step(kProbeBatches[s]));
+    EXPECT_FALSE(e.engine->update_failed());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(got[i], want[i + 1])) << "step " << i + 2 << ": " << got[i]
+                                                       << " " << want[i + 1];
+    }
+    expect_same_state(e, ref, "after the last update");
+    EXPECT_EQ(e.engine->step_count(), 4);
+  }
+}
+
+// checkpoint() after a failed step finishes it first, or, when finishing fails again, throws and
+// commits nothing: a crash then resumes from the last whole step, never from a mixed one.
+TEST(OffloadEngineFaults, ACheckpointAfterAFailedStepCommitsOnlyWholeSteps) {
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed_update" : "in place");
+    testing::scratch_dir ref_dir("ckpt-fault-ref"), dir("ckpt-fault");
+    offload_engine_options o = probe_options(ref_dir.path(), 1024);
+    o.delayed_update = delayed;
+    probe_engine ref(kSmallLayers, o);
+    ref.step(kProbeBatches[0]);
+    ref.engine->checkpoint(1);
+    ref.step(kProbeBatches[1]);
+    ref.engine->checkpoint(2);
+
+    o.nvme_dir = dir.path();
+    probe_engine e(kSmallLayers, o);
+    e.step(kProbeBatches[0]);
+    e.engine->checkpoint(1);
+    // Step 2's optimizer phase fails part-way (delayed: in its update, which checkpoint joins;
+    // armed before the step, since the update is the store's only user and starts with it).
+    e.engine->store()->inject_fault(eio_after(false, 5));
+    if (delayed) {
+      e.step(kProbeBatches[1]);
+      EXPECT_THROW(e.engine->checkpoint(2), io_error);
+    } else {
+      EXPECT_THROW(e.step(kProbeBatches[1]), io_error);
+    }
+    EXPECT_TRUE(e.engine->update_failed());
+    // Finishing it fails too: nothing is committed, and the state resumes at step 1.
+    e.engine->store()->inject_fault(eio_after(false, 2));
+    EXPECT_THROW(e.engine->checkpoint(2), io_error);
+    EXPECT_TRUE(e.engine->update_failed());
+    {
+      testing::scratch_dir crash_ref_dir("ckpt-fault-ref1");
+      offload_engine_options r1 = o;
+      r1.nvme_dir = crash_ref_dir.path();
+      probe_engine one(kSmallLayers, r1);
+      one.step(kProbeBatches[0]);
+      one.engine->finish_update();
+      // A copy of the store as a crash would leave it, resumed beside the live engine.
+      const auto copy = dir.path() / "crash";
+      std::filesystem::create_directories(copy);
+      std::filesystem::copy(dir.path() / "store", copy / "store", std::filesystem::copy_options::recursive);
+      offload_engine_options resume = o;
+      resume.nvme_dir = copy;
+      resume.resume = true;
+      probe_engine crashed(kSmallLayers, resume);
+      ASSERT_TRUE(crashed.engine->resumed_from().has_value());
+      EXPECT_EQ(crashed.engine->resumed_from()->step, 1);
+      EXPECT_EQ(crashed.engine->resumed_from()->data_cursor, 1u);
+      expect_same_state(crashed, one, "resumed after the refused checkpoint");
+    }
+    // The fault is gone: checkpoint() finishes step 2 and commits it.
+    e.engine->checkpoint(2);
+    EXPECT_FALSE(e.engine->update_failed());
+    expect_same_state(e, ref, "after the checkpoint");
+    e.engine.reset();
+    offload_engine_options resume = o;
+    resume.resume = true;
+    e.make(kSmallLayers, resume);
+    EXPECT_EQ(e.engine->resumed_from()->step, 2);
+    expect_same_state(e, ref, "resumed");
+    EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[2]), ref.step(kProbeBatches[2])));
+    expect_same_state(e, ref, "a step after the resume");
+  }
 }
 
 TEST(OffloadEngine, FastCopiesHideBehindCompute) {

@@ -112,16 +112,35 @@ class offload_adam {
   ///         bitwise as if it had not failed. Until then checkpoint() and set_step_count() refuse.
   bool step(std::span<const offload_group_step> groups, const adam_step_options& step_options = {});
 
+  /// @brief One part of a step made over several calls, for a caller that cannot list every
+  /// group at once (offload_engine stages a few layers at a time under a host budget): steps the
+  /// listed groups as step step_count() + 1, exactly as step() would, but leaves the step open:
+  /// the counter advances only at finish_step(), so every part sees the same step number. A chunk
+  /// is stepped at most once per step: a chunk already updated in the open step (by an earlier
+  /// part, or by a failed attempt of this one) is skipped, and its param_copy is not written
+  /// again (the caller keeps what the first attempt wrote). So a caller retrying after an error
+  /// may list a group again without updating it twice. check_finite scans only this part's
+  /// gradients: scan all of them first (grad_norm) and pass grads_known_finite. While a step is
+  /// open, checkpoint() and set_step_count() refuse; step() finishes it (listing the groups
+  /// left).
+  /// @throws as step(); the step stays open with what was updated remembered.
+  bool step_part(std::span<const offload_group_step> groups,
+                 const adam_step_options& step_options = {});
+  /// @brief Ends the step that step_part() calls made: the step counter advances by one.
+  void finish_step();
+
   /// @brief Copies the group's current fp32 master weights into `out` (elements floats).
   void read_master(group_id group, float* out);
 
   /// @brief Writes all state (host-resident groups too) and the step counter to the store and
   /// commits a checkpoint (tensor_store::checkpoint).
-  /// @returns the store's generation. @throws logic_error without a store or after a failed,
-  ///         unfinished step; io_error (the last committed checkpoint stays).
+  /// @returns the store's generation. @throws logic_error without a store or while a step is
+  ///         unfinished (a failed one, or step_part() calls without finish_step()); io_error (the
+  ///         last committed checkpoint stays).
   std::uint64_t checkpoint();
 
   std::int64_t step_count() const noexcept;
+  /// @throws logic_error while a step is unfinished (see checkpoint()).
   void set_step_count(std::int64_t step);
   void set_lr(double lr);
   std::size_t elements(group_id group) const;

@@ -28,6 +28,12 @@
 /// Every configuration error (a device budget too small for one layer's params + gradient +
 /// activations, a host budget too small for one layer, a store too small for the state, pinned
 /// memory refused) is raised by the constructor, before the first step.
+///
+/// A failed optimizer phase (an NVMe error in the CPU Adam, say) is finished, never dropped
+/// half-done nor completed with another step's gradients: the engine keeps its gradients, and the
+/// next step(), finish_update() or checkpoint() first runs the phase again with them, retrying
+/// its I/O. The chunks and layers the failed attempt updated are not updated again, so the state
+/// afterwards is bitwise that of a run without the error.
 #pragma once
 
 #include <cstddef>
@@ -127,7 +133,8 @@ struct offload_engine_options {
   /// uses gradients computed on the params of step t-1 (one step staler than without it). Costs
   /// 6 B of pageable host memory per param (a copy of the gradients and of the new bf16 params).
   /// checkpoint() and finish_update() complete the running update: the next step is then not
-  /// delayed, and a resumed run continues bitwise.
+  /// delayed, and a resumed run continues bitwise. An update that failed is finished the same
+  /// way, by the call after the one that reported it (see offload_engine::step).
   bool delayed_update = false;
   /// Recorded in checkpoints; a resume with another seed is refused.
   std::uint64_t seed = 0;
@@ -199,22 +206,44 @@ class offload_engine {
   offload_engine(const offload_engine&) = delete;
   offload_engine& operator=(const offload_engine&) = delete;
 
-  /// @brief One training step over `batch` (passed to layered_model::begin_batch).
-  /// @throws whatever the model, the tiers or the optimizer throw; the optimizer state is then
-  ///         that of the last completed step (see offload_adam::step). With delayed_update what
-  ///         the update thread threw comes out of the next step(), finish_update() or
-  ///         checkpoint().
+  /// @brief One training step over `batch` (passed to layered_model::begin_batch). If an
+  /// optimizer phase failed earlier (update_failed()), it is finished first, with its own
+  /// gradients; this step's stats then count its time and I/O (with delayed_update: it is the
+  /// update this step reports, and this step is not delayed, as after finish_update()).
+  /// @throws whatever the model, the tiers or the optimizer throw.
+  ///         - From forward or backward: this step did not happen; the optimizer state is the
+  ///           last completed step's.
+  ///         - From the optimizer phase (grad norm, the CPU Adam and its NVMe I/O, writing the
+  ///           params): update_failed() becomes true and the step's gradients are kept (the batch
+  ///           is consumed: do not feed it again); the next step(), finish_update() or
+  ///           checkpoint() finishes the phase with them before anything else. Until then the
+  ///           optimizer state may be part way through this step (offload_adam::step).
+  ///         - From finishing an earlier failed phase: that phase is still failed (state as
+  ///           above) and nothing of this step ran.
+  ///         With delayed_update the update thread's errors come out of the next step() (after
+  ///         its forward, maybe its backward; its own update is then not started: feed its batch
+  ///         again), finish_update() or checkpoint(), and it is that update which is finished
+  ///         later.
   offload_step_stats step(const void* batch);
 
   /// @brief delayed_update: waits for the update the last step started and publishes its params
-  /// (no-op without one). Call it before reading the params, the optimizer's state or stats, or
+  /// (no-op without one). In any mode, finishes a failed optimizer phase (update_failed()) with
+  /// its own gradients. Call it before reading the params, the optimizer's state or stats, or
   /// the tiers directly; the next step is then not delayed.
+  /// @throws what the update threw (it is then finished by the next call, see step()).
   void finish_update();
 
   /// @brief Commits the engine's record (step, `data_cursor`, seed) and the optimizer's state to
-  /// the NVMe store, atomically (one store checkpoint). @returns the store's generation.
-  /// @throws logic_error without an NVMe dir; io_error from the store.
+  /// the NVMe store, atomically (one store checkpoint), after finish_update(): a failed optimizer
+  /// phase is finished first, so what is committed is whole steps, never part of one.
+  /// @returns the store's generation.
+  /// @throws logic_error without an NVMe dir; what finish_update() throws (nothing is then
+  ///         committed); io_error from the store.
   std::uint64_t checkpoint(std::uint64_t data_cursor);
+
+  /// @brief True after an optimizer phase threw, until a step(), finish_update() or checkpoint()
+  /// has finished it with its own gradients.
+  bool update_failed() const noexcept;
 
   /// @brief The record this engine resumed from (nullopt for a fresh one).
   const std::optional<offload_engine_record>& resumed_from() const noexcept;
