@@ -145,6 +145,51 @@ TEST(Pickle, PlainDataReadsAndCodeIsRefused) {
   EXPECT_THROW(tr::read_pickle(std::string("\x80\x02\x93.", 4), "sg.pickle"), terrace::logic_error);
 }
 
+// One level of nesting per byte: 300 000 nested lists are refused with a message, and neither the
+// refusal nor a deep list popped off the stack mid-stream overflows the stack tearing them down.
+TEST(Pickle, DeepNestingIsRefusedWithoutRecursingThroughIt) {
+  constexpr std::size_t n = 300000;
+  const std::string deep = "\x80\x02" + std::string(n, ']') + std::string(n - 1, 'a');
+  try {
+    tr::read_pickle(deep + ".", "deep.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("deep.pickle"), std::string::npos) << m;
+    EXPECT_NE(m.find("nesting deeper than 200 levels"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(tr::read_pickle(deep + "0N.", "popped.pickle").is_null());  // POP, then None
+  // A list appended to itself (memoised, then fetched back): a cycle, refused as too deep.
+  EXPECT_THROW(tr::read_pickle("\x80\x02]q\x00h\x00a."s, "cycle.pickle"), terrace::logic_error);
+}
+
+// x_k = [x_{k-1}, x_{k-1}] over 40 levels of the memo is 2^40 values from 689 bytes: refused by
+// the expansion budget. Sharing itself stays legal (PyTorch memoises repeated strings).
+TEST(Pickle, SharingThatDoublesAtEveryLevelIsRefused) {
+  auto u32 = [](std::uint32_t v) {  // little-endian, as pickle's LONG_BINPUT / LONG_BINGET
+    return std::string{static_cast<char>(v), static_cast<char>(v >> 8), static_cast<char>(v >> 16),
+                       static_cast<char>(v >> 24)};
+  };
+  std::string laughs = "\x80\x02]r"s + u32(0);
+  for (std::uint32_t k = 1; k <= 40; ++k) {
+    laughs += "(j" + u32(k - 1) + "j" + u32(k - 1) + "lr" + u32(k);
+  }
+  try {
+    tr::read_pickle(laughs + ".", "laughs.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("laughs.pickle"), std::string::npos) << m;
+    EXPECT_NE(m.find("expands to too many values"), std::string::npos) << m;
+  }
+  // One memoised string referred to 10 000 times: fine.
+  std::string shared = "\x80\x02]q\x00(\x8c\x08train.pyq\x01"s;
+  for (int k = 1; k < 10000; ++k) shared += "h\x01"s;
+  const auto j = tr::read_pickle(shared + "e.", "shared.pickle");
+  ASSERT_EQ(j.size(), 10000u);
+  EXPECT_EQ(j[9999], "train.py");
+}
+
 // A real pickle from Python's own pickler (every protocol it has), in PyTorch's snapshot layout.
 TEST(Pickle, PythonPicklerSnapshotsRead) {
   if (std::system("/usr/bin/python3 -c 'import pickle' >/dev/null 2>&1") != 0) {
