@@ -120,6 +120,56 @@ TEST(Import, TheSnapshotJsonInTestDataReads) {
   EXPECT_GT(*t.torch_reserved_peak, 0);
 }
 
+// A pickle string: SHORT_BINUNICODE (0x8c) or SHORT_BINBYTES ('C'), with its length byte.
+std::string pickle_str(const std::string& text, char op = '\x8c') {
+  return std::string{op, static_cast<char>(text.size())} + text;
+}
+
+// {"device_traces": [[{<fields>}]]} as a protocol-4 pickle.
+std::string snapshot_pickle(const std::string& fields) {
+  return "\x80\x04}("s + pickle_str("device_traces") + "]]}(" + fields + "uaau.";
+}
+
+TEST(Import, ValuesOfTheWrongTypeAreBadInputNamingFileAndEvent) {
+  try {
+    tr::parse_torch_snapshot_json(R"({"device_traces": [[{"action": 5, "addr": 1, "size": 512}]]})", "n.json");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("n.json: device_traces[0][0]: unknown action 5"), std::string::npos) << m;
+  }
+  // Frames only label blocks: fields of the wrong type are left out, as a missing one is.
+  const auto f = tr::parse_torch_snapshot_json(
+      R"({"device_traces": [[{"action": "alloc", "addr": 1, "size": 512, "frames": [{"filename": 7, "line": "x", "name": []}]}]]})",
+      "f.json");
+  ASSERT_EQ(f.events.size(), 1u);
+  EXPECT_EQ(f.events[0].tag, "? 7:x");
+  // A Kineto event whose name is not a string is not a memory event.
+  EXPECT_TRUE(tr::parse_kineto_json(R"({"traceEvents": [{"name": 5}, {"name": null}]})", "k.json").events.empty());
+}
+
+// A pickle's strings may hold any bytes; the message quoting them shows U+FFFD instead of failing.
+TEST(Import, NonUtf8BytesInAPickleAreQuotedInTheError) {
+  const auto action = snapshot_pickle(pickle_str("action") + pickle_str("\xff\xfe", 'C') +
+                                      pickle_str("addr") + "K\x10");
+  try {
+    tr::parse_torch_snapshot_pickle(action, "a.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("a.pickle: device_traces[0][0]: unknown action \"\xef\xbf\xbd\xef\xbf\xbd\""), std::string::npos) << m;
+  }
+  const auto addr = snapshot_pickle(pickle_str("action") + pickle_str("alloc") + pickle_str("addr") +
+                                    pickle_str("\xff", 'C'));
+  try {
+    tr::parse_torch_snapshot_pickle(addr, "b.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("b.pickle: device_traces[0][0] addr: expected a number"), std::string::npos) << m;
+  }
+}
+
 TEST(Pickle, PlainDataReadsAndCodeIsRefused) {
   // {"a": [1, -2, 3.5, None, True], "b": "x"} in protocol 2, written by hand.
   const std::string ok = "\x80\x02}q\x00(X\x01\x00\x00\x00" "a]q\x01(K\x01J\xfe\xff\xff\xffG@\x0c\x00\x00\x00\x00\x00\x00N\x88" "eX\x01\x00\x00\x00" "bX\x01\x00\x00\x00" "xu."s;
@@ -289,10 +339,15 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
 
 TEST(Cli, BadInputsExitWithTwo) {
   const std::string evil = temp_path("evil.pickle"), csv = temp_path("bad.csv"), js = temp_path("bad.json");
+  const std::string type = temp_path("type.json"), utf = temp_path("utf.pickle");
   write(evil, "\x80\x02" "cos\nsystem\nX\x04\x00\x00\x00true\x85R."s);
   write(csv, "Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,lots,0\n");
   write(js, "{\"traceEvents\": [ {\"name\": \"[memory]\", \"args\": {\"Addr\": 1}} ]}");
-  for (const auto& [path, expect] : {std::pair{evil, "GLOBAL"}, std::pair{csv, ":2"}, std::pair{js, "Bytes"}}) {
+  write(type, R"({"device_traces": [[{"action": 5, "addr": 1, "size": 512}]]})");
+  write(utf, snapshot_pickle(pickle_str("action") + pickle_str("\xff", 'C')));
+  for (const auto& [path, expect] : {std::pair{evil, "GLOBAL"}, std::pair{csv, ":2"}, std::pair{js, "Bytes"},
+                                     std::pair{type, "type.json: device_traces[0][0]: unknown action 5"},
+                                     std::pair{utf, "unknown action"}}) {
     for (const char* sub : {"replay", "compare"}) {
       const auto r = run_cli(std::string(sub) + " '" + path + "'");
       EXPECT_EQ(r.exit_code, 2) << sub << " " << path << r.output;
@@ -301,7 +356,7 @@ TEST(Cli, BadInputsExitWithTwo) {
   }
   const auto r = run_cli("report '" + csv + "' -o /dev/null");
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  for (const auto& p : {evil, csv, js}) std::filesystem::remove(p);
+  for (const auto& p : {evil, csv, js, type, utf}) std::filesystem::remove(p);
 }
 #endif
 

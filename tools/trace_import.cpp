@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Format readers. Each maps its input to trace_events and states where PyTorch's own reserved
-// figure comes from. Errors name the file and the line (text formats) or byte (pickle).
+// figure comes from. Errors name the file and the line (text formats) or byte (pickle), and are
+// terrace::logic_error (bad input) whatever the JSON library threw: a value of the wrong type is
+// the input's fault, not a failure of the program.
 #include "tools/trace_import.hpp"
 
 #include <algorithm>
@@ -29,6 +31,21 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
+// Values quoted in errors may hold any bytes (a pickle's strings are not checked for UTF-8): invalid
+// sequences become U+FFFD rather than failing the error message itself, as in allocator/trace.cpp.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// Runs one event's parser; a JSON type mismatch its checks did not name becomes a logic_error
+// naming the file and the event.
+template <class F>
+auto per_event(const std::string& where, F&& parse) {
+  try {
+    return parse();
+  } catch (const json::exception& e) {
+    throw logic_error(where + ": " + e.what());
+  }
+}
+
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
@@ -46,24 +63,52 @@ std::uint64_t as_u64(const json& v, const std::string& where) {
     } catch (const std::exception&) {
     }
   }
-  throw logic_error(where + ": expected a number, got " + v.dump());
+  throw logic_error(where + ": expected a number, got " + dump(v));
 }
 
 // ------------------------------------------------------------------ PyTorch snapshots
 
+// Frames only label blocks: a frame field of the wrong type is left out like a missing one, as a
+// frame that is not a dict is.
+std::string frame_field(const json& frame, const char* key, const char* missing) {
+  const auto it = frame.find(key);
+  if (it == frame.end()) return missing;
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_number_integer()) return std::to_string(it->get<std::int64_t>());
+  return missing;
+}
+
 std::string frames_text(const json& frames) {
+  if (!frames.is_array()) return {};
   // The innermost frames that are not PyTorch's own are the useful ones; keep the first two.
   std::string out;
   int kept = 0;
   for (const auto& f : frames) {
     if (!f.is_object()) continue;
-    const std::string file = f.value("filename", "");
+    const std::string file = frame_field(f, "filename", "");
     if (file.find("torch/") != std::string::npos && kept == 0 && frames.size() > 1) continue;
     if (!out.empty()) out += " < ";
-    out += f.value("name", "?") + " " + file + ":" + std::to_string(f.value("line", 0));
+    out += frame_field(f, "name", "?") + " " + file + ":" + frame_field(f, "line", "0");
     if (++kept == 2) break;
   }
   return out;
+}
+
+trace_event snapshot_event(const json& e, const std::string& where) {
+  if (!e.is_object() || !e.contains("action")) throw logic_error(where + ": no action");
+  const json& a = e.at("action");
+  const auto action = a.is_string() ? parse_trace_action(a.get<std::string>()) : std::nullopt;
+  if (!action) throw logic_error(where + ": unknown action " + dump(a));
+  trace_event ev;
+  ev.action = *action;
+  ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
+  ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size") : 0;
+  ev.requested = ev.size;
+  ev.stream = e.contains("stream") ? as_u64(e.at("stream"), where + " stream") : 0;
+  if (e.contains("time_us")) ev.time_ns = as_u64(e.at("time_us"), where + " time_us") * 1000;
+  if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
+  if (ev.tag.empty() && e.contains("frames")) ev.tag = frames_text(e.at("frames"));
+  return ev;
 }
 
 imported_trace from_snapshot(const json& snap, const std::string& source, std::string format) {
@@ -91,20 +136,7 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
       const json& e = (*trace)[i];
       const std::string where = source + ": device_traces[" + std::to_string(device) + "][" +
                                 std::to_string(i) + "]";
-      if (!e.is_object() || !e.contains("action")) throw logic_error(where + ": no action");
-      const auto action = parse_trace_action(e.at("action").get<std::string>());
-      if (!action) {
-        throw logic_error(where + ": unknown action " + e.at("action").dump());
-      }
-      trace_event ev;
-      ev.action = *action;
-      ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
-      ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size") : 0;
-      ev.requested = ev.size;
-      ev.stream = e.contains("stream") ? as_u64(e.at("stream"), where + " stream") : 0;
-      if (e.contains("time_us")) ev.time_ns = as_u64(e.at("time_us"), where + " time_us") * 1000;
-      if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
-      if (ev.tag.empty() && e.contains("frames")) ev.tag = frames_text(e.at("frames"));
+      trace_event ev = per_event(where, [&] { return snapshot_event(e, where); });
       const auto size = static_cast<std::int64_t>(ev.size);
       if (ev.action == trace_action::segment_alloc || ev.action == trace_action::segment_map) {
         seg_running += size;
@@ -171,28 +203,31 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
   std::int64_t peak = -1;
   for (std::size_t i = 0; i < events->size(); ++i) {
     const json& e = (*events)[i];
-    if (!e.is_object() || e.value("name", "") != "[memory]") continue;
+    if (!e.is_object()) continue;
+    if (const auto name = e.find("name"); name == e.end() || *name != "[memory]") continue;
     const std::string where = source + ": traceEvents[" + std::to_string(i) + "]";
-    if (!e.contains("args") || !e.at("args").is_object()) throw logic_error(where + ": no args");
-    const json& a = e.at("args");
-    // Device Type 0 is host memory; only device memory is replayed.
-    if (a.contains("Device Type") && as_u64(a.at("Device Type"), where) == 0) continue;
-    if (!a.contains("Addr") || !a.contains("Bytes")) throw logic_error(where + ": needs Addr and Bytes");
-    const json& b = a.at("Bytes");
-    if (!b.is_number()) throw logic_error(where + ": Bytes is not a number");
-    const auto bytes = b.get<std::int64_t>();
-    trace_event ev;
-    ev.action = bytes >= 0 ? trace_action::alloc : trace_action::free_requested;
-    ev.addr = as_u64(a.at("Addr"), where + " Addr");
-    ev.size = ev.requested = static_cast<std::uint64_t>(bytes >= 0 ? bytes : -bytes);
-    if (e.contains("ts") && e.at("ts").is_number()) {
-      ev.time_ns = static_cast<std::uint64_t>(e.at("ts").get<double>() * 1000.0);
-    }
-    if (a.contains("Total Reserved") && a.at("Total Reserved").is_number()) {
-      peak = std::max(peak, a.at("Total Reserved").get<std::int64_t>());
-    }
-    if (ev.size == 0) continue;
-    t.events.push_back(std::move(ev));
+    per_event(where, [&] {
+      if (!e.contains("args") || !e.at("args").is_object()) throw logic_error(where + ": no args");
+      const json& a = e.at("args");
+      // Device Type 0 is host memory; only device memory is replayed.
+      if (a.contains("Device Type") && as_u64(a.at("Device Type"), where) == 0) return;
+      if (!a.contains("Addr") || !a.contains("Bytes")) throw logic_error(where + ": needs Addr and Bytes");
+      const json& b = a.at("Bytes");
+      if (!b.is_number()) throw logic_error(where + ": Bytes is not a number");
+      const auto bytes = b.get<std::int64_t>();
+      trace_event ev;
+      ev.action = bytes >= 0 ? trace_action::alloc : trace_action::free_requested;
+      ev.addr = as_u64(a.at("Addr"), where + " Addr");
+      ev.size = ev.requested = static_cast<std::uint64_t>(bytes >= 0 ? bytes : -bytes);
+      if (e.contains("ts") && e.at("ts").is_number()) {
+        ev.time_ns = static_cast<std::uint64_t>(e.at("ts").get<double>() * 1000.0);
+      }
+      if (a.contains("Total Reserved") && a.at("Total Reserved").is_number()) {
+        peak = std::max(peak, a.at("Total Reserved").get<std::int64_t>());
+      }
+      if (ev.size == 0) return;
+      t.events.push_back(std::move(ev));
+    });
   }
   std::stable_sort(t.events.begin(), t.events.end(),
                    [](const trace_event& x, const trace_event& y) { return x.time_ns < y.time_ns; });
