@@ -112,6 +112,68 @@ TEST(Import, RmmCsvMatchesTheSourceTraceAndBadLinesAreNamed) {
                terrace::logic_error);
 }
 
+// A negative, fractional or out-of-range number was cast: -1 became 16 EiB, -1.5 and 1e30 were
+// undefined, "0100000000" was octal. Each is refused, naming the file and the event or line.
+TEST(Import, NegativeFractionalAndOutOfRangeNumbersAreRefused) {
+  auto snapshot_size = [](const std::string& size) {
+    return tr::parse_torch_snapshot_json(
+        R"({"device_traces": [[{"action": "alloc", "addr": "0x1000", "size": )" + size + "}]]}", "s.json");
+  };
+  for (const char* bad : {"-1", "-1.5", "1.5", "\"-1\"", "\" 1\"", "1e30", "9223372036854775808"}) {
+    try {
+      snapshot_size(bad);
+      FAIL() << bad;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("s.json: device_traces[0][0] size"), std::string::npos) << e.what();
+    }
+  }
+  for (const char* good : {"512", "512.0", "\"512\"", "\"0x200\""}) {
+    const auto t = snapshot_size(good);
+    ASSERT_EQ(t.events.size(), 1u) << good;
+    EXPECT_EQ(t.events[0].size, 512u) << good;
+    EXPECT_EQ(t.events[0].addr, 0x1000u) << good;
+  }
+  EXPECT_THROW(tr::parse_torch_snapshot_json(R"({"segments": [{"total_size": -2097152}]})", "s.json"),
+               terrace::logic_error);
+
+  const std::string header = "Thread,Time,Action,Pointer,Size,Stream\n";
+  for (const char* bad : {"-1", "+1", "1.5", "0x", "18446744073709551615"}) {
+    EXPECT_THROW(tr::parse_rmm_csv(header + "1,0,allocate,0x1000," + bad + ",0\n", "r.csv"),
+                 terrace::logic_error) << bad;
+  }
+  const auto rmm = tr::parse_rmm_csv(header + "1,0,allocate,0x1000,0100000000,0x0\n", "r.csv");
+  ASSERT_EQ(rmm.events.size(), 1u);
+  EXPECT_EQ(rmm.events[0].size, 100000000u);  // decimal, not octal
+  EXPECT_EQ(rmm.events[0].addr, 0x1000u);
+
+  auto kineto = [](const std::string& bytes, const std::string& ts) {
+    return tr::parse_kineto_json(R"({"traceEvents": [{"name": "[memory]", "ts": )" + ts +
+                                     R"(, "args": {"Addr": 4096, "Bytes": )" + bytes + "}}]}",
+                                 "k.json");
+  };
+  for (const char* bad : {"18446744073709551615", "-9223372036854775808", "1e30", "1.5", "\"5\""}) {
+    try {
+      kineto(bad, "1");
+      FAIL() << bad;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("k.json: traceEvents[0]: Bytes"), std::string::npos) << e.what();
+    }
+  }
+  for (const char* bad : {"-5", "\"1\"", "1e300"}) {
+    try {
+      kineto("512", bad);
+      FAIL() << bad;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("k.json: traceEvents[0]: ts"), std::string::npos) << e.what();
+    }
+  }
+  const auto free = kineto("-9223372036854775807", "2.5");
+  ASSERT_EQ(free.events.size(), 1u);
+  EXPECT_EQ(free.events[0].action, trace_action::free_requested);
+  EXPECT_EQ(free.events[0].size, 9223372036854775807u);
+  EXPECT_EQ(free.events[0].time_ns, 2500u);
+}
+
 TEST(Import, TheSnapshotJsonInTestDataReads) {
   const auto t = tr::import_trace(std::string(TERRACE_TEST_DATA_DIR) + "/h100_mlp_training_snapshot.json");
   EXPECT_EQ(t.format, "torch-snapshot-json");
@@ -166,7 +228,7 @@ TEST(Import, NonUtf8BytesInAPickleAreQuotedInTheError) {
     FAIL() << "expected logic_error";
   } catch (const terrace::logic_error& e) {
     const std::string m = e.what();
-    EXPECT_NE(m.find("b.pickle: device_traces[0][0] addr: expected a number"), std::string::npos) << m;
+    EXPECT_NE(m.find("b.pickle: device_traces[0][0] addr: expected an unsigned integer"), std::string::npos) << m;
   }
 }
 

@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -50,20 +53,46 @@ bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-std::uint64_t as_u64(const json& v, const std::string& where) {
-  if (v.is_number_unsigned()) return v.get<std::uint64_t>();
-  if (v.is_number_integer()) return static_cast<std::uint64_t>(v.get<std::int64_t>());
-  if (v.is_number_float()) return static_cast<std::uint64_t>(v.get<double>());
-  if (v.is_string()) {  // Kineto and some exporters write addresses as strings
-    const std::string s = v.get<std::string>();
-    try {
-      std::size_t used = 0;
-      const auto x = std::stoull(s, &used, 0);
-      if (used == s.size()) return x;
-    } catch (const std::exception&) {
-    }
+// Sizes are added up in signed 64-bit figures (live and reserved bytes): larger ones are refused.
+constexpr std::uint64_t kMaxSize = INT64_MAX;
+
+// An unsigned integer written as text: decimal, or hexadecimal after 0x (addresses). Never octal
+// (std::stoull's base 0 read "0100000000" as 16 MiB), and no sign or blanks (stoull took "-1" as
+// 2^64 - 1).
+std::optional<std::uint64_t> parse_u64(std::string_view s) {
+  int base = 10;
+  if (s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+    s.remove_prefix(2);
+    base = 16;
   }
-  throw logic_error(where + ": expected a number, got " + dump(v));
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, base);
+  if (s.empty() || ec != std::errc{} || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
+// An address, size, stream or time: an unsigned integer up to `max`. A negative number, a fraction
+// or one out of range is refused; casting it would wrap (-1 became 16 EiB) or be undefined (-1.5,
+// 1e30). A float holding a whole number is accepted, as are strings (Kineto and some exporters
+// write addresses as strings).
+std::uint64_t as_u64(const json& v, const std::string& where, std::uint64_t max = UINT64_MAX) {
+  std::optional<std::uint64_t> x;
+  if (v.is_number_unsigned()) {
+    x = v.get<std::uint64_t>();
+  } else if (v.is_number_integer()) {  // signed: the pickle reader's integers are all int64
+    if (v.get<std::int64_t>() >= 0) x = static_cast<std::uint64_t>(v.get<std::int64_t>());
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (d >= 0 && d < 18446744073709551616.0 && d == std::floor(d)) x = static_cast<std::uint64_t>(d);
+  } else if (v.is_string()) {
+    x = parse_u64(v.get_ref<const std::string&>());
+  }
+  if (!x || *x > max) {
+    throw logic_error(where + ": expected an unsigned integer" +
+                      (max == UINT64_MAX ? std::string() : " up to " + std::to_string(max)) +
+                      ", got " + dump(v));
+  }
+  return *x;
 }
 
 // ------------------------------------------------------------------ PyTorch snapshots
@@ -102,10 +131,12 @@ trace_event snapshot_event(const json& e, const std::string& where) {
   trace_event ev;
   ev.action = *action;
   ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
-  ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size") : 0;
+  ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size", kMaxSize) : 0;
   ev.requested = ev.size;
   ev.stream = e.contains("stream") ? as_u64(e.at("stream"), where + " stream") : 0;
-  if (e.contains("time_us")) ev.time_ns = as_u64(e.at("time_us"), where + " time_us") * 1000;
+  if (e.contains("time_us")) {
+    ev.time_ns = as_u64(e.at("time_us"), where + " time_us", UINT64_MAX / 1000) * 1000;
+  }
   if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
   if (ev.tag.empty() && e.contains("frames")) ev.tag = frames_text(e.at("frames"));
   return ev;
@@ -158,7 +189,12 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
       if (!s.is_object() || !s.contains("total_size")) {
         throw logic_error(source + ": segments[" + std::to_string(i) + "] has no total_size");
       }
-      now += static_cast<std::int64_t>(as_u64(s.at("total_size"), source + ": segments total_size"));
+      const std::uint64_t size = as_u64(s.at("total_size"), source + ": segments[" +
+                                        std::to_string(i) + "] total_size", kMaxSize);
+      if (size > kMaxSize - static_cast<std::uint64_t>(now)) {
+        throw logic_error(source + ": segments add up to more than " + std::to_string(kMaxSize) + " bytes");
+      }
+      now += static_cast<std::int64_t>(size);
     }
     t.torch_reserved_now = now;
     // Reserved at the window's start was `now` minus what the trace's segment events added.
@@ -212,18 +248,32 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
       // Device Type 0 is host memory; only device memory is replayed.
       if (a.contains("Device Type") && as_u64(a.at("Device Type"), where) == 0) return;
       if (!a.contains("Addr") || !a.contains("Bytes")) throw logic_error(where + ": needs Addr and Bytes");
+      // Bytes is signed (a free is negative) and its magnitude a size: |Bytes| <= 2^63 - 1, so
+      // INT64_MIN (whose negation overflows) and 2^64 - 1 (which read as -1) are refused.
       const json& b = a.at("Bytes");
-      if (!b.is_number()) throw logic_error(where + ": Bytes is not a number");
+      const bool fits = b.is_number_unsigned() ? b.get<std::uint64_t>() <= kMaxSize
+                        : b.is_number_integer() ? b.get<std::int64_t>() != INT64_MIN
+                                                : false;
+      if (!fits) {
+        throw logic_error(where + ": Bytes must be an integer from -" + std::to_string(kMaxSize) +
+                          " to " + std::to_string(kMaxSize) + ", got " + dump(b));
+      }
       const auto bytes = b.get<std::int64_t>();
       trace_event ev;
       ev.action = bytes >= 0 ? trace_action::alloc : trace_action::free_requested;
       ev.addr = as_u64(a.at("Addr"), where + " Addr");
       ev.size = ev.requested = static_cast<std::uint64_t>(bytes >= 0 ? bytes : -bytes);
-      if (e.contains("ts") && e.at("ts").is_number()) {
-        ev.time_ns = static_cast<std::uint64_t>(e.at("ts").get<double>() * 1000.0);
+      if (e.contains("ts")) {  // microseconds, often fractional
+        const json& ts = e.at("ts");
+        const double us = ts.is_number() ? ts.get<double>() : -1.0;
+        if (!(us >= 0 && us * 1000.0 < 18446744073709551616.0)) {
+          throw logic_error(where + ": ts must be a time >= 0 in microseconds, got " + dump(ts));
+        }
+        ev.time_ns = static_cast<std::uint64_t>(us * 1000.0);
       }
-      if (a.contains("Total Reserved") && a.at("Total Reserved").is_number()) {
-        peak = std::max(peak, a.at("Total Reserved").get<std::int64_t>());
+      if (a.contains("Total Reserved")) {
+        peak = std::max(peak, static_cast<std::int64_t>(as_u64(
+                                  a.at("Total Reserved"), where + " Total Reserved", kMaxSize)));
       }
       if (ev.size == 0) return;
       t.events.push_back(std::move(ev));
@@ -256,16 +306,11 @@ imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
     }
     return f;
   };
-  auto number = [&](std::string_view s, const char* what) -> std::uint64_t {
-    try {
-      std::size_t used = 0;
-      const std::string str(s);
-      const auto v = std::stoull(str, &used, 0);
-      if (used == str.size() && !str.empty()) return v;
-    } catch (const std::exception&) {
-    }
+  auto number = [&](std::string_view s, const char* what, std::uint64_t max) -> std::uint64_t {
+    if (const auto v = parse_u64(s); v && *v <= max) return *v;
     throw logic_error(source + ":" + std::to_string(line_no) + ": bad " + what + " '" +
-                      std::string(s) + "'");
+                      std::string(s) + "' (an unsigned integer up to " + std::to_string(max) +
+                      ", decimal or 0x hexadecimal)");
   };
   while (pos < text.size()) {
     const std::size_t nl = text.find('\n', pos);
@@ -305,9 +350,9 @@ imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
       throw logic_error(source + ":" + std::to_string(line_no) + ": unknown action '" +
                         std::string(action) + "' (expected allocate, free, allocate failure)");
     }
-    ev.addr = number(f[static_cast<std::size_t>(col_ptr)], "pointer");
-    ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size");
-    if (col_stream >= 0) ev.stream = number(f[static_cast<std::size_t>(col_stream)], "stream");
+    ev.addr = number(f[static_cast<std::size_t>(col_ptr)], "pointer", UINT64_MAX);
+    ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size", kMaxSize);
+    if (col_stream >= 0) ev.stream = number(f[static_cast<std::size_t>(col_stream)], "stream", UINT64_MAX);
     ev.time_ns = t.events.size();
     t.events.push_back(ev);
   }
