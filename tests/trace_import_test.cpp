@@ -174,6 +174,37 @@ TEST(Import, NegativeFractionalAndOutOfRangeNumbersAreRefused) {
   EXPECT_EQ(free.events[0].time_ns, 2500u);
 }
 
+// A one-event JSON-lines trace not named .jsonl was read as a snapshot with no trace (0 events),
+// and any object was an empty snapshot.
+TEST(Import, FormatsAreDetectedByContentAndAnythingElseIsRefused) {
+  const std::string line = R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})";
+  const std::string path = temp_path("detect.trace");
+  for (const std::string& text : {line + "\n", line, line + "\n" + line + "\n"}) {
+    write(path, text);
+    const auto t = tr::import_trace(path);
+    EXPECT_EQ(t.format, "terrace-jsonl") << text;
+    EXPECT_EQ(t.events.size(), text.size() > 2 * line.size() ? 2u : 1u) << text;
+  }
+  // A snapshot written on one line has actions in its events, but not at the top.
+  write(path, R"({"device_traces": [[{"action": "alloc", "addr": 1, "size": 512}]]})"
+              "\n");
+  EXPECT_EQ(tr::import_trace(path).format, "torch-snapshot-json");
+  EXPECT_EQ(tr::import_trace(path).events.size(), 1u);
+  write(path, R"({"segments": [], "device_traces": []})");
+  EXPECT_TRUE(tr::import_trace(path).events.empty());  // a snapshot of nothing is still one
+  for (const char* other : {R"({"hello": 1})", "[1, 2, 3]"}) {
+    write(path, other);
+    try {
+      tr::import_trace(path);
+      FAIL() << other;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(tr::parse_torch_snapshot_json(R"({"hello": 1})", "h.json"), terrace::logic_error);
+  std::filesystem::remove(path);
+}
+
 TEST(Import, TheSnapshotJsonInTestDataReads) {
   const auto t = tr::import_trace(std::string(TERRACE_TEST_DATA_DIR) + "/h100_mlp_training_snapshot.json");
   EXPECT_EQ(t.format, "torch-snapshot-json");

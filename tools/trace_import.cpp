@@ -146,6 +146,10 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
   imported_trace t;
   t.format = std::move(format);
   if (!snap.is_object()) throw logic_error(source + ": a snapshot is a dict/object");
+  // Any other object would read as an empty trace, and a wrong file as a trace with nothing in it.
+  if (!snap.contains("device_traces") && !snap.contains("segments")) {
+    throw logic_error(source + ": not a snapshot (it has neither device_traces nor segments)");
+  }
   const json* traces = snap.contains("device_traces") ? &snap.at("device_traces") : nullptr;
   // The device whose trace is longest: snapshots list one (possibly empty) trace per device.
   const json* trace = nullptr;
@@ -209,25 +213,22 @@ imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::st
   return from_snapshot(read_pickle(bytes, source), source, "torch-snapshot-pickle");
 }
 
-imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
-  json j;
+json parse_json(std::string_view text, const std::string& source) {
   try {
-    j = json::parse(text);
+    return json::parse(text);
   } catch (const json::parse_error& e) {
     throw logic_error(source + ": malformed JSON: " + e.what());
   }
-  return from_snapshot(j, source, "torch-snapshot-json");
+}
+
+imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
+  return from_snapshot(parse_json(text, source), source, "torch-snapshot-json");
 }
 
 // ------------------------------------------------------------------ Kineto
 
 imported_trace parse_kineto_json(std::string_view text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw logic_error(source + ": malformed JSON: " + e.what());
-  }
+  const json j = parse_json(text, source);
   const json* events = nullptr;
   if (j.is_object() && j.contains("traceEvents")) events = &j.at("traceEvents");
   if (j.is_array()) events = &j;
@@ -378,8 +379,18 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
   if (fmt.empty() || fmt == "auto") {
     if (!data.empty() && static_cast<unsigned char>(data[0]) == 0x80) fmt = "pickle";
     else if (data.rfind("Thread,", 0) == 0) fmt = "rmm";
-    else if (!data.empty() && data[0] == '{' && data.find('\n') < data.size() - 1 &&
-             data.find("\"action\"") < data.find('\n')) {
+    else fmt = "json";
+  }
+  if (fmt == "pickle") return parse_torch_snapshot_pickle(data, path);
+  if (fmt == "rmm") return parse_rmm_csv(data, path);
+  if (fmt == "kineto") return parse_kineto_json(data, path);
+  if (fmt == "snapshot-json") return parse_torch_snapshot_json(data, path);
+  if (fmt == "json") {
+    // Kineto traces carry traceEvents; snapshots carry device_traces / segments; a terrace trace
+    // is one object with an action per line, and may have one line only.
+    const auto head = std::string_view(data).substr(0, 1u << 16);
+    if (head.find("\"traceEvents\"") != std::string_view::npos) return parse_kineto_json(data, path);
+    auto jsonl = [&] {
       std::istringstream in(data);
       imported_trace t;
       t.format = "terrace-jsonl";
@@ -389,19 +400,21 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
         throw logic_error(path + ": " + e.what());
       }
       return t;
-    } else {
-      fmt = "json";
+    };
+    const std::size_t first_line = std::min(data.find('\n'), data.size());
+    const bool one_line = data.find_first_not_of(" \t\r\n", first_line) == std::string::npos;
+    if (!one_line) {  // one document over several lines, or a JSON-lines trace
+      if (data[0] == '{' && data.find("\"action\"") < first_line) return jsonl();
+      return parse_torch_snapshot_json(data, path);
     }
-  }
-  if (fmt == "pickle") return parse_torch_snapshot_pickle(data, path);
-  if (fmt == "rmm") return parse_rmm_csv(data, path);
-  if (fmt == "kineto") return parse_kineto_json(data, path);
-  if (fmt == "snapshot-json") return parse_torch_snapshot_json(data, path);
-  if (fmt == "json") {
-    // Kineto traces carry traceEvents; snapshots carry device_traces / segments.
-    const auto head = std::string_view(data).substr(0, 1u << 16);
-    if (head.find("\"traceEvents\"") != std::string_view::npos) return parse_kineto_json(data, path);
-    return parse_torch_snapshot_json(data, path);
+    // One line: a snapshot written compactly (whose trace events have actions too) or a
+    // one-event trace; its top-level keys tell.
+    const json j = parse_json(data, path);
+    if (j.is_object() && j.contains("action") && !j.contains("device_traces") &&
+        !j.contains("segments")) {
+      return jsonl();
+    }
+    return from_snapshot(j, path, "torch-snapshot-json");
   }
   throw logic_error(path + ": unknown trace format '" + fmt +
                     "' (jsonl, pickle, snapshot-json, kineto, rmm)");
