@@ -94,6 +94,39 @@ TEST(Import, KinetoMatchesTheSourceTrace) {
   EXPECT_EQ(r.peak_allocated_bytes, *t.torch_reserved_peak);  // sizes are 512-rounded already
 }
 
+// Two GPUs' memory events were replayed as one device (addresses of both, fragmentation -100%).
+// As from a snapshot, the device with the most events is read, and a note says so.
+TEST(Import, OneDeviceOfSeveralIsReadAndANoteSaysWhich) {
+  auto memory = [](int device, std::uint64_t addr, std::int64_t bytes, std::int64_t reserved) {
+    return nlohmann::json{{"name", "[memory]"}, {"ph", "i"}, {"ts", 1},
+                          {"args", {{"Device Type", 1}, {"Device Id", device}, {"Addr", addr},
+                                    {"Bytes", bytes}, {"Total Reserved", reserved}}}};
+  };
+  nlohmann::json events = nlohmann::json::array();
+  events.push_back(memory(0, 0x1000, 1 << 30, 1 << 30));
+  events.push_back(memory(1, 0x9000, 1 << 20, 2 << 20));
+  events.push_back(memory(1, 0x9000, -(1 << 20), 2 << 20));
+  const auto t = tr::parse_kineto_json(nlohmann::json{{"traceEvents", events}}.dump(), "k.json");
+  ASSERT_EQ(t.events.size(), 2u);
+  EXPECT_EQ(t.events[0].addr, 0x9000u);
+  EXPECT_EQ(*t.torch_reserved_peak, 2 << 20);  // device 1's, not the other device's 1 GiB
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_NE(t.notes[0].find("k.json: memory events on 2 devices"), std::string::npos) << t.notes[0];
+  EXPECT_NE(t.notes[0].find("replaying device 1"), std::string::npos) << t.notes[0];
+  EXPECT_TRUE(tr::parse_kineto_json(to_kineto(small_trace()), "one.json").notes.empty());
+
+  // The snapshot reader says the same, and counts the replayed device's segments only.
+  const auto s = tr::parse_torch_snapshot_json(R"({"device_traces": [
+      [{"action": "alloc", "addr": 1, "size": 512}],
+      [{"action": "alloc", "addr": 1, "size": 512}, {"action": "free_requested", "addr": 1, "size": 512}]],
+      "segments": [{"device": 0, "total_size": 1048576}, {"device": 1, "total_size": 2097152}]})",
+                                               "s.json");
+  EXPECT_EQ(s.events.size(), 2u);
+  EXPECT_EQ(*s.torch_reserved_now, 2097152);
+  ASSERT_EQ(s.notes.size(), 1u);
+  EXPECT_NE(s.notes[0].find("replaying device 1"), std::string::npos) << s.notes[0];
+}
+
 TEST(Import, RmmCsvMatchesTheSourceTraceAndBadLinesAreNamed) {
   const auto ev = small_trace();
   const auto t = tr::parse_rmm_csv(to_rmm(ev), "log.csv");
@@ -417,6 +450,17 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
   EXPECT_NE(page.str().find("<svg"), std::string::npos);
   EXPECT_EQ(page.str().find("<script"), std::string::npos);  // self-contained, nothing to load
   EXPECT_EQ(page.str().find("http"), std::string::npos);
+
+  const std::string two = temp_path("two.json");
+  write(two, R"({"traceEvents": [
+    {"name": "[memory]", "ts": 1, "args": {"Device Type": 1, "Device Id": 0, "Addr": 4096, "Bytes": 1073741824}},
+    {"name": "[memory]", "ts": 2, "args": {"Device Type": 1, "Device Id": 1, "Addr": 8192, "Bytes": 1073741824}}]})");
+  r = run_cli("replay '" + two + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("terrace replay: note: " + two + ": memory events on 2 devices"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("1 in the trace"), std::string::npos) << r.output;
+  std::filesystem::remove(two);
 
   r = run_cli("replay '" + c + "' --policy all --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;

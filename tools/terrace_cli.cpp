@@ -27,6 +27,14 @@ namespace {
 constexpr int kExitFailure = 1;
 constexpr int kExitBadInput = 2;
 
+// Reads the trace and says on stderr what the reader chose (stdout may be --json).
+terrace::tools::imported_trace import(const char* command, const std::string& path,
+                                      const std::string& format) {
+  auto imported = terrace::tools::import_trace(path, format);
+  for (const auto& note : imported.notes) fmt::print(stderr, "{}: note: {}\n", command, note);
+  return imported;
+}
+
 // ------------------------------------------------------------------------------------- replay
 
 struct replay_args {
@@ -91,7 +99,7 @@ int run_replay(replay_args& args) {
     options.device = options.config.device;
   }
   if (args.expandable) options.config.expandable_segments = true;
-  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto imported = import("terrace replay", args.trace, args.format);
   const auto& events = imported.events;
   if (args.policy == "all") {
     std::vector<std::string> outputs;
@@ -177,7 +185,7 @@ CLI::App* setup_compare(CLI::App& app, compare_args& args) {
 }
 
 int run_compare(const compare_args& args) {
-  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto imported = import("terrace compare", args.trace, args.format);
   const auto runs = run_policies(imported.events, args.conf, 0);
   using terrace::tools::format_bytes;
   if (args.json) {
@@ -252,7 +260,7 @@ CLI::App* setup_report(CLI::App& app, compare_args& args) {
 }
 
 int run_report(const compare_args& args) {
-  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto imported = import("terrace report", args.trace, args.format);
   terrace::tools::report_input in;
   in.trace_path = args.trace;
   in.format = imported.format;

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -156,6 +157,8 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
   int device = 0;
   if (traces != nullptr) {
     if (!traces->is_array()) throw logic_error(source + ": device_traces is not a list");
+    std::string counts;  // of the devices with events
+    std::size_t busy = 0;
     for (std::size_t d = 0; d < traces->size(); ++d) {
       const json& tr = (*traces)[d];
       if (!tr.is_array()) throw logic_error(source + ": device_traces[" + std::to_string(d) + "] is not a list");
@@ -163,6 +166,16 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
         trace = &tr;
         device = static_cast<int>(d);
       }
+      if (!tr.empty()) {
+        ++busy;
+        counts += (counts.empty() ? "" : ", ") + std::to_string(tr.size()) + " on device " +
+                  std::to_string(d);
+      }
+    }
+    if (busy > 1) {
+      t.notes.push_back(source + ": trace events on " + std::to_string(busy) + " devices (" +
+                        counts + "); replaying device " + std::to_string(device) +
+                        ", the one with the most events");
     }
   }
   std::int64_t seg_delta = 0, seg_running = 0, seg_peak_rel = 0;
@@ -192,6 +205,11 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
       const json& s = segs[i];
       if (!s.is_object() || !s.contains("total_size")) {
         throw logic_error(source + ": segments[" + std::to_string(i) + "] has no total_size");
+      }
+      // PyTorch's segments name their device: only the replayed device's count.
+      if (const auto d = s.find("device"); traces != nullptr && d != s.end() &&
+                                           d->is_number_integer() && *d != device) {
+        continue;
       }
       const std::uint64_t size = as_u64(s.at("total_size"), source + ": segments[" +
                                         std::to_string(i) + "] total_size", kMaxSize);
@@ -235,9 +253,13 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
   if (events == nullptr || !events->is_array()) {
     throw logic_error(source + ": not a Kineto trace (no traceEvents list)");
   }
-  imported_trace t;
-  t.format = "kineto";
-  std::int64_t peak = -1;
+  // Each device has its own address space and its own Total Reserved: one device is replayed,
+  // as from a snapshot, the one with the most memory events.
+  struct device_events {
+    std::vector<trace_event> events;
+    std::int64_t peak = -1;
+  };
+  std::map<std::uint64_t, device_events> devices;
   for (std::size_t i = 0; i < events->size(); ++i) {
     const json& e = (*events)[i];
     if (!e.is_object()) continue;
@@ -249,6 +271,8 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
       // Device Type 0 is host memory; only device memory is replayed.
       if (a.contains("Device Type") && as_u64(a.at("Device Type"), where) == 0) return;
       if (!a.contains("Addr") || !a.contains("Bytes")) throw logic_error(where + ": needs Addr and Bytes");
+      device_events& d =
+          devices[a.contains("Device Id") ? as_u64(a.at("Device Id"), where + " Device Id") : 0];
       // Bytes is signed (a free is negative) and its magnitude a size: |Bytes| <= 2^63 - 1, so
       // INT64_MIN (whose negation overflows) and 2^64 - 1 (which read as -1) are refused.
       const json& b = a.at("Bytes");
@@ -273,16 +297,34 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
         ev.time_ns = static_cast<std::uint64_t>(us * 1000.0);
       }
       if (a.contains("Total Reserved")) {
-        peak = std::max(peak, static_cast<std::int64_t>(as_u64(
-                                  a.at("Total Reserved"), where + " Total Reserved", kMaxSize)));
+        d.peak = std::max(d.peak, static_cast<std::int64_t>(as_u64(
+                                      a.at("Total Reserved"), where + " Total Reserved", kMaxSize)));
       }
       if (ev.size == 0) return;
-      t.events.push_back(std::move(ev));
+      d.events.push_back(std::move(ev));
     });
   }
+  imported_trace t;
+  t.format = "kineto";
+  if (devices.empty()) return t;
+  auto busiest = devices.begin();
+  for (auto it = devices.begin(); it != devices.end(); ++it) {
+    if (it->second.events.size() > busiest->second.events.size()) busiest = it;
+  }
+  if (devices.size() > 1) {
+    std::string counts;
+    for (const auto& [id, d] : devices) {
+      counts += (counts.empty() ? "" : ", ") + std::to_string(d.events.size()) + " on device " +
+                std::to_string(id);
+    }
+    t.notes.push_back(source + ": memory events on " + std::to_string(devices.size()) +
+                      " devices (" + counts + "); replaying device " +
+                      std::to_string(busiest->first) + ", the one with the most events");
+  }
+  t.events = std::move(busiest->second.events);
   std::stable_sort(t.events.begin(), t.events.end(),
                    [](const trace_event& x, const trace_event& y) { return x.time_ns < y.time_ns; });
-  if (peak >= 0) t.torch_reserved_peak = peak;
+  if (busiest->second.peak >= 0) t.torch_reserved_peak = busiest->second.peak;
   return t;
 }
 
