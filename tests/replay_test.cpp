@@ -406,6 +406,42 @@ TEST(Replay, AnAllocOfALiveAddressIsAnInconsistentTrace) {
   }
 }
 
+// alloc A, free A, free A: the second free was taken for a block from before the window, which
+// then counted in the peak (2 MiB live for a trace that never held more than 1 MiB).
+TEST(Replay, ADoubleFreeIsAnInconsistentTrace) {
+  const std::vector<std::vector<trace_event>> double_frees = {
+      {ev(trace_action::alloc, 0x1000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+       ev(trace_action::free_requested, 0x1000, MiB), ev(trace_action::alloc, 0x2000, MiB)},
+      // a block from before the window, freed twice
+      {ev(trace_action::alloc, 0x2000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+       ev(trace_action::free_requested, 0x1000, MiB)},
+      // zero bytes are no exception
+      {ev(trace_action::alloc, 0x2000, MiB), ev(trace_action::alloc, 0x1000, 0),
+       ev(trace_action::free_requested, 0x1000, 0), ev(trace_action::free_requested, 0x1000, 0)}};
+  const std::size_t second_free[] = {2, 2, 3};
+  for (std::size_t k = 0; k < double_frees.size(); ++k) {
+    try {
+      tr::replay(double_frees[k]);
+      FAIL() << "expected logic_error for trace " << k;
+    } catch (const terrace::logic_error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("trace event " + std::to_string(second_free[k]) + ": free_requested of 0x1000"),
+                std::string::npos) << msg;
+      EXPECT_NE(msg.find("at event " + std::to_string(second_free[k] - 1) + " already freed"),
+                std::string::npos) << msg;
+      EXPECT_NE(msg.find("double free"), std::string::npos) << msg;
+    }
+  }
+  // An address freed, allocated again and freed again is reuse, not a double free.
+  const auto r = tr::replay({ev(trace_action::alloc, 0x1000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+                             ev(trace_action::alloc, 0x1000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+                             ev(trace_action::free_requested, 0x3000, MiB),  // pre-existing
+                             ev(trace_action::alloc, 0x3000, MiB), ev(trace_action::free_requested, 0x3000, MiB)});
+  EXPECT_EQ(r.frees, 3u);
+  EXPECT_EQ(r.preexisting_frees, 1u);
+  EXPECT_EQ(r.peak_allocated_bytes, static_cast<std::int64_t>(2 * MiB));
+}
+
 TEST(Replay, UnknownDeviceOrBadConfigIsALogicError) {
   tr::replay_options opts;
   opts.device = "abacus";

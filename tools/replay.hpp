@@ -15,6 +15,9 @@
 ///     the window is counted in `preexisting_frees`. With `account_preexisting` (the default) such
 ///     a block is allocated, with the size the free gives, before the first event and freed at its
 ///     free, so that the memory it held counts; otherwise the free is skipped.
+///   - A trace that contradicts itself is refused: an alloc of an address still live, or a free
+///     of an address already freed with no alloc in between (a double free, which would otherwise
+///     pass for a pre-existing block and count in every peak).
 ///   - The policy is `config.policy`; event tags are passed to the allocator (the planner uses them).
 ///   - Trace streams map to backend streams created on first use; stream 0 is the default stream.
 ///   - An allocation that fails with out_of_memory is counted in `ooms`; the replay goes on and the
@@ -100,7 +103,8 @@ struct replay_result {
 
 /// @brief Replays `events` (oldest first) through a fresh caching_allocator over a fresh backend.
 /// @throws terrace::logic_error for an inconsistent trace (an alloc of an address that is still
-/// live in the trace), naming the event's index; or for an invalid config / unknown backend.
+/// live in the trace, or a second free of an address), naming the event's index and the earlier
+/// event it contradicts; or for an invalid config / unknown backend.
 /// @throws terrace::device_error when the backend fails for a reason other than out of memory.
 replay_result replay(const std::vector<trace_event>& events, const replay_options& options = {});
 
