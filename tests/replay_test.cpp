@@ -442,6 +442,28 @@ TEST(Replay, ADoubleFreeIsAnInconsistentTrace) {
   EXPECT_EQ(r.peak_allocated_bytes, static_cast<std::int64_t>(2 * MiB));
 }
 
+// `terrace report` stops just after the peak-live event; when that is the last event the stop
+// was never met inside the loop and the segment map was empty.
+TEST(Replay, AStopAtTheEndSnapshotsTheEnd) {
+  const std::vector<trace_event> events = {ev(trace_action::alloc, 0x1000, MiB),
+                                           ev(trace_action::alloc, 0x2000, 2 * MiB)};
+  auto live_blocks = [](const terrace::memory_snapshot& snap) {
+    std::size_t n = 0;
+    for (const auto& seg : snap.segments) {
+      for (const auto& b : seg.blocks) n += b.state == "active_allocated" ? 1 : 0;
+    }
+    return n;
+  };
+  for (std::size_t stop : {std::size_t{1}, std::size_t{2}, std::size_t{5}}) {
+    tr::replay_options opts;
+    opts.stop_after_event = stop;
+    const auto r = tr::replay(events, opts);
+    ASSERT_TRUE(r.snapshot_at_stop.has_value()) << stop;
+    EXPECT_EQ(live_blocks(*r.snapshot_at_stop), std::min<std::size_t>(stop, 2)) << stop;
+  }
+  EXPECT_FALSE(tr::replay(events).snapshot_at_stop.has_value());
+}
+
 TEST(Replay, UnknownDeviceOrBadConfigIsALogicError) {
   tr::replay_options opts;
   opts.device = "abacus";

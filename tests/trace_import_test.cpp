@@ -462,6 +462,23 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
   EXPECT_NE(r.output.find("1 in the trace"), std::string::npos) << r.output;
   std::filesystem::remove(two);
 
+  // Peak live at the last event: the segment map at the peak still has its segments.
+  const std::string peak_last = temp_path("peak-last.jsonl");
+  write(peak_last, R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})"
+                   "\n"
+                   R"({"action":"alloc","time_ns":2,"stream":0,"addr":8192,"size":2097152})"
+                   "\n");
+  r = run_cli("report '" + peak_last + "' -o '" + html + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  {
+    std::ifstream in2(html);
+    std::stringstream page2;
+    page2 << in2.rdbuf();
+    EXPECT_EQ(page2.str().find("No segments."), std::string::npos);
+    EXPECT_NE(page2.str().find("aria-label=\"segment map\""), std::string::npos);
+  }
+  std::filesystem::remove(peak_last);
+
   r = run_cli("replay '" + c + "' --policy all --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(nlohmann::json::parse(r.output).size(), 3u);

@@ -271,6 +271,11 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
                       " already freed (no alloc in between): a double free, the trace is "
                       "inconsistent");
   }
+  // A stop at or after the last event (the report's "just after the peak" when the peak is the
+  // last event) is never met inside the loop: the snapshot is the end's.
+  if (!stopped && options.stop_after_event != SIZE_MAX) {
+    r.snapshot_at_stop = alloc.snapshot();
+  }
   if (stride != 0) sample(events.empty() ? 0 : events.size() - 1);
   if (steady) {
     steady_live = std::max(steady_live, live_bytes);

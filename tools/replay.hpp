@@ -50,8 +50,8 @@ struct replay_options {
   bool account_preexisting = true;
   /// About this many (event, live, reserved) samples in replay_result::timeline; 0 = none.
   std::size_t timeline_points = 0;
-  /// Stop after this many events (a snapshot of that moment is then in `snapshot_at_stop`);
-  /// SIZE_MAX = replay everything.
+  /// Stop after this many events (a snapshot of that moment is then in `snapshot_at_stop`; of the
+  /// end when the trace has no more); SIZE_MAX = replay everything.
   std::size_t stop_after_event = SIZE_MAX;
   /// Where the steady state starts, for the steady_* figures. SIZE_MAX = for the planned policy,
   /// the first planned iteration's first event; for the others, the whole trace. Pass the planned
@@ -98,7 +98,7 @@ struct replay_result {
   std::int64_t steady_peak_live_bytes = 0;
   std::int64_t steady_peak_reserved_bytes = 0;
   double steady_fragmentation = 0.0;
-  std::optional<memory_snapshot> snapshot_at_stop;  ///< when options.stop_after_event was reached
+  std::optional<memory_snapshot> snapshot_at_stop;  ///< when options.stop_after_event != SIZE_MAX
 };
 
 /// @brief Replays `events` (oldest first) through a fresh caching_allocator over a fresh backend.
