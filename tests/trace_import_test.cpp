@@ -16,6 +16,7 @@
 #include "run_command.hpp"
 #include "terrace/error.hpp"
 #include "trace_generator.hpp"
+#include "tools/html_report.hpp"
 #include "tools/pickle_reader.hpp"
 #include "tools/replay.hpp"
 #include "tools/trace_import.hpp"
@@ -414,6 +415,29 @@ TEST(Replay, PreexistingBlocksAreAccountedAtTheStart) {
   tr::replay_options skip;
   skip.account_preexisting = false;
   EXPECT_EQ(tr::replay(ev, skip).peak_allocated_bytes, 4096);
+}
+
+// The report's largest holders left out blocks from before the window, which the replay counts
+// at the peak (an 8 MiB block freed after the peak was missing from the table).
+TEST(Report, LargestHoldersIncludeBlocksFromBeforeTheWindow) {
+  std::vector<trace_event> ev(6);
+  auto set = [&](std::size_t i, trace_action a, std::uintptr_t addr, std::uint64_t size) {
+    ev[i].action = a, ev[i].addr = addr, ev[i].size = ev[i].requested = size, ev[i].tag = "t" + std::to_string(i);
+  };
+  set(0, trace_action::free_requested, 0x100000, 4 << 20);  // pre-existing, freed before the peak
+  set(1, trace_action::alloc, 0x1000, 1 << 20);
+  set(2, trace_action::alloc, 0x200000, 1 << 20);            // the peak
+  set(3, trace_action::free_requested, 0x900000, 8 << 20);  // pre-existing, live at the peak
+  set(4, trace_action::free_requested, 0x1000, 1 << 20);
+  set(5, trace_action::free_requested, 0xa00000, 0);        // no size: not accounted, as in replay
+  const auto h = tr::largest_holders(ev, 2, 10);
+  ASSERT_EQ(h.size(), 3u);
+  EXPECT_EQ(h[0].addr, 0x900000u);
+  EXPECT_EQ(h[0].bytes, 8u << 20);
+  EXPECT_EQ(h[0].tag, "pre-existing");
+  EXPECT_EQ(h[1].tag, "t1");
+  EXPECT_EQ(h[2].tag, "t2");
+  EXPECT_EQ(tr::largest_holders(ev, 4, 10).size(), 1u);  // only 0x200000 is left after event 4
 }
 
 #ifdef TERRACE_CLI_PATH
