@@ -515,6 +515,22 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
   for (const auto& p : {k, c, html}) std::filesystem::remove(p);
 }
 
+// The trace's path went into --json output unescaped (a quote made it invalid JSON) and a path
+// with a byte that is not UTF-8 failed the dump after the replay (exit 1).
+TEST(Cli, JsonOutputHoldsAnyPath) {
+  const std::string path = temp_path("q\"uo\\te\xff.jsonl");
+  write(path, R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})"
+              "\n");
+  for (const char* sub : {"replay", "compare"}) {
+    const auto r = run_cli(std::string(sub) + " '" + path + "' --json");
+    ASSERT_EQ(r.exit_code, 0) << sub << r.output;
+    nlohmann::json j;
+    ASSERT_NO_THROW(j = nlohmann::json::parse(r.output)) << sub << r.output;
+    EXPECT_NE(j.at("trace").get<std::string>().find("q\"uo\\te\xef\xbf\xbd.jsonl"), std::string::npos) << sub;
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(Cli, BadInputsExitWithTwo) {
   const std::string evil = temp_path("evil.pickle"), csv = temp_path("bad.csv"), js = temp_path("bad.json");
   const std::string type = temp_path("type.json"), utf = temp_path("utf.pickle");

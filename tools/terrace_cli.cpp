@@ -6,6 +6,7 @@
 // malformed or inconsistent trace).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <exception>
@@ -189,16 +190,18 @@ int run_compare(const compare_args& args) {
   const auto runs = run_policies(imported.events, args.conf, 0);
   using terrace::tools::format_bytes;
   if (args.json) {
-    std::string body;
+    // Built as JSON, not pasted: the path may hold quotes, backslashes or invalid UTF-8.
+    nlohmann::ordered_json j;
+    j["trace"] = args.trace;
+    j["format"] = imported.format;
+    j["torch_reserved_peak"] = imported.torch_reserved_peak ? nlohmann::ordered_json(*imported.torch_reserved_peak)
+                                                            : nlohmann::ordered_json(nullptr);
+    j["policies"] = nlohmann::ordered_json::object();
     for (const auto& [name, r] : runs) {
-      if (!body.empty()) body += ",";
-      body += fmt::format("\"{}\":{}", name,
-                          terrace::tools::format_replay_json(r, {args.trace, name == "expandable", args.conf}));
+      j["policies"][name] = nlohmann::ordered_json::parse(
+          terrace::tools::format_replay_json(r, {args.trace, name == "expandable", args.conf}));
     }
-    fmt::print("{{\"trace\":\"{}\",\"format\":\"{}\",\"torch_reserved_peak\":{},\"policies\":{{{}}}}}\n",
-               args.trace, imported.format,
-               imported.torch_reserved_peak ? std::to_string(*imported.torch_reserved_peak) : "null",
-               body);
+    fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
     return 0;
   }
   fmt::print("trace {} ({}, {} events)\n\n", args.trace, imported.format, imported.events.size());
