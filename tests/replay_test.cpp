@@ -464,6 +464,27 @@ TEST(Replay, AStopAtTheEndSnapshotsTheEnd) {
   EXPECT_FALSE(tr::replay(events).snapshot_at_stop.has_value());
 }
 
+// Each trace stream is a worker thread on sim: a trace of thousands of streams is refused before
+// any is started.
+TEST(Replay, MoreThan1024StreamsAreRefused) {
+  std::vector<trace_event> events;
+  for (std::uintptr_t s = 1; s <= 1025; ++s) {
+    events.push_back(ev(trace_action::alloc, 0x1000 * s, 512, s));
+  }
+  tr::replay_options opts;
+  opts.device = "sim";
+  try {
+    tr::replay(events, opts);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("trace event 1024: stream 0x401"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("at most 1024"), std::string::npos) << msg;
+  }
+  events.pop_back();
+  EXPECT_EQ(tr::replay(events).streams, 1024u);  // over null: no threads
+}
+
 TEST(Replay, UnknownDeviceOrBadConfigIsALogicError) {
   tr::replay_options opts;
   opts.device = "abacus";

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <memory>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "terrace/caching_allocator.hpp"
 #include "terrace/device.hpp"
@@ -73,6 +74,10 @@ struct slot {
 
 constexpr std::uint32_t no_slot = UINT32_MAX;
 
+// Each trace stream becomes a backend stream, a worker thread on sim: a trace naming more is
+// refused before any is made, rather than starting thousands of threads. Real programs use a few.
+constexpr std::size_t kMaxStreams = 1024;
+
 // A live block's size as the allocator sees it (rounded to its 512 B minimum).
 std::int64_t rounded_live_bytes(std::size_t bytes) {
   return static_cast<std::int64_t>((bytes + 511) / 512 * 512);
@@ -101,6 +106,8 @@ resolved_trace resolve(const std::vector<trace_event>& events, bool account_pree
   // double free: the trace is inconsistent, as with an alloc of a live address. (Taking it for a
   // block from before the window made a phantom block that counted in every peak.)
   std::unordered_map<std::uintptr_t, std::size_t> freed;
+  std::unordered_set<std::uintptr_t> streams;
+  std::uintptr_t last_stream = 0;  // consecutive events mostly name the same stream
   open.reserve(1024);
   auto inconsistent = [&](std::size_t event, std::size_t earlier) {
     t.inconsistent_event = event;
@@ -108,6 +115,16 @@ resolved_trace resolve(const std::vector<trace_event>& events, bool account_pree
   };
   for (std::size_t i = 0; i < events.size(); ++i) {
     const trace_event& e = events[i];
+    if ((e.action == trace_action::alloc || e.action == trace_action::free_requested) &&
+        (e.stream != last_stream || streams.empty())) {
+      last_stream = e.stream;
+      if (streams.insert(e.stream).second && streams.size() > kMaxStreams) {
+        throw logic_error("trace event " + std::to_string(i) + ": stream " + hex(e.stream) +
+                          " is the trace's stream number " + std::to_string(streams.size()) +
+                          "; the replay makes a backend stream for each (a worker thread on sim) "
+                          "and takes at most " + std::to_string(kMaxStreams));
+      }
+    }
     if (e.action == trace_action::alloc) {
       const auto s = static_cast<std::uint32_t>(t.slots.size());
       const auto [it, inserted] = open.emplace(e.addr, s);

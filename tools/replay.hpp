@@ -20,6 +20,7 @@
 ///     pass for a pre-existing block and count in every peak).
 ///   - The policy is `config.policy`; event tags are passed to the allocator (the planner uses them).
 ///   - Trace streams map to backend streams created on first use; stream 0 is the default stream.
+///     A trace naming more than 1024 streams is refused (each is a worker thread on sim).
 ///   - An allocation that fails with out_of_memory is counted in `ooms`; the replay goes on and the
 ///     matching free is skipped (counted in `failed_alloc_frees`).
 #pragma once
@@ -104,7 +105,7 @@ struct replay_result {
 /// @brief Replays `events` (oldest first) through a fresh caching_allocator over a fresh backend.
 /// @throws terrace::logic_error for an inconsistent trace (an alloc of an address that is still
 /// live in the trace, or a second free of an address), naming the event's index and the earlier
-/// event it contradicts; or for an invalid config / unknown backend.
+/// event it contradicts; for more than 1024 streams; or for an invalid config / unknown backend.
 /// @throws terrace::device_error when the backend fails for a reason other than out of memory.
 replay_result replay(const std::vector<trace_event>& events, const replay_options& options = {});
 
