@@ -406,6 +406,85 @@ TEST(Replay, AnAllocOfALiveAddressIsAnInconsistentTrace) {
   }
 }
 
+// alloc A, free A, free A: the second free was taken for a block from before the window, which
+// then counted in the peak (2 MiB live for a trace that never held more than 1 MiB).
+TEST(Replay, ADoubleFreeIsAnInconsistentTrace) {
+  const std::vector<std::vector<trace_event>> double_frees = {
+      {ev(trace_action::alloc, 0x1000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+       ev(trace_action::free_requested, 0x1000, MiB), ev(trace_action::alloc, 0x2000, MiB)},
+      // a block from before the window, freed twice
+      {ev(trace_action::alloc, 0x2000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+       ev(trace_action::free_requested, 0x1000, MiB)},
+      // zero bytes are no exception
+      {ev(trace_action::alloc, 0x2000, MiB), ev(trace_action::alloc, 0x1000, 0),
+       ev(trace_action::free_requested, 0x1000, 0), ev(trace_action::free_requested, 0x1000, 0)}};
+  const std::size_t second_free[] = {2, 2, 3};
+  for (std::size_t k = 0; k < double_frees.size(); ++k) {
+    try {
+      tr::replay(double_frees[k]);
+      FAIL() << "expected logic_error for trace " << k;
+    } catch (const terrace::logic_error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("trace event " + std::to_string(second_free[k]) + ": free_requested of 0x1000"),
+                std::string::npos) << msg;
+      EXPECT_NE(msg.find("at event " + std::to_string(second_free[k] - 1) + " already freed"),
+                std::string::npos) << msg;
+      EXPECT_NE(msg.find("double free"), std::string::npos) << msg;
+    }
+  }
+  // An address freed, allocated again and freed again is reuse, not a double free.
+  const auto r = tr::replay({ev(trace_action::alloc, 0x1000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+                             ev(trace_action::alloc, 0x1000, MiB), ev(trace_action::free_requested, 0x1000, MiB),
+                             ev(trace_action::free_requested, 0x3000, MiB),  // pre-existing
+                             ev(trace_action::alloc, 0x3000, MiB), ev(trace_action::free_requested, 0x3000, MiB)});
+  EXPECT_EQ(r.frees, 3u);
+  EXPECT_EQ(r.preexisting_frees, 1u);
+  EXPECT_EQ(r.peak_allocated_bytes, static_cast<std::int64_t>(2 * MiB));
+}
+
+// `terrace report` stops just after the peak-live event; when that is the last event the stop
+// was never met inside the loop and the segment map was empty.
+TEST(Replay, AStopAtTheEndSnapshotsTheEnd) {
+  const std::vector<trace_event> events = {ev(trace_action::alloc, 0x1000, MiB),
+                                           ev(trace_action::alloc, 0x2000, 2 * MiB)};
+  auto live_blocks = [](const terrace::memory_snapshot& snap) {
+    std::size_t n = 0;
+    for (const auto& seg : snap.segments) {
+      for (const auto& b : seg.blocks) n += b.state == "active_allocated" ? 1 : 0;
+    }
+    return n;
+  };
+  for (std::size_t stop : {std::size_t{1}, std::size_t{2}, std::size_t{5}}) {
+    tr::replay_options opts;
+    opts.stop_after_event = stop;
+    const auto r = tr::replay(events, opts);
+    ASSERT_TRUE(r.snapshot_at_stop.has_value()) << stop;
+    EXPECT_EQ(live_blocks(*r.snapshot_at_stop), std::min<std::size_t>(stop, 2)) << stop;
+  }
+  EXPECT_FALSE(tr::replay(events).snapshot_at_stop.has_value());
+}
+
+// Each trace stream is a worker thread on sim: a trace of thousands of streams is refused before
+// any is started.
+TEST(Replay, MoreThan1024StreamsAreRefused) {
+  std::vector<trace_event> events;
+  for (std::uintptr_t s = 1; s <= 1025; ++s) {
+    events.push_back(ev(trace_action::alloc, 0x1000 * s, 512, s));
+  }
+  tr::replay_options opts;
+  opts.device = "sim";
+  try {
+    tr::replay(events, opts);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("trace event 1024: stream 0x401"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("at most 1024"), std::string::npos) << msg;
+  }
+  events.pop_back();
+  EXPECT_EQ(tr::replay(events).streams, 1024u);  // over null: no threads
+}
+
 TEST(Replay, UnknownDeviceOrBadConfigIsALogicError) {
   tr::replay_options opts;
   opts.device = "abacus";

@@ -16,6 +16,7 @@
 #include "run_command.hpp"
 #include "terrace/error.hpp"
 #include "trace_generator.hpp"
+#include "tools/html_report.hpp"
 #include "tools/pickle_reader.hpp"
 #include "tools/replay.hpp"
 #include "tools/trace_import.hpp"
@@ -94,6 +95,39 @@ TEST(Import, KinetoMatchesTheSourceTrace) {
   EXPECT_EQ(r.peak_allocated_bytes, *t.torch_reserved_peak);  // sizes are 512-rounded already
 }
 
+// Two GPUs' memory events were replayed as one device (addresses of both, fragmentation -100%).
+// As from a snapshot, the device with the most events is read, and a note says so.
+TEST(Import, OneDeviceOfSeveralIsReadAndANoteSaysWhich) {
+  auto memory = [](int device, std::uint64_t addr, std::int64_t bytes, std::int64_t reserved) {
+    return nlohmann::json{{"name", "[memory]"}, {"ph", "i"}, {"ts", 1},
+                          {"args", {{"Device Type", 1}, {"Device Id", device}, {"Addr", addr},
+                                    {"Bytes", bytes}, {"Total Reserved", reserved}}}};
+  };
+  nlohmann::json events = nlohmann::json::array();
+  events.push_back(memory(0, 0x1000, 1 << 30, 1 << 30));
+  events.push_back(memory(1, 0x9000, 1 << 20, 2 << 20));
+  events.push_back(memory(1, 0x9000, -(1 << 20), 2 << 20));
+  const auto t = tr::parse_kineto_json(nlohmann::json{{"traceEvents", events}}.dump(), "k.json");
+  ASSERT_EQ(t.events.size(), 2u);
+  EXPECT_EQ(t.events[0].addr, 0x9000u);
+  EXPECT_EQ(*t.torch_reserved_peak, 2 << 20);  // device 1's, not the other device's 1 GiB
+  ASSERT_EQ(t.notes.size(), 1u);
+  EXPECT_NE(t.notes[0].find("k.json: memory events on 2 devices"), std::string::npos) << t.notes[0];
+  EXPECT_NE(t.notes[0].find("replaying device 1"), std::string::npos) << t.notes[0];
+  EXPECT_TRUE(tr::parse_kineto_json(to_kineto(small_trace()), "one.json").notes.empty());
+
+  // The snapshot reader says the same, and counts the replayed device's segments only.
+  const auto s = tr::parse_torch_snapshot_json(R"({"device_traces": [
+      [{"action": "alloc", "addr": 1, "size": 512}],
+      [{"action": "alloc", "addr": 1, "size": 512}, {"action": "free_requested", "addr": 1, "size": 512}]],
+      "segments": [{"device": 0, "total_size": 1048576}, {"device": 1, "total_size": 2097152}]})",
+                                               "s.json");
+  EXPECT_EQ(s.events.size(), 2u);
+  EXPECT_EQ(*s.torch_reserved_now, 2097152);
+  ASSERT_EQ(s.notes.size(), 1u);
+  EXPECT_NE(s.notes[0].find("replaying device 1"), std::string::npos) << s.notes[0];
+}
+
 TEST(Import, RmmCsvMatchesTheSourceTraceAndBadLinesAreNamed) {
   const auto ev = small_trace();
   const auto t = tr::parse_rmm_csv(to_rmm(ev), "log.csv");
@@ -112,12 +146,155 @@ TEST(Import, RmmCsvMatchesTheSourceTraceAndBadLinesAreNamed) {
                terrace::logic_error);
 }
 
+// A negative, fractional or out-of-range number was cast: -1 became 16 EiB, -1.5 and 1e30 were
+// undefined, "0100000000" was octal. Each is refused, naming the file and the event or line.
+TEST(Import, NegativeFractionalAndOutOfRangeNumbersAreRefused) {
+  auto snapshot_size = [](const std::string& size) {
+    return tr::parse_torch_snapshot_json(
+        R"({"device_traces": [[{"action": "alloc", "addr": "0x1000", "size": )" + size + "}]]}", "s.json");
+  };
+  for (const char* bad : {"-1", "-1.5", "1.5", "\"-1\"", "\" 1\"", "1e30", "9223372036854775808"}) {
+    try {
+      snapshot_size(bad);
+      FAIL() << bad;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("s.json: device_traces[0][0] size"), std::string::npos) << e.what();
+    }
+  }
+  for (const char* good : {"512", "512.0", "\"512\"", "\"0x200\""}) {
+    const auto t = snapshot_size(good);
+    ASSERT_EQ(t.events.size(), 1u) << good;
+    EXPECT_EQ(t.events[0].size, 512u) << good;
+    EXPECT_EQ(t.events[0].addr, 0x1000u) << good;
+  }
+  EXPECT_THROW(tr::parse_torch_snapshot_json(R"({"segments": [{"total_size": -2097152}]})", "s.json"),
+               terrace::logic_error);
+
+  const std::string header = "Thread,Time,Action,Pointer,Size,Stream\n";
+  for (const char* bad : {"-1", "+1", "1.5", "0x", "18446744073709551615"}) {
+    EXPECT_THROW(tr::parse_rmm_csv(header + "1,0,allocate,0x1000," + bad + ",0\n", "r.csv"),
+                 terrace::logic_error) << bad;
+  }
+  const auto rmm = tr::parse_rmm_csv(header + "1,0,allocate,0x1000,0100000000,0x0\n", "r.csv");
+  ASSERT_EQ(rmm.events.size(), 1u);
+  EXPECT_EQ(rmm.events[0].size, 100000000u);  // decimal, not octal
+  EXPECT_EQ(rmm.events[0].addr, 0x1000u);
+
+  auto kineto = [](const std::string& bytes, const std::string& ts) {
+    return tr::parse_kineto_json(R"({"traceEvents": [{"name": "[memory]", "ts": )" + ts +
+                                     R"(, "args": {"Addr": 4096, "Bytes": )" + bytes + "}}]}",
+                                 "k.json");
+  };
+  for (const char* bad : {"18446744073709551615", "-9223372036854775808", "1e30", "1.5", "\"5\""}) {
+    try {
+      kineto(bad, "1");
+      FAIL() << bad;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("k.json: traceEvents[0]: Bytes"), std::string::npos) << e.what();
+    }
+  }
+  for (const char* bad : {"-5", "\"1\"", "1e300"}) {
+    try {
+      kineto("512", bad);
+      FAIL() << bad;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("k.json: traceEvents[0]: ts"), std::string::npos) << e.what();
+    }
+  }
+  const auto free = kineto("-9223372036854775807", "2.5");
+  ASSERT_EQ(free.events.size(), 1u);
+  EXPECT_EQ(free.events[0].action, trace_action::free_requested);
+  EXPECT_EQ(free.events[0].size, 9223372036854775807u);
+  EXPECT_EQ(free.events[0].time_ns, 2500u);
+}
+
+// A one-event JSON-lines trace not named .jsonl was read as a snapshot with no trace (0 events),
+// and any object was an empty snapshot.
+TEST(Import, FormatsAreDetectedByContentAndAnythingElseIsRefused) {
+  const std::string line = R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})";
+  const std::string path = temp_path("detect.trace");
+  for (const std::string& text : {line + "\n", line, line + "\n" + line + "\n"}) {
+    write(path, text);
+    const auto t = tr::import_trace(path);
+    EXPECT_EQ(t.format, "terrace-jsonl") << text;
+    EXPECT_EQ(t.events.size(), text.size() > 2 * line.size() ? 2u : 1u) << text;
+  }
+  // A snapshot written on one line has actions in its events, but not at the top.
+  write(path, R"({"device_traces": [[{"action": "alloc", "addr": 1, "size": 512}]]})"
+              "\n");
+  EXPECT_EQ(tr::import_trace(path).format, "torch-snapshot-json");
+  EXPECT_EQ(tr::import_trace(path).events.size(), 1u);
+  write(path, R"({"segments": [], "device_traces": []})");
+  EXPECT_TRUE(tr::import_trace(path).events.empty());  // a snapshot of nothing is still one
+  for (const char* other : {R"({"hello": 1})", "[1, 2, 3]"}) {
+    write(path, other);
+    try {
+      tr::import_trace(path);
+      FAIL() << other;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(tr::parse_torch_snapshot_json(R"({"hello": 1})", "h.json"), terrace::logic_error);
+  std::filesystem::remove(path);
+}
+
 TEST(Import, TheSnapshotJsonInTestDataReads) {
   const auto t = tr::import_trace(std::string(TERRACE_TEST_DATA_DIR) + "/h100_mlp_training_snapshot.json");
   EXPECT_EQ(t.format, "torch-snapshot-json");
   EXPECT_GT(count(t.events, trace_action::alloc), 100u);
   ASSERT_TRUE(t.torch_reserved_peak.has_value());
   EXPECT_GT(*t.torch_reserved_peak, 0);
+}
+
+// A pickle string: SHORT_BINUNICODE (0x8c) or SHORT_BINBYTES ('C'), with its length byte.
+std::string pickle_str(const std::string& text, char op = '\x8c') {
+  return std::string{op, static_cast<char>(text.size())} + text;
+}
+
+// {"device_traces": [[{<fields>}]]} as a protocol-4 pickle.
+std::string snapshot_pickle(const std::string& fields) {
+  return "\x80\x04}("s + pickle_str("device_traces") + "]]}(" + fields + "uaau.";
+}
+
+TEST(Import, ValuesOfTheWrongTypeAreBadInputNamingFileAndEvent) {
+  try {
+    tr::parse_torch_snapshot_json(R"({"device_traces": [[{"action": 5, "addr": 1, "size": 512}]]})", "n.json");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("n.json: device_traces[0][0]: unknown action 5"), std::string::npos) << m;
+  }
+  // Frames only label blocks: fields of the wrong type are left out, as a missing one is.
+  const auto f = tr::parse_torch_snapshot_json(
+      R"({"device_traces": [[{"action": "alloc", "addr": 1, "size": 512, "frames": [{"filename": 7, "line": "x", "name": []}]}]]})",
+      "f.json");
+  ASSERT_EQ(f.events.size(), 1u);
+  EXPECT_EQ(f.events[0].tag, "? 7:x");
+  // A Kineto event whose name is not a string is not a memory event.
+  EXPECT_TRUE(tr::parse_kineto_json(R"({"traceEvents": [{"name": 5}, {"name": null}]})", "k.json").events.empty());
+}
+
+// A pickle's strings may hold any bytes; the message quoting them shows U+FFFD instead of failing.
+TEST(Import, NonUtf8BytesInAPickleAreQuotedInTheError) {
+  const auto action = snapshot_pickle(pickle_str("action") + pickle_str("\xff\xfe", 'C') +
+                                      pickle_str("addr") + "K\x10");
+  try {
+    tr::parse_torch_snapshot_pickle(action, "a.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("a.pickle: device_traces[0][0]: unknown action \"\xef\xbf\xbd\xef\xbf\xbd\""), std::string::npos) << m;
+  }
+  const auto addr = snapshot_pickle(pickle_str("action") + pickle_str("alloc") + pickle_str("addr") +
+                                    pickle_str("\xff", 'C'));
+  try {
+    tr::parse_torch_snapshot_pickle(addr, "b.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("b.pickle: device_traces[0][0] addr: expected an unsigned integer"), std::string::npos) << m;
+  }
 }
 
 TEST(Pickle, PlainDataReadsAndCodeIsRefused) {
@@ -143,6 +320,51 @@ TEST(Pickle, PlainDataReadsAndCodeIsRefused) {
   EXPECT_THROW(tr::read_pickle("\x80\x02}", "nostop.pickle"), terrace::logic_error);
   EXPECT_THROW(tr::read_pickle("\x80\x02R.", "underflow.pickle"), terrace::logic_error);
   EXPECT_THROW(tr::read_pickle(std::string("\x80\x02\x93.", 4), "sg.pickle"), terrace::logic_error);
+}
+
+// One level of nesting per byte: 300 000 nested lists are refused with a message, and neither the
+// refusal nor a deep list popped off the stack mid-stream overflows the stack tearing them down.
+TEST(Pickle, DeepNestingIsRefusedWithoutRecursingThroughIt) {
+  constexpr std::size_t n = 300000;
+  const std::string deep = "\x80\x02" + std::string(n, ']') + std::string(n - 1, 'a');
+  try {
+    tr::read_pickle(deep + ".", "deep.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("deep.pickle"), std::string::npos) << m;
+    EXPECT_NE(m.find("nesting deeper than 200 levels"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(tr::read_pickle(deep + "0N.", "popped.pickle").is_null());  // POP, then None
+  // A list appended to itself (memoised, then fetched back): a cycle, refused as too deep.
+  EXPECT_THROW(tr::read_pickle("\x80\x02]q\x00h\x00a."s, "cycle.pickle"), terrace::logic_error);
+}
+
+// x_k = [x_{k-1}, x_{k-1}] over 40 levels of the memo is 2^40 values from 689 bytes: refused by
+// the expansion budget. Sharing itself stays legal (PyTorch memoises repeated strings).
+TEST(Pickle, SharingThatDoublesAtEveryLevelIsRefused) {
+  auto u32 = [](std::uint32_t v) {  // little-endian, as pickle's LONG_BINPUT / LONG_BINGET
+    return std::string{static_cast<char>(v), static_cast<char>(v >> 8), static_cast<char>(v >> 16),
+                       static_cast<char>(v >> 24)};
+  };
+  std::string laughs = "\x80\x02]r"s + u32(0);
+  for (std::uint32_t k = 1; k <= 40; ++k) {
+    laughs += "(j" + u32(k - 1) + "j" + u32(k - 1) + "lr" + u32(k);
+  }
+  try {
+    tr::read_pickle(laughs + ".", "laughs.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("laughs.pickle"), std::string::npos) << m;
+    EXPECT_NE(m.find("expands to too many values"), std::string::npos) << m;
+  }
+  // One memoised string referred to 10 000 times: fine.
+  std::string shared = "\x80\x02]q\x00(\x8c\x08train.pyq\x01"s;
+  for (int k = 1; k < 10000; ++k) shared += "h\x01"s;
+  const auto j = tr::read_pickle(shared + "e.", "shared.pickle");
+  ASSERT_EQ(j.size(), 10000u);
+  EXPECT_EQ(j[9999], "train.py");
 }
 
 // A real pickle from Python's own pickler (every protocol it has), in PyTorch's snapshot layout.
@@ -195,6 +417,29 @@ TEST(Replay, PreexistingBlocksAreAccountedAtTheStart) {
   EXPECT_EQ(tr::replay(ev, skip).peak_allocated_bytes, 4096);
 }
 
+// The report's largest holders left out blocks from before the window, which the replay counts
+// at the peak (an 8 MiB block freed after the peak was missing from the table).
+TEST(Report, LargestHoldersIncludeBlocksFromBeforeTheWindow) {
+  std::vector<trace_event> ev(6);
+  auto set = [&](std::size_t i, trace_action a, std::uintptr_t addr, std::uint64_t size) {
+    ev[i].action = a, ev[i].addr = addr, ev[i].size = ev[i].requested = size, ev[i].tag = "t" + std::to_string(i);
+  };
+  set(0, trace_action::free_requested, 0x100000, 4 << 20);  // pre-existing, freed before the peak
+  set(1, trace_action::alloc, 0x1000, 1 << 20);
+  set(2, trace_action::alloc, 0x200000, 1 << 20);            // the peak
+  set(3, trace_action::free_requested, 0x900000, 8 << 20);  // pre-existing, live at the peak
+  set(4, trace_action::free_requested, 0x1000, 1 << 20);
+  set(5, trace_action::free_requested, 0xa00000, 0);        // no size: not accounted, as in replay
+  const auto h = tr::largest_holders(ev, 2, 10);
+  ASSERT_EQ(h.size(), 3u);
+  EXPECT_EQ(h[0].addr, 0x900000u);
+  EXPECT_EQ(h[0].bytes, 8u << 20);
+  EXPECT_EQ(h[0].tag, "pre-existing");
+  EXPECT_EQ(h[1].tag, "t1");
+  EXPECT_EQ(h[2].tag, "t2");
+  EXPECT_EQ(tr::largest_holders(ev, 4, 10).size(), 1u);  // only 0x200000 is left after event 4
+}
+
 #ifdef TERRACE_CLI_PATH
 using terrace::testing::run_result;
 
@@ -230,6 +475,34 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
   EXPECT_EQ(page.str().find("<script"), std::string::npos);  // self-contained, nothing to load
   EXPECT_EQ(page.str().find("http"), std::string::npos);
 
+  const std::string two = temp_path("two.json");
+  write(two, R"({"traceEvents": [
+    {"name": "[memory]", "ts": 1, "args": {"Device Type": 1, "Device Id": 0, "Addr": 4096, "Bytes": 1073741824}},
+    {"name": "[memory]", "ts": 2, "args": {"Device Type": 1, "Device Id": 1, "Addr": 8192, "Bytes": 1073741824}}]})");
+  r = run_cli("replay '" + two + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("terrace replay: note: " + two + ": memory events on 2 devices"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("1 in the trace"), std::string::npos) << r.output;
+  std::filesystem::remove(two);
+
+  // Peak live at the last event: the segment map at the peak still has its segments.
+  const std::string peak_last = temp_path("peak-last.jsonl");
+  write(peak_last, R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})"
+                   "\n"
+                   R"({"action":"alloc","time_ns":2,"stream":0,"addr":8192,"size":2097152})"
+                   "\n");
+  r = run_cli("report '" + peak_last + "' -o '" + html + "'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  {
+    std::ifstream in2(html);
+    std::stringstream page2;
+    page2 << in2.rdbuf();
+    EXPECT_EQ(page2.str().find("No segments."), std::string::npos);
+    EXPECT_NE(page2.str().find("aria-label=\"segment map\""), std::string::npos);
+  }
+  std::filesystem::remove(peak_last);
+
   r = run_cli("replay '" + c + "' --policy all --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(nlohmann::json::parse(r.output).size(), 3u);
@@ -242,12 +515,33 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
   for (const auto& p : {k, c, html}) std::filesystem::remove(p);
 }
 
+// The trace's path went into --json output unescaped (a quote made it invalid JSON) and a path
+// with a byte that is not UTF-8 failed the dump after the replay (exit 1).
+TEST(Cli, JsonOutputHoldsAnyPath) {
+  const std::string path = temp_path("q\"uo\\te\xff.jsonl");
+  write(path, R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})"
+              "\n");
+  for (const char* sub : {"replay", "compare"}) {
+    const auto r = run_cli(std::string(sub) + " '" + path + "' --json");
+    ASSERT_EQ(r.exit_code, 0) << sub << r.output;
+    nlohmann::json j;
+    ASSERT_NO_THROW(j = nlohmann::json::parse(r.output)) << sub << r.output;
+    EXPECT_NE(j.at("trace").get<std::string>().find("q\"uo\\te\xef\xbf\xbd.jsonl"), std::string::npos) << sub;
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(Cli, BadInputsExitWithTwo) {
   const std::string evil = temp_path("evil.pickle"), csv = temp_path("bad.csv"), js = temp_path("bad.json");
+  const std::string type = temp_path("type.json"), utf = temp_path("utf.pickle");
   write(evil, "\x80\x02" "cos\nsystem\nX\x04\x00\x00\x00true\x85R."s);
   write(csv, "Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,lots,0\n");
   write(js, "{\"traceEvents\": [ {\"name\": \"[memory]\", \"args\": {\"Addr\": 1}} ]}");
-  for (const auto& [path, expect] : {std::pair{evil, "GLOBAL"}, std::pair{csv, ":2"}, std::pair{js, "Bytes"}}) {
+  write(type, R"({"device_traces": [[{"action": 5, "addr": 1, "size": 512}]]})");
+  write(utf, snapshot_pickle(pickle_str("action") + pickle_str("\xff", 'C')));
+  for (const auto& [path, expect] : {std::pair{evil, "GLOBAL"}, std::pair{csv, ":2"}, std::pair{js, "Bytes"},
+                                     std::pair{type, "type.json: device_traces[0][0]: unknown action 5"},
+                                     std::pair{utf, "unknown action"}}) {
     for (const char* sub : {"replay", "compare"}) {
       const auto r = run_cli(std::string(sub) + " '" + path + "'");
       EXPECT_EQ(r.exit_code, 2) << sub << " " << path << r.output;
@@ -256,7 +550,7 @@ TEST(Cli, BadInputsExitWithTwo) {
   }
   const auto r = run_cli("report '" + csv + "' -o /dev/null");
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  for (const auto& p : {evil, csv, js}) std::filesystem::remove(p);
+  for (const auto& p : {evil, csv, js, type, utf}) std::filesystem::remove(p);
 }
 #endif
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <fmt/format.h>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "tools/replay_format.hpp"
 
@@ -125,13 +126,23 @@ std::string segment_map(const memory_snapshot& snap) {
 
 std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t event,
                                     std::size_t n) {
+  // A free of an address the window has not seen yet is a block from before the window: it was
+  // live from the start until that free (the replay allocates it up front, with its free's size),
+  // so it is a holder at `event` when its free comes later. The whole trace is read for those.
   std::unordered_map<std::uintptr_t, holder> live;
-  for (std::size_t i = 0; i <= event && i < events.size(); ++i) {
+  std::unordered_set<std::uintptr_t> seen;  // addresses allocated or freed so far
+  for (std::size_t i = 0; i < events.size(); ++i) {
     const trace_event& e = events[i];
+    const std::uint64_t bytes = e.requested != 0 ? e.requested : e.size;
     if (e.action == trace_action::alloc) {
-      live[e.addr] = {e.addr, e.requested != 0 ? e.requested : e.size, e.tag};
+      seen.insert(e.addr);
+      if (i <= event) live[e.addr] = {e.addr, bytes, e.tag};
     } else if (e.action == trace_action::free_requested) {
-      live.erase(e.addr);
+      if (seen.insert(e.addr).second) {
+        if (i > event && bytes != 0) live[e.addr] = {e.addr, bytes, "pre-existing"};
+      } else if (i <= event) {
+        live.erase(e.addr);
+      }
     }
   }
   std::vector<holder> out;

@@ -32,6 +32,8 @@ struct report_input {
 };
 
 /// @brief The blocks live just after event `event` (inclusive), largest first, at most `n`.
+/// Blocks from before the trace's window (freed in it without an alloc before) are live from
+/// the start to their free, as the replay accounts them, and tagged "pre-existing".
 std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t event,
                                     std::size_t n);
 

@@ -1,9 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
 // The pickle virtual machine for plain data only. Containers are shared (memoised lists and dicts
 // are mutated after MEMOIZE), so values live in a node graph and become JSON at STOP.
+//
+// The input is hostile until proven otherwise, and a few bytes of pickle can describe a lot:
+//   - nesting one level per byte (`]` 300 000 times, then APPENDs): the graph is torn down without
+//     recursion (node's destructor) and json_builder refuses more than kMaxDepth levels;
+//   - cycles (a memoised list appended to itself): the machine breaks them when it is destroyed;
+//   - sharing nested in sharing (x_k = [x_{k-1}, x_{k-1}]: 2^40 values from 689 bytes): JSON copies
+//     every share, so json_builder stops at a budget proportional to the input's size.
+// Everything else the machine holds grows at most one node per input byte (every push consumes at
+// least one opcode byte), and the stack is capped besides.
 #include "tools/pickle_reader.hpp"
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <unordered_map>
@@ -25,7 +36,37 @@ struct node {
   std::string s;
   std::vector<node_ptr> items;                       // list / tuple / set
   std::vector<std::pair<node_ptr, node_ptr>> pairs;  // dict
+
+  node() = default;
+  node(const node&) = delete;
+  node& operator=(const node&) = delete;
+  // The default destructor would destroy a nested list one stack frame per level, and a pickle
+  // nests one level per byte: children whose last owner this node is are dismantled from a work
+  // list instead, so every node dies with no children left to recurse into.
+  ~node() {
+    if (items.empty() && pairs.empty()) return;
+    std::vector<node_ptr> work;
+    take_children(work);
+    while (!work.empty()) {
+      node_ptr n = std::move(work.back());
+      work.pop_back();
+      if (n.use_count() == 1) n->take_children(work);
+    }  // n dies here, childless, or lives on in its other owners
+  }
+
+  // Moves the children out into `work`, leaving this node without any.
+  void take_children(std::vector<node_ptr>& work) {
+    for (auto& x : items) work.push_back(std::move(x));
+    for (auto& [k, v] : pairs) {
+      work.push_back(std::move(k));
+      work.push_back(std::move(v));
+    }
+    items.clear();
+    pairs.clear();
+  }
 };
+
+constexpr int kMaxDepth = 200;
 
 node_ptr make(node::kind k) {
   auto n = std::make_shared<node>();
@@ -44,28 +85,65 @@ std::string key_text(const node& n) {
   }
 }
 
-nlohmann::json to_json(const node& n, int depth) {
-  if (depth > 200) throw logic_error("nesting deeper than 200 levels");
-  switch (n.k) {
-    case node::none: return nullptr;
-    case node::boolean: return n.b;
-    case node::integer: return n.i;
-    case node::real: return n.f;
-    case node::text: return n.s;
-    case node::list: {
-      nlohmann::json a = nlohmann::json::array();
-      for (const auto& x : n.items) a.push_back(to_json(*x, depth + 1));
-      return a;
+// The node graph as JSON, within a budget. Sharing is legal and common (PyTorch's snapshots refer
+// to each repeated string and frame dict again with a 2-5 byte BINGET, which expands to up to 7
+// values and ~100 bytes of text), so the budget is generous per input byte, with a floor for
+// small files; what a real snapshot never does is double its size at every level.
+class json_builder {
+ public:
+  explicit json_builder(std::size_t input_bytes)
+      : max_values_(std::max<std::size_t>(16 * input_bytes, std::size_t{1} << 20)),
+        max_text_(std::max<std::size_t>(256 * input_bytes, std::size_t{1} << 28)),
+        input_bytes_(input_bytes) {}
+
+  nlohmann::json build(const node& n, int depth) {
+    if (depth > kMaxDepth) {
+      throw logic_error("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
     }
-    case node::dict: {
-      nlohmann::json o = nlohmann::json::object();
-      for (const auto& [k, v] : n.pairs) o[key_text(*k)] = to_json(*v, depth + 1);
-      return o;
+    count(n.k == node::text ? n.s.size() : 0);
+    switch (n.k) {
+      case node::none: return nullptr;
+      case node::boolean: return n.b;
+      case node::integer: return n.i;
+      case node::real: return n.f;
+      case node::text: return n.s;
+      case node::list: {
+        nlohmann::json a = nlohmann::json::array();
+        for (const auto& x : n.items) a.push_back(build(*x, depth + 1));
+        return a;
+      }
+      case node::dict: {
+        nlohmann::json o = nlohmann::json::object();
+        for (const auto& [k, v] : n.pairs) {
+          std::string key = key_text(*k);
+          count(key.size());
+          o[std::move(key)] = build(*v, depth + 1);
+        }
+        return o;
+      }
+      case node::mark: break;
     }
-    case node::mark: break;
+    throw logic_error("a MARK left on the stack");
   }
-  throw logic_error("a MARK left on the stack");
-}
+
+ private:
+  void count(std::size_t text_bytes) {
+    if (values_ == max_values_ || text_bytes > max_text_ - text_) {
+      throw logic_error("the pickle expands to too many values (more than " +
+                        std::to_string(max_values_) + " values or " + std::to_string(max_text_) +
+                        " bytes of text from its " + std::to_string(input_bytes_) +
+                        " bytes): shared containers nested inside each other");
+    }
+    ++values_;
+    text_ += text_bytes;
+  }
+
+  const std::size_t max_values_;
+  const std::size_t max_text_;
+  const std::size_t input_bytes_;
+  std::size_t values_ = 0;
+  std::size_t text_ = 0;
+};
 
 // Why each refused opcode is refused: it names or calls Python code, or refers to objects outside
 // the stream.
@@ -89,6 +167,22 @@ const char* refused(std::uint8_t op) {
 class machine {
  public:
   machine(std::string_view data, const std::string& source) : d_(data), source_(source) {}
+  machine(const machine&) = delete;
+  machine& operator=(const machine&) = delete;
+  // A cycle (a memoised container appended to itself) would keep its nodes alive forever. Every
+  // node a cycle can pass through is reachable from the memo, so emptying every node reachable
+  // from the memo and the stack frees them all.
+  ~machine() {
+    std::vector<node_ptr> work(stack_.begin(), stack_.end());
+    for (auto& [idx, n] : memo_) work.push_back(std::move(n));
+    stack_.clear();
+    memo_.clear();
+    while (!work.empty()) {
+      node_ptr n = std::move(work.back());
+      work.pop_back();
+      n->take_children(work);
+    }
+  }
 
   nlohmann::json run() {
     while (true) {
@@ -105,7 +199,7 @@ class machine {
         case '.': {                  // STOP
           node_ptr top = pop();
           try {
-            return to_json(*top, 0);
+            return json_builder(d_.size()).build(*top, 0);
           } catch (const logic_error& e) {
             fail(e.what());
           }

@@ -74,6 +74,10 @@ struct slot {
 
 constexpr std::uint32_t no_slot = UINT32_MAX;
 
+// Each trace stream becomes a backend stream, a worker thread on sim: a trace naming more is
+// refused before any is made, rather than starting thousands of threads. Real programs use a few.
+constexpr std::size_t kMaxStreams = 1024;
+
 // A live block's size as the allocator sees it (rounded to its 512 B minimum).
 std::int64_t rounded_live_bytes(std::size_t bytes) {
   return static_cast<std::int64_t>((bytes + 511) / 512 * 512);
@@ -88,37 +92,62 @@ struct resolved_trace {
   std::vector<std::uint32_t> slot_of_event;  // per event; no_slot for the other actions
   std::vector<slot> slots;
   std::vector<std::size_t> preexisting;      // indices of free events whose block is pre-existing
-  std::size_t inconsistent_event = SIZE_MAX; // the first alloc of an address still held
-  std::size_t inconsistent_holder = 0;       // the alloc event that holds it
+  // The first event that contradicts the trace: an alloc of an address still held (`earlier` is
+  // the alloc that holds it) or a second free of an address (`earlier` is the first free).
+  std::size_t inconsistent_event = SIZE_MAX;
+  std::size_t inconsistent_earlier = 0;
 };
 
 resolved_trace resolve(const std::vector<trace_event>& events, bool account_preexisting) {
   resolved_trace t;
   t.slot_of_event.assign(events.size(), no_slot);
   std::unordered_map<std::uintptr_t, std::uint32_t> open;  // address -> slot of its live alloc
-  std::unordered_set<std::uintptr_t> preallocated;         // addresses given a pre-existing slot
+  // Address -> the free event that freed it, until it is allocated again. A second free of it is a
+  // double free: the trace is inconsistent, as with an alloc of a live address. (Taking it for a
+  // block from before the window made a phantom block that counted in every peak.)
+  std::unordered_map<std::uintptr_t, std::size_t> freed;
+  std::unordered_set<std::uintptr_t> streams;
+  std::uintptr_t last_stream = 0;  // consecutive events mostly name the same stream
   open.reserve(1024);
+  auto inconsistent = [&](std::size_t event, std::size_t earlier) {
+    t.inconsistent_event = event;
+    t.inconsistent_earlier = earlier;
+  };
   for (std::size_t i = 0; i < events.size(); ++i) {
     const trace_event& e = events[i];
+    if ((e.action == trace_action::alloc || e.action == trace_action::free_requested) &&
+        (e.stream != last_stream || streams.empty())) {
+      last_stream = e.stream;
+      if (streams.insert(e.stream).second && streams.size() > kMaxStreams) {
+        throw logic_error("trace event " + std::to_string(i) + ": stream " + hex(e.stream) +
+                          " is the trace's stream number " + std::to_string(streams.size()) +
+                          "; the replay makes a backend stream for each (a worker thread on sim) "
+                          "and takes at most " + std::to_string(kMaxStreams));
+      }
+    }
     if (e.action == trace_action::alloc) {
       const auto s = static_cast<std::uint32_t>(t.slots.size());
       const auto [it, inserted] = open.emplace(e.addr, s);
       if (!inserted) {
-        t.inconsistent_event = i;
-        t.inconsistent_holder = t.slots[it->second].event;
+        inconsistent(i, t.slots[it->second].event);
         break;
       }
       t.slots.push_back({nullptr, i, 0, false});
       t.slot_of_event[i] = s;
+      freed.erase(e.addr);
     } else if (e.action == trace_action::free_requested) {
       if (auto it = open.find(e.addr); it != open.end()) {
         t.slot_of_event[i] = it->second;
         open.erase(it);
-      } else if (account_preexisting && (e.requested != 0 || e.size != 0) &&
-                 preallocated.insert(e.addr).second) {
+        freed[e.addr] = i;
+      } else if (auto f = freed.find(e.addr); f != freed.end()) {
+        inconsistent(i, f->second);
+        break;
+      } else if (account_preexisting && (e.requested != 0 || e.size != 0)) {
         t.slot_of_event[i] = static_cast<std::uint32_t>(t.slots.size());
         t.slots.push_back({nullptr, SIZE_MAX, 0, false});
         t.preexisting.push_back(i);
+        freed[e.addr] = i;
       }
     }
   }
@@ -247,10 +276,22 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   const auto stop = std::chrono::steady_clock::now();
   if (!stopped && t.inconsistent_event != SIZE_MAX) {
     const trace_event& e = events[t.inconsistent_event];
-    throw logic_error("trace event " + std::to_string(t.inconsistent_event) + ": alloc of " +
-                      hex(e.addr) + ", which the alloc at event " +
-                      std::to_string(t.inconsistent_holder) +
-                      " still holds (no free_requested in between): the trace is inconsistent");
+    if (e.action == trace_action::alloc) {
+      throw logic_error("trace event " + std::to_string(t.inconsistent_event) + ": alloc of " +
+                        hex(e.addr) + ", which the alloc at event " +
+                        std::to_string(t.inconsistent_earlier) +
+                        " still holds (no free_requested in between): the trace is inconsistent");
+    }
+    throw logic_error("trace event " + std::to_string(t.inconsistent_event) +
+                      ": free_requested of " + hex(e.addr) + ", which the free_requested at event " +
+                      std::to_string(t.inconsistent_earlier) +
+                      " already freed (no alloc in between): a double free, the trace is "
+                      "inconsistent");
+  }
+  // A stop at or after the last event (the report's "just after the peak" when the peak is the
+  // last event) is never met inside the loop: the snapshot is the end's.
+  if (!stopped && options.stop_after_event != SIZE_MAX) {
+    r.snapshot_at_stop = alloc.snapshot();
   }
   if (stride != 0) sample(events.empty() ? 0 : events.size() - 1);
   if (steady) {

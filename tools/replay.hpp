@@ -15,8 +15,12 @@
 ///     the window is counted in `preexisting_frees`. With `account_preexisting` (the default) such
 ///     a block is allocated, with the size the free gives, before the first event and freed at its
 ///     free, so that the memory it held counts; otherwise the free is skipped.
+///   - A trace that contradicts itself is refused: an alloc of an address still live, or a free
+///     of an address already freed with no alloc in between (a double free, which would otherwise
+///     pass for a pre-existing block and count in every peak).
 ///   - The policy is `config.policy`; event tags are passed to the allocator (the planner uses them).
 ///   - Trace streams map to backend streams created on first use; stream 0 is the default stream.
+///     A trace naming more than 1024 streams is refused (each is a worker thread on sim).
 ///   - An allocation that fails with out_of_memory is counted in `ooms`; the replay goes on and the
 ///     matching free is skipped (counted in `failed_alloc_frees`).
 #pragma once
@@ -47,8 +51,8 @@ struct replay_options {
   bool account_preexisting = true;
   /// About this many (event, live, reserved) samples in replay_result::timeline; 0 = none.
   std::size_t timeline_points = 0;
-  /// Stop after this many events (a snapshot of that moment is then in `snapshot_at_stop`);
-  /// SIZE_MAX = replay everything.
+  /// Stop after this many events (a snapshot of that moment is then in `snapshot_at_stop`; of the
+  /// end when the trace has no more); SIZE_MAX = replay everything.
   std::size_t stop_after_event = SIZE_MAX;
   /// Where the steady state starts, for the steady_* figures. SIZE_MAX = for the planned policy,
   /// the first planned iteration's first event; for the others, the whole trace. Pass the planned
@@ -95,12 +99,13 @@ struct replay_result {
   std::int64_t steady_peak_live_bytes = 0;
   std::int64_t steady_peak_reserved_bytes = 0;
   double steady_fragmentation = 0.0;
-  std::optional<memory_snapshot> snapshot_at_stop;  ///< when options.stop_after_event was reached
+  std::optional<memory_snapshot> snapshot_at_stop;  ///< when options.stop_after_event != SIZE_MAX
 };
 
 /// @brief Replays `events` (oldest first) through a fresh caching_allocator over a fresh backend.
 /// @throws terrace::logic_error for an inconsistent trace (an alloc of an address that is still
-/// live in the trace), naming the event's index; or for an invalid config / unknown backend.
+/// live in the trace, or a second free of an address), naming the event's index and the earlier
+/// event it contradicts; for more than 1024 streams; or for an invalid config / unknown backend.
 /// @throws terrace::device_error when the backend fails for a reason other than out of memory.
 replay_result replay(const std::vector<trace_event>& events, const replay_options& options = {});
 

@@ -99,7 +99,9 @@ std::string format_replay_json(const replay_result& r, const replay_context& c) 
   j["steady_fragmentation"] = r.steady_fragmentation;
   j["stats"] = nlohmann::ordered_json::parse(to_json(r.stats));
   j["plan"] = nlohmann::ordered_json::parse(to_json(r.plan));
-  return j.dump();
+  // The trace's path is any bytes the file system allows: invalid UTF-8 becomes U+FFFD rather than
+  // failing the dump after the whole replay.
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace terrace::tools

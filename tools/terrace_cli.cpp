@@ -6,6 +6,7 @@
 // malformed or inconsistent trace).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <exception>
@@ -26,6 +27,14 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitBadInput = 2;
+
+// Reads the trace and says on stderr what the reader chose (stdout may be --json).
+terrace::tools::imported_trace import(const char* command, const std::string& path,
+                                      const std::string& format) {
+  auto imported = terrace::tools::import_trace(path, format);
+  for (const auto& note : imported.notes) fmt::print(stderr, "{}: note: {}\n", command, note);
+  return imported;
+}
 
 // ------------------------------------------------------------------------------------- replay
 
@@ -91,7 +100,7 @@ int run_replay(replay_args& args) {
     options.device = options.config.device;
   }
   if (args.expandable) options.config.expandable_segments = true;
-  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto imported = import("terrace replay", args.trace, args.format);
   const auto& events = imported.events;
   if (args.policy == "all") {
     std::vector<std::string> outputs;
@@ -177,20 +186,22 @@ CLI::App* setup_compare(CLI::App& app, compare_args& args) {
 }
 
 int run_compare(const compare_args& args) {
-  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto imported = import("terrace compare", args.trace, args.format);
   const auto runs = run_policies(imported.events, args.conf, 0);
   using terrace::tools::format_bytes;
   if (args.json) {
-    std::string body;
+    // Built as JSON, not pasted: the path may hold quotes, backslashes or invalid UTF-8.
+    nlohmann::ordered_json j;
+    j["trace"] = args.trace;
+    j["format"] = imported.format;
+    j["torch_reserved_peak"] = imported.torch_reserved_peak ? nlohmann::ordered_json(*imported.torch_reserved_peak)
+                                                            : nlohmann::ordered_json(nullptr);
+    j["policies"] = nlohmann::ordered_json::object();
     for (const auto& [name, r] : runs) {
-      if (!body.empty()) body += ",";
-      body += fmt::format("\"{}\":{}", name,
-                          terrace::tools::format_replay_json(r, {args.trace, name == "expandable", args.conf}));
+      j["policies"][name] = nlohmann::ordered_json::parse(
+          terrace::tools::format_replay_json(r, {args.trace, name == "expandable", args.conf}));
     }
-    fmt::print("{{\"trace\":\"{}\",\"format\":\"{}\",\"torch_reserved_peak\":{},\"policies\":{{{}}}}}\n",
-               args.trace, imported.format,
-               imported.torch_reserved_peak ? std::to_string(*imported.torch_reserved_peak) : "null",
-               body);
+    fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace));
     return 0;
   }
   fmt::print("trace {} ({}, {} events)\n\n", args.trace, imported.format, imported.events.size());
@@ -252,7 +263,7 @@ CLI::App* setup_report(CLI::App& app, compare_args& args) {
 }
 
 int run_report(const compare_args& args) {
-  const auto imported = terrace::tools::import_trace(args.trace, args.format);
+  const auto imported = import("terrace report", args.trace, args.format);
   terrace::tools::report_input in;
   in.trace_path = args.trace;
   in.format = imported.format;

@@ -1,12 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // Format readers. Each maps its input to trace_events and states where PyTorch's own reserved
-// figure comes from. Errors name the file and the line (text formats) or byte (pickle).
+// figure comes from. Errors name the file and the line (text formats) or byte (pickle), and are
+// terrace::logic_error (bad input) whatever the JSON library threw: a value of the wrong type is
+// the input's fault, not a failure of the program.
 #include "tools/trace_import.hpp"
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -29,53 +35,130 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
+// Values quoted in errors may hold any bytes (a pickle's strings are not checked for UTF-8): invalid
+// sequences become U+FFFD rather than failing the error message itself, as in allocator/trace.cpp.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// Runs one event's parser; a JSON type mismatch its checks did not name becomes a logic_error
+// naming the file and the event.
+template <class F>
+auto per_event(const std::string& where, F&& parse) {
+  try {
+    return parse();
+  } catch (const json::exception& e) {
+    throw logic_error(where + ": " + e.what());
+  }
+}
+
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-std::uint64_t as_u64(const json& v, const std::string& where) {
-  if (v.is_number_unsigned()) return v.get<std::uint64_t>();
-  if (v.is_number_integer()) return static_cast<std::uint64_t>(v.get<std::int64_t>());
-  if (v.is_number_float()) return static_cast<std::uint64_t>(v.get<double>());
-  if (v.is_string()) {  // Kineto and some exporters write addresses as strings
-    const std::string s = v.get<std::string>();
-    try {
-      std::size_t used = 0;
-      const auto x = std::stoull(s, &used, 0);
-      if (used == s.size()) return x;
-    } catch (const std::exception&) {
-    }
+// Sizes are added up in signed 64-bit figures (live and reserved bytes): larger ones are refused.
+constexpr std::uint64_t kMaxSize = INT64_MAX;
+
+// An unsigned integer written as text: decimal, or hexadecimal after 0x (addresses). Never octal
+// (std::stoull's base 0 read "0100000000" as 16 MiB), and no sign or blanks (stoull took "-1" as
+// 2^64 - 1).
+std::optional<std::uint64_t> parse_u64(std::string_view s) {
+  int base = 10;
+  if (s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+    s.remove_prefix(2);
+    base = 16;
   }
-  throw logic_error(where + ": expected a number, got " + v.dump());
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, base);
+  if (s.empty() || ec != std::errc{} || end != s.data() + s.size()) return std::nullopt;
+  return v;
+}
+
+// An address, size, stream or time: an unsigned integer up to `max`. A negative number, a fraction
+// or one out of range is refused; casting it would wrap (-1 became 16 EiB) or be undefined (-1.5,
+// 1e30). A float holding a whole number is accepted, as are strings (Kineto and some exporters
+// write addresses as strings).
+std::uint64_t as_u64(const json& v, const std::string& where, std::uint64_t max = UINT64_MAX) {
+  std::optional<std::uint64_t> x;
+  if (v.is_number_unsigned()) {
+    x = v.get<std::uint64_t>();
+  } else if (v.is_number_integer()) {  // signed: the pickle reader's integers are all int64
+    if (v.get<std::int64_t>() >= 0) x = static_cast<std::uint64_t>(v.get<std::int64_t>());
+  } else if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (d >= 0 && d < 18446744073709551616.0 && d == std::floor(d)) x = static_cast<std::uint64_t>(d);
+  } else if (v.is_string()) {
+    x = parse_u64(v.get_ref<const std::string&>());
+  }
+  if (!x || *x > max) {
+    throw logic_error(where + ": expected an unsigned integer" +
+                      (max == UINT64_MAX ? std::string() : " up to " + std::to_string(max)) +
+                      ", got " + dump(v));
+  }
+  return *x;
 }
 
 // ------------------------------------------------------------------ PyTorch snapshots
 
+// Frames only label blocks: a frame field of the wrong type is left out like a missing one, as a
+// frame that is not a dict is.
+std::string frame_field(const json& frame, const char* key, const char* missing) {
+  const auto it = frame.find(key);
+  if (it == frame.end()) return missing;
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_number_integer()) return std::to_string(it->get<std::int64_t>());
+  return missing;
+}
+
 std::string frames_text(const json& frames) {
+  if (!frames.is_array()) return {};
   // The innermost frames that are not PyTorch's own are the useful ones; keep the first two.
   std::string out;
   int kept = 0;
   for (const auto& f : frames) {
     if (!f.is_object()) continue;
-    const std::string file = f.value("filename", "");
+    const std::string file = frame_field(f, "filename", "");
     if (file.find("torch/") != std::string::npos && kept == 0 && frames.size() > 1) continue;
     if (!out.empty()) out += " < ";
-    out += f.value("name", "?") + " " + file + ":" + std::to_string(f.value("line", 0));
+    out += frame_field(f, "name", "?") + " " + file + ":" + frame_field(f, "line", "0");
     if (++kept == 2) break;
   }
   return out;
+}
+
+trace_event snapshot_event(const json& e, const std::string& where) {
+  if (!e.is_object() || !e.contains("action")) throw logic_error(where + ": no action");
+  const json& a = e.at("action");
+  const auto action = a.is_string() ? parse_trace_action(a.get<std::string>()) : std::nullopt;
+  if (!action) throw logic_error(where + ": unknown action " + dump(a));
+  trace_event ev;
+  ev.action = *action;
+  ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
+  ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size", kMaxSize) : 0;
+  ev.requested = ev.size;
+  ev.stream = e.contains("stream") ? as_u64(e.at("stream"), where + " stream") : 0;
+  if (e.contains("time_us")) {
+    ev.time_ns = as_u64(e.at("time_us"), where + " time_us", UINT64_MAX / 1000) * 1000;
+  }
+  if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
+  if (ev.tag.empty() && e.contains("frames")) ev.tag = frames_text(e.at("frames"));
+  return ev;
 }
 
 imported_trace from_snapshot(const json& snap, const std::string& source, std::string format) {
   imported_trace t;
   t.format = std::move(format);
   if (!snap.is_object()) throw logic_error(source + ": a snapshot is a dict/object");
+  // Any other object would read as an empty trace, and a wrong file as a trace with nothing in it.
+  if (!snap.contains("device_traces") && !snap.contains("segments")) {
+    throw logic_error(source + ": not a snapshot (it has neither device_traces nor segments)");
+  }
   const json* traces = snap.contains("device_traces") ? &snap.at("device_traces") : nullptr;
   // The device whose trace is longest: snapshots list one (possibly empty) trace per device.
   const json* trace = nullptr;
   int device = 0;
   if (traces != nullptr) {
     if (!traces->is_array()) throw logic_error(source + ": device_traces is not a list");
+    std::string counts;  // of the devices with events
+    std::size_t busy = 0;
     for (std::size_t d = 0; d < traces->size(); ++d) {
       const json& tr = (*traces)[d];
       if (!tr.is_array()) throw logic_error(source + ": device_traces[" + std::to_string(d) + "] is not a list");
@@ -83,6 +166,16 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
         trace = &tr;
         device = static_cast<int>(d);
       }
+      if (!tr.empty()) {
+        ++busy;
+        counts += (counts.empty() ? "" : ", ") + std::to_string(tr.size()) + " on device " +
+                  std::to_string(d);
+      }
+    }
+    if (busy > 1) {
+      t.notes.push_back(source + ": trace events on " + std::to_string(busy) + " devices (" +
+                        counts + "); replaying device " + std::to_string(device) +
+                        ", the one with the most events");
     }
   }
   std::int64_t seg_delta = 0, seg_running = 0, seg_peak_rel = 0;
@@ -91,20 +184,7 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
       const json& e = (*trace)[i];
       const std::string where = source + ": device_traces[" + std::to_string(device) + "][" +
                                 std::to_string(i) + "]";
-      if (!e.is_object() || !e.contains("action")) throw logic_error(where + ": no action");
-      const auto action = parse_trace_action(e.at("action").get<std::string>());
-      if (!action) {
-        throw logic_error(where + ": unknown action " + e.at("action").dump());
-      }
-      trace_event ev;
-      ev.action = *action;
-      ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
-      ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size") : 0;
-      ev.requested = ev.size;
-      ev.stream = e.contains("stream") ? as_u64(e.at("stream"), where + " stream") : 0;
-      if (e.contains("time_us")) ev.time_ns = as_u64(e.at("time_us"), where + " time_us") * 1000;
-      if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
-      if (ev.tag.empty() && e.contains("frames")) ev.tag = frames_text(e.at("frames"));
+      trace_event ev = per_event(where, [&] { return snapshot_event(e, where); });
       const auto size = static_cast<std::int64_t>(ev.size);
       if (ev.action == trace_action::segment_alloc || ev.action == trace_action::segment_map) {
         seg_running += size;
@@ -126,7 +206,17 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
       if (!s.is_object() || !s.contains("total_size")) {
         throw logic_error(source + ": segments[" + std::to_string(i) + "] has no total_size");
       }
-      now += static_cast<std::int64_t>(as_u64(s.at("total_size"), source + ": segments total_size"));
+      // PyTorch's segments name their device: only the replayed device's count.
+      if (const auto d = s.find("device"); traces != nullptr && d != s.end() &&
+                                           d->is_number_integer() && *d != device) {
+        continue;
+      }
+      const std::uint64_t size = as_u64(s.at("total_size"), source + ": segments[" +
+                                        std::to_string(i) + "] total_size", kMaxSize);
+      if (size > kMaxSize - static_cast<std::uint64_t>(now)) {
+        throw logic_error(source + ": segments add up to more than " + std::to_string(kMaxSize) + " bytes");
+      }
+      now += static_cast<std::int64_t>(size);
     }
     t.torch_reserved_now = now;
     // Reserved at the window's start was `now` minus what the trace's segment events added.
@@ -141,62 +231,100 @@ imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::st
   return from_snapshot(read_pickle(bytes, source), source, "torch-snapshot-pickle");
 }
 
-imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
-  json j;
+json parse_json(std::string_view text, const std::string& source) {
   try {
-    j = json::parse(text);
+    return json::parse(text);
   } catch (const json::parse_error& e) {
     throw logic_error(source + ": malformed JSON: " + e.what());
   }
-  return from_snapshot(j, source, "torch-snapshot-json");
+}
+
+imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
+  return from_snapshot(parse_json(text, source), source, "torch-snapshot-json");
 }
 
 // ------------------------------------------------------------------ Kineto
 
 imported_trace parse_kineto_json(std::string_view text, const std::string& source) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw logic_error(source + ": malformed JSON: " + e.what());
-  }
+  const json j = parse_json(text, source);
   const json* events = nullptr;
   if (j.is_object() && j.contains("traceEvents")) events = &j.at("traceEvents");
   if (j.is_array()) events = &j;
   if (events == nullptr || !events->is_array()) {
     throw logic_error(source + ": not a Kineto trace (no traceEvents list)");
   }
-  imported_trace t;
-  t.format = "kineto";
-  std::int64_t peak = -1;
+  // Each device has its own address space and its own Total Reserved: one device is replayed,
+  // as from a snapshot, the one with the most memory events.
+  struct device_events {
+    std::vector<trace_event> events;
+    std::int64_t peak = -1;
+  };
+  std::map<std::uint64_t, device_events> devices;
   for (std::size_t i = 0; i < events->size(); ++i) {
     const json& e = (*events)[i];
-    if (!e.is_object() || e.value("name", "") != "[memory]") continue;
+    if (!e.is_object()) continue;
+    if (const auto name = e.find("name"); name == e.end() || *name != "[memory]") continue;
     const std::string where = source + ": traceEvents[" + std::to_string(i) + "]";
-    if (!e.contains("args") || !e.at("args").is_object()) throw logic_error(where + ": no args");
-    const json& a = e.at("args");
-    // Device Type 0 is host memory; only device memory is replayed.
-    if (a.contains("Device Type") && as_u64(a.at("Device Type"), where) == 0) continue;
-    if (!a.contains("Addr") || !a.contains("Bytes")) throw logic_error(where + ": needs Addr and Bytes");
-    const json& b = a.at("Bytes");
-    if (!b.is_number()) throw logic_error(where + ": Bytes is not a number");
-    const auto bytes = b.get<std::int64_t>();
-    trace_event ev;
-    ev.action = bytes >= 0 ? trace_action::alloc : trace_action::free_requested;
-    ev.addr = as_u64(a.at("Addr"), where + " Addr");
-    ev.size = ev.requested = static_cast<std::uint64_t>(bytes >= 0 ? bytes : -bytes);
-    if (e.contains("ts") && e.at("ts").is_number()) {
-      ev.time_ns = static_cast<std::uint64_t>(e.at("ts").get<double>() * 1000.0);
-    }
-    if (a.contains("Total Reserved") && a.at("Total Reserved").is_number()) {
-      peak = std::max(peak, a.at("Total Reserved").get<std::int64_t>());
-    }
-    if (ev.size == 0) continue;
-    t.events.push_back(std::move(ev));
+    per_event(where, [&] {
+      if (!e.contains("args") || !e.at("args").is_object()) throw logic_error(where + ": no args");
+      const json& a = e.at("args");
+      // Device Type 0 is host memory; only device memory is replayed.
+      if (a.contains("Device Type") && as_u64(a.at("Device Type"), where) == 0) return;
+      if (!a.contains("Addr") || !a.contains("Bytes")) throw logic_error(where + ": needs Addr and Bytes");
+      device_events& d =
+          devices[a.contains("Device Id") ? as_u64(a.at("Device Id"), where + " Device Id") : 0];
+      // Bytes is signed (a free is negative) and its magnitude a size: |Bytes| <= 2^63 - 1, so
+      // INT64_MIN (whose negation overflows) and 2^64 - 1 (which read as -1) are refused.
+      const json& b = a.at("Bytes");
+      const bool fits = b.is_number_unsigned() ? b.get<std::uint64_t>() <= kMaxSize
+                        : b.is_number_integer() ? b.get<std::int64_t>() != INT64_MIN
+                                                : false;
+      if (!fits) {
+        throw logic_error(where + ": Bytes must be an integer from -" + std::to_string(kMaxSize) +
+                          " to " + std::to_string(kMaxSize) + ", got " + dump(b));
+      }
+      const auto bytes = b.get<std::int64_t>();
+      trace_event ev;
+      ev.action = bytes >= 0 ? trace_action::alloc : trace_action::free_requested;
+      ev.addr = as_u64(a.at("Addr"), where + " Addr");
+      ev.size = ev.requested = static_cast<std::uint64_t>(bytes >= 0 ? bytes : -bytes);
+      if (e.contains("ts")) {  // microseconds, often fractional
+        const json& ts = e.at("ts");
+        const double us = ts.is_number() ? ts.get<double>() : -1.0;
+        if (!(us >= 0 && us * 1000.0 < 18446744073709551616.0)) {
+          throw logic_error(where + ": ts must be a time >= 0 in microseconds, got " + dump(ts));
+        }
+        ev.time_ns = static_cast<std::uint64_t>(us * 1000.0);
+      }
+      if (a.contains("Total Reserved")) {
+        d.peak = std::max(d.peak, static_cast<std::int64_t>(as_u64(
+                                      a.at("Total Reserved"), where + " Total Reserved", kMaxSize)));
+      }
+      if (ev.size == 0) return;
+      d.events.push_back(std::move(ev));
+    });
   }
+  imported_trace t;
+  t.format = "kineto";
+  if (devices.empty()) return t;
+  auto busiest = devices.begin();
+  for (auto it = devices.begin(); it != devices.end(); ++it) {
+    if (it->second.events.size() > busiest->second.events.size()) busiest = it;
+  }
+  if (devices.size() > 1) {
+    std::string counts;
+    for (const auto& [id, d] : devices) {
+      counts += (counts.empty() ? "" : ", ") + std::to_string(d.events.size()) + " on device " +
+                std::to_string(id);
+    }
+    t.notes.push_back(source + ": memory events on " + std::to_string(devices.size()) +
+                      " devices (" + counts + "); replaying device " +
+                      std::to_string(busiest->first) + ", the one with the most events");
+  }
+  t.events = std::move(busiest->second.events);
   std::stable_sort(t.events.begin(), t.events.end(),
                    [](const trace_event& x, const trace_event& y) { return x.time_ns < y.time_ns; });
-  if (peak >= 0) t.torch_reserved_peak = peak;
+  if (busiest->second.peak >= 0) t.torch_reserved_peak = busiest->second.peak;
   return t;
 }
 
@@ -221,16 +349,11 @@ imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
     }
     return f;
   };
-  auto number = [&](std::string_view s, const char* what) -> std::uint64_t {
-    try {
-      std::size_t used = 0;
-      const std::string str(s);
-      const auto v = std::stoull(str, &used, 0);
-      if (used == str.size() && !str.empty()) return v;
-    } catch (const std::exception&) {
-    }
+  auto number = [&](std::string_view s, const char* what, std::uint64_t max) -> std::uint64_t {
+    if (const auto v = parse_u64(s); v && *v <= max) return *v;
     throw logic_error(source + ":" + std::to_string(line_no) + ": bad " + what + " '" +
-                      std::string(s) + "'");
+                      std::string(s) + "' (an unsigned integer up to " + std::to_string(max) +
+                      ", decimal or 0x hexadecimal)");
   };
   while (pos < text.size()) {
     const std::size_t nl = text.find('\n', pos);
@@ -270,9 +393,9 @@ imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
       throw logic_error(source + ":" + std::to_string(line_no) + ": unknown action '" +
                         std::string(action) + "' (expected allocate, free, allocate failure)");
     }
-    ev.addr = number(f[static_cast<std::size_t>(col_ptr)], "pointer");
-    ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size");
-    if (col_stream >= 0) ev.stream = number(f[static_cast<std::size_t>(col_stream)], "stream");
+    ev.addr = number(f[static_cast<std::size_t>(col_ptr)], "pointer", UINT64_MAX);
+    ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size", kMaxSize);
+    if (col_stream >= 0) ev.stream = number(f[static_cast<std::size_t>(col_stream)], "stream", UINT64_MAX);
     ev.time_ns = t.events.size();
     t.events.push_back(ev);
   }
@@ -298,8 +421,18 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
   if (fmt.empty() || fmt == "auto") {
     if (!data.empty() && static_cast<unsigned char>(data[0]) == 0x80) fmt = "pickle";
     else if (data.rfind("Thread,", 0) == 0) fmt = "rmm";
-    else if (!data.empty() && data[0] == '{' && data.find('\n') < data.size() - 1 &&
-             data.find("\"action\"") < data.find('\n')) {
+    else fmt = "json";
+  }
+  if (fmt == "pickle") return parse_torch_snapshot_pickle(data, path);
+  if (fmt == "rmm") return parse_rmm_csv(data, path);
+  if (fmt == "kineto") return parse_kineto_json(data, path);
+  if (fmt == "snapshot-json") return parse_torch_snapshot_json(data, path);
+  if (fmt == "json") {
+    // Kineto traces carry traceEvents; snapshots carry device_traces / segments; a terrace trace
+    // is one object with an action per line, and may have one line only.
+    const auto head = std::string_view(data).substr(0, 1u << 16);
+    if (head.find("\"traceEvents\"") != std::string_view::npos) return parse_kineto_json(data, path);
+    auto jsonl = [&] {
       std::istringstream in(data);
       imported_trace t;
       t.format = "terrace-jsonl";
@@ -309,19 +442,21 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
         throw logic_error(path + ": " + e.what());
       }
       return t;
-    } else {
-      fmt = "json";
+    };
+    const std::size_t first_line = std::min(data.find('\n'), data.size());
+    const bool one_line = data.find_first_not_of(" \t\r\n", first_line) == std::string::npos;
+    if (!one_line) {  // one document over several lines, or a JSON-lines trace
+      if (data[0] == '{' && data.find("\"action\"") < first_line) return jsonl();
+      return parse_torch_snapshot_json(data, path);
     }
-  }
-  if (fmt == "pickle") return parse_torch_snapshot_pickle(data, path);
-  if (fmt == "rmm") return parse_rmm_csv(data, path);
-  if (fmt == "kineto") return parse_kineto_json(data, path);
-  if (fmt == "snapshot-json") return parse_torch_snapshot_json(data, path);
-  if (fmt == "json") {
-    // Kineto traces carry traceEvents; snapshots carry device_traces / segments.
-    const auto head = std::string_view(data).substr(0, 1u << 16);
-    if (head.find("\"traceEvents\"") != std::string_view::npos) return parse_kineto_json(data, path);
-    return parse_torch_snapshot_json(data, path);
+    // One line: a snapshot written compactly (whose trace events have actions too) or a
+    // one-event trace; its top-level keys tell.
+    const json j = parse_json(data, path);
+    if (j.is_object() && j.contains("action") && !j.contains("device_traces") &&
+        !j.contains("segments")) {
+      return jsonl();
+    }
+    return from_snapshot(j, path, "torch-snapshot-json");
   }
   throw logic_error(path + ": unknown trace format '" + fmt +
                     "' (jsonl, pickle, snapshot-json, kineto, rmm)");

@@ -24,11 +24,17 @@ struct imported_trace {
   /// peak over its trace's segment events) or from Kineto's "Total Reserved".
   std::optional<std::int64_t> torch_reserved_now;
   std::optional<std::int64_t> torch_reserved_peak;
+  /// What the reader chose that the user should know, one sentence each (the CLI prints them to
+  /// stderr): e.g. that a trace of several devices was narrowed to one.
+  std::vector<std::string> notes;
 };
 
-/// @brief Reads `path`, choosing the format by extension (.jsonl, .pickle/.pkl, .csv, .json with
-/// `traceEvents` = Kineto, else a snapshot) or, failing that, by content. `format` forces one:
-/// "jsonl", "pickle", "snapshot-json", "kineto", "rmm" ("" or "auto" = detect).
+/// @brief Reads `path`, choosing the format by extension (.jsonl, .pickle/.pkl, .csv) or, failing
+/// that, by content: a pickle, an RMM CSV header, JSON with `traceEvents` = Kineto, JSON objects
+/// with an `action` one per line (one line included) = terrace JSON lines, else a snapshot, which
+/// must have `device_traces` or `segments`. `format` forces one: "jsonl", "pickle",
+/// "snapshot-json", "kineto", "rmm" ("" or "auto" = detect). Of a snapshot or Kineto trace of
+/// several devices, the one with the most events is read (said in `notes`).
 /// @throws terrace::logic_error naming the file (and line or byte) for anything malformed, a pickle
 /// opcode that could run code, or an unknown format.
 imported_trace import_trace(const std::string& path, std::string_view format = {});
