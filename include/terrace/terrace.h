@@ -56,7 +56,7 @@ TERRACE_API void terrace_init(int device_count);
 TERRACE_API void terrace_empty_cache(void);
 /** @brief memory-fraction hook: caps reserved memory on `device`. */
 TERRACE_API void terrace_set_memory_fraction(double fraction, int device);
-/** @brief record-stream hook: `ptr` is also used on `stream`. */
+/** @brief record-stream hook: `ptr` is also used on `stream`. NULL (an empty tensor) is ignored. */
 TERRACE_API void terrace_record_stream(void* ptr, void* stream);
 
 /* ---- Configuration and observability (0 or a negative terrace_status) --------------------- */
@@ -81,7 +81,8 @@ TERRACE_API int terrace_record_trace(int on);
 TERRACE_API int terrace_dump_snapshot(int device, const char* path);
 /** @brief Writes device `device`'s recorded trace as JSON lines to `path`. */
 TERRACE_API int terrace_dump_trace(int device, const char* path);
-/** @brief The last failure on this thread, or "" if none. Valid until the next call on this thread. */
+/** @brief The last failure on this thread, or "" if none. Valid until the next call on this thread
+ * (also during and after static destruction); at most 4095 characters, longer ones cut with "...". */
 TERRACE_API const char* terrace_last_error(void);
 
 #ifdef __cplusplus
