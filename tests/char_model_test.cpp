@@ -31,6 +31,7 @@
 #include "terrace/sim_device.hpp"
 #include "tests/char_model_reference.hpp"
 #include "tests/char_model_test_support.hpp"
+#include "tests/inert_backend.hpp"
 
 namespace terrace::model {
 namespace {
@@ -424,26 +425,9 @@ TEST(CharModel, DevicesWithoutHostMemoryOrAnotherAllocatorAreRefused) {
 }
 
 // A backend that calls itself "cuda", to ask for the cuda implementation without a GPU.
-class named_cuda_device final : public device_backend {
+class named_cuda_device final : public terrace::testing::inert_backend {
  public:
-  named_cuda_device() { properties_.name = "cuda"; properties_.capacity = 1 << 20; }
-
- private:
-  [[noreturn]] static void unused() { throw device_error("named_cuda_device: not a real device"); }
-  void* do_reserve(std::size_t) override { unused(); }
-  void do_release(void*, std::size_t) noexcept override {}
-  std::size_t do_used_bytes() const noexcept override { return 0; }
-  stream_ref do_create_stream() override { unused(); }
-  void do_destroy_stream(stream_ref) noexcept override {}
-  void do_synchronize_stream(stream_ref) override {}
-  void do_synchronize_device() override {}
-  event_ref do_create_event() override { unused(); }
-  void do_destroy_event(event_ref) noexcept override {}
-  void do_record(event_ref, stream_ref) override { unused(); }
-  bool do_query(event_ref) override { return true; }
-  void do_wait(stream_ref, event_ref) override { unused(); }
-  void do_synchronize_event(event_ref) override {}
-  void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override { unused(); }
+  named_cuda_device() : inert_backend("cuda") { properties_.capacity = 1 << 20; }
 };
 
 #if !defined(TERRACE_TEST_MODEL_WITH_CUDA)

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "device_conformance.hpp"
+#include "inert_backend.hpp"
 #include "terrace/device.hpp"
 #include "terrace/error.hpp"
 #include "terrace/sim_device.hpp"
@@ -865,28 +866,15 @@ TEST(SimStress, ThreadsShareStreamsEventsAndMemory) {
 
 // The smallest backend: counts the calls that reach it, and has no virtual memory. Its segments
 // are tokens, never dereferenced.
-class counting_backend final : public device_backend {
+class counting_backend final : public testing::inert_backend {
  public:
-  counting_backend() { properties_.name = "counting"; }
+  counting_backend() : inert_backend("counting") {}
   std::atomic<int> reserves{0};
 
  private:
   void* do_reserve(std::size_t) override {
     return reinterpret_cast<void*>(std::uintptr_t{4096} * static_cast<unsigned>(++reserves));
   }
-  void do_release(void*, std::size_t) noexcept override {}
-  std::size_t do_used_bytes() const noexcept override { return 0; }
-  stream_ref do_create_stream() override { return {}; }
-  void do_destroy_stream(stream_ref) noexcept override {}
-  void do_synchronize_stream(stream_ref) override {}
-  void do_synchronize_device() override {}
-  event_ref do_create_event() override { return {}; }
-  void do_destroy_event(event_ref) noexcept override {}
-  void do_record(event_ref, stream_ref) override {}
-  bool do_query(event_ref) override { return true; }
-  void do_wait(stream_ref, event_ref) override {}
-  void do_synchronize_event(event_ref) override {}
-  void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override {}
 };
 
 TEST(DeviceBackend, InjectedFaultsNeverReachTheBackendAndComeOomFirst) {

@@ -17,6 +17,7 @@
 #include "terrace/device.hpp"
 #include "terrace/error.hpp"
 #include "terrace/pinned_pool.hpp"
+#include "inert_backend.hpp"
 
 namespace terrace {
 namespace {
@@ -205,11 +206,10 @@ TEST(PinnedPool, TheMemlockLimitRefusalNamesTheLimit) {
 // Pinned memory only, as a host whose pinned allocations are page aligned but no more (Debian 12's
 // kernel, cudaHostAlloc: nothing promises more), and that refuses regions above `limit` bytes the
 // way a locked-memory limit does. Its other calls are never reached by the pool.
-class page_aligned_host final : public device_backend {
+class page_aligned_host final : public testing::inert_backend {
  public:
-  explicit page_aligned_host(std::size_t limit) : limit_(limit) { properties_.name = "page-aligned"; }
+  explicit page_aligned_host(std::size_t limit) : inert_backend("page-aligned"), limit_(limit) {}
   ~page_aligned_host() override { EXPECT_EQ(live, 0); }
-  int reserves = 0;
   int live = 0;
 
  private:
@@ -218,7 +218,6 @@ class page_aligned_host final : public device_backend {
     if (bytes > limit_) throw out_of_memory("page-aligned host: mlock refused (limit)");
     void* raw = std::aligned_alloc(2 * MiB, bytes + 2 * MiB);
     if (raw == nullptr) throw out_of_memory("page-aligned host: no memory");
-    ++reserves;
     ++live;
     return static_cast<char*>(raw) + kSkew;
   }
@@ -226,21 +225,6 @@ class page_aligned_host final : public device_backend {
     --live;
     std::free(static_cast<char*>(p) - kSkew);
   }
-  [[noreturn]] static void unused() { throw device_error("page-aligned host: not a device"); }
-  void* do_reserve(std::size_t) override { unused(); }
-  void do_release(void*, std::size_t) noexcept override {}
-  std::size_t do_used_bytes() const noexcept override { return 0; }
-  stream_ref do_create_stream() override { unused(); }
-  void do_destroy_stream(stream_ref) noexcept override {}
-  void do_synchronize_stream(stream_ref) override {}
-  void do_synchronize_device() override {}
-  event_ref do_create_event() override { unused(); }
-  void do_destroy_event(event_ref) noexcept override {}
-  void do_record(event_ref, stream_ref) override { unused(); }
-  bool do_query(event_ref) override { return true; }
-  void do_wait(stream_ref, event_ref) override { unused(); }
-  void do_synchronize_event(event_ref) override {}
-  void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override { unused(); }
 
   std::size_t limit_;
 };
