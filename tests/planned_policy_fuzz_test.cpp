@@ -1,0 +1,1008 @@
+// SPDX-License-Identifier: Apache-2.0
+// A randomized differential fuzzer of the planned policy (allocator/plan_front.cpp), kept as a
+// test because it found what the hand-written cases did not: two live blocks at one address (a
+// late free before a slot the fallback served) and an arena given back to the device while work
+// queued before a stream-ordered free still used it.
+//
+// Each seed draws a workload (a periodic training iteration on 1-3 streams, deviations injected
+// into it) and a configuration (live plan or plan_counterfactual beside caching, split and rounding
+// knobs, a device from roomy to barely larger than the peak), runs it over a model device, and
+// checks every allocation against what the program knows, never against the allocator's own books:
+//   - the pointer lies inside a segment the device handed out and is 512-aligned;
+//   - it overlaps no live block;
+//   - reuse is stream ordered: a block on stream S over space last used by work on stream T != S
+//     is ordered after that work (the host saw it complete, or S waits for it on the device);
+//   - a segment given back to the device has no queued work still using it (destruction included:
+//     the allocator must wait for it itself, nothing here synchronizes before it is destroyed),
+//     and once every block is freed, destroying the allocator gives every segment back;
+//   - now and then check_invariants(), and the stats against a shadow count (live requested bytes
+//     and count, rounded bytes, reserved bytes and segments against the device, peaks).
+//
+// Environment (nothing set: the default seed range, sized for a few seconds in a Release build):
+//   TERRACE_FUZZ_SEED=<n>      run seed n alone (a failure names the seed and says this)
+//   TERRACE_FUZZ_SEEDS=<count> run <count> seeds (from TERRACE_FUZZ_SEED, or from 1); more
+//                              coverage when changing the planned policy, e.g. 20000
+// Every seed's variant (plain, memory pressure, long iterations) follows from the seed itself, so
+// one number reproduces a failure exactly.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "terrace/caching_allocator.hpp"
+#include "terrace/config.hpp"
+#include "terrace/error.hpp"
+
+namespace terrace {
+namespace {
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// ~7 s in a Release build on a 2-core runner (about 7 ms a seed). A sanitized build is several
+// times slower per seed, so it runs a quarter of them; the variants come round every 4 seeds, so
+// any range covers them all.
+constexpr std::uint64_t kDefaultSeeds = kSanitized ? 250 : 1000;
+
+// A check that failed. Thrown only by the test's own code, never from inside a device callback
+// (the allocator would see a foreign exception), and not a std::exception, so that the handlers
+// around allocator calls cannot swallow it.
+struct fuzz_failure {
+  std::string what;
+};
+
+[[noreturn]] void fail(std::string what) { throw fuzz_failure{std::move(what)}; }
+
+std::string hex(std::uintptr_t p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%#llx", static_cast<unsigned long long>(p));
+  return buf;
+}
+
+std::size_t round512(std::size_t n) { return (n + 511) / 512 * 512; }
+
+// =============================================================================== model device
+// Addresses only (never touched), capacity-limited, and every call returns at once, like the
+// null device. What it adds is a model of stream order, so that the checker can tell whether a
+// block was handed out while work queued on another stream might still be using its space.
+//
+// Why vector clocks: "that work is over" is not one fact the host either knows or not. Stream S is
+// ordered after work w of stream T when the host learnt that w completed (a synchronize, a query
+// that said true), or when S was made to wait on the device for an event recorded on T after w,
+// which the host never sees complete. And orderings compose: if T waited for U's event and S then
+// waits for one of T's, S is after U's work too. One counter of launched work per stream (W), a
+// vector of host-known completion (H), and per stream a vector of what its queue is ordered after
+// (vc[S]) capture exactly that; an event carries its stream's vector at record time. A scalar
+// "last completed" per stream would miss device-side waits or, worse, accept reuse that is only
+// transitively unordered.
+//
+// Work completes nondeterministically: a query of unfinished work completes it with probability
+// query_p, so the allocator's "still pending" and "done" paths both run.
+
+constexpr int kMaxStreams = 4;  // index 0 is the default stream (stream_ref{})
+using vclock = std::array<long, kMaxStreams>;
+
+// One piece of work that used a block: the `work`-th launch on `stream`.
+struct stream_use {
+  int stream;
+  long work;
+};
+
+class model_device final : public device_backend {
+ public:
+  model_device(std::size_t capacity, std::mt19937_64& rng, double query_p)
+      : rng_(rng), query_p_(query_p) {
+    properties_.name = "model";
+    properties_.capacity = capacity;
+    properties_.alignment = 512;
+    properties_.touches_memory = false;
+    properties_.supports_vmm = false;
+    free_.emplace(std::uintptr_t{1} << 40, std::uintptr_t{1} << 44);
+  }
+
+  static int index(stream_ref s) {
+    return static_cast<int>(reinterpret_cast<std::uintptr_t>(s.native));
+  }
+
+  // Queues one piece of work on stream s (a kernel using some block) and returns its number.
+  long launch(int s) { return ++launched_[s]; }
+
+  bool inside_segment(std::uintptr_t p, std::size_t n) const {
+    auto it = segments_.upper_bound(p);
+    if (it == segments_.begin()) return false;
+    --it;
+    return p + n <= it->first + it->second;
+  }
+
+  std::size_t segment_count() const { return segments_.size(); }
+  std::size_t used() const { return used_; }
+
+  // A block at [p, p+n) was freed after the uses `u`: those still unfinished stay on its space
+  // until a block handed out over it proves itself ordered after them.
+  void retire(std::uintptr_t p, std::size_t n, const std::vector<stream_use>& u) {
+    cut(p, p + n);
+    std::vector<stream_use> pending;
+    for (const stream_use& x : u) {
+      if (host_known_[x.stream] < x.work) pending.push_back(x);
+    }
+    if (!pending.empty()) retired_.emplace(p, uses{p + n, std::move(pending)});
+  }
+
+  // REQUIRES: [p, p+n) was just handed out on stream s. Fails unless s is ordered after every
+  // unfinished use of that space.
+  void check_handout(std::uintptr_t p, std::size_t n, int s) {
+    for (auto it = first_overlapping(p); it != retired_.end() && it->first < p + n; ++it) {
+      for (const stream_use& x : it->second.u) {
+        if (ordered(s, x.stream, x.work)) continue;
+        fail("stream-ordered reuse violated: block [" + hex(p) + ",+" + std::to_string(n) +
+             ") on stream " + std::to_string(s) + " over [" + hex(it->first) + "," +
+             hex(it->second.hi) + ") last used by stream " + std::to_string(x.stream) + " work " +
+             std::to_string(x.work) + " (host knows " + std::to_string(host_known_[x.stream]) +
+             ", stream " + std::to_string(s) + " waited for " +
+             std::to_string(ordered_after_[s][x.stream]) + ")");
+      }
+    }
+    cut(p, p + n);
+  }
+
+  // The first contract violation the allocator committed inside a device call (those are
+  // noexcept or run under the allocator's frames, so they are recorded, not thrown), or none.
+  const std::optional<std::string>& violation() const { return violation_; }
+
+ private:
+  struct event_state {
+    vclock vc{};
+  };
+  // Unfinished uses of the space [key, hi) of freed blocks; intervals are disjoint.
+  struct uses {
+    std::uintptr_t hi;
+    std::vector<stream_use> u;
+  };
+
+  void violate(std::string what) {
+    if (!violation_) violation_ = std::move(what);
+  }
+
+  bool ordered(int s, int t, long w) const {
+    return t == s || host_known_[t] >= w || ordered_after_[s][t] >= w;
+  }
+
+  std::map<std::uintptr_t, uses>::iterator first_overlapping(std::uintptr_t lo) {
+    auto it = retired_.lower_bound(lo);
+    if (it != retired_.begin() && std::prev(it)->second.hi > lo) --it;
+    return it;
+  }
+
+  // Cuts [lo, hi) out of the retired intervals, keeping the parts outside it.
+  void cut(std::uintptr_t lo, std::uintptr_t hi) {
+    auto it = first_overlapping(lo);
+    std::vector<std::pair<std::uintptr_t, uses>> keep;
+    while (it != retired_.end() && it->first < hi) {
+      const std::uintptr_t a = it->first;
+      const std::uintptr_t b = it->second.hi;
+      if (a < lo) keep.push_back({a, {lo, it->second.u}});
+      if (b > hi) keep.push_back({hi, {b, it->second.u}});
+      it = retired_.erase(it);
+    }
+    for (auto& [a, u] : keep) retired_.emplace(a, std::move(u));
+  }
+
+  void complete_on_host(const vclock& vc) {
+    for (int t = 0; t < kMaxStreams; ++t) host_known_[t] = std::max(host_known_[t], vc[t]);
+  }
+
+  event_state* find_event(event_ref e, const char* call) {
+    auto it = events_.find(e.native);
+    if (it != events_.end()) return &it->second;
+    violate(std::string(call) + " of an event that was never created or already destroyed");
+    return nullptr;
+  }
+
+  void* do_reserve(std::size_t bytes) override {
+    const std::size_t n = round512(bytes);
+    if (used_ + n > properties_.capacity) throw out_of_memory("model device: full");
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second - it->first < n) continue;
+      const std::uintptr_t p = it->first;
+      const std::uintptr_t end = it->second;
+      free_.erase(it);
+      if (p + n < end) free_.emplace(p + n, end);
+      segments_.emplace(p, bytes);
+      used_ += n;
+      return reinterpret_cast<void*>(p);
+    }
+    throw out_of_memory("model device: no address space");
+  }
+
+  void do_release(void* ptr, std::size_t bytes) noexcept override {
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    auto seg = segments_.find(p);
+    if (seg == segments_.end() || seg->second != bytes) {
+      violate("release of " + hex(p) + " (" + std::to_string(bytes) +
+              " bytes), not a segment or not its size");
+      return;
+    }
+    // The contract: no queued work uses it any more.
+    for (auto it = first_overlapping(p); it != retired_.end() && it->first < p + bytes; ++it) {
+      for (const stream_use& x : it->second.u) {
+        if (host_known_[x.stream] < x.work) {
+          violate("release of segment " + hex(p) + " with work still queued on it (stream " +
+                  std::to_string(x.stream) + " work " + std::to_string(x.work) + ")");
+        }
+      }
+    }
+    cut(p, p + bytes);
+    segments_.erase(seg);
+    const std::size_t n = round512(bytes);
+    used_ -= n;
+    std::uintptr_t lo = p;
+    std::uintptr_t hi = p + n;
+    auto next = free_.lower_bound(hi);
+    if (next != free_.end() && next->first == hi) {
+      hi = next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin() && std::prev(next)->second == lo) {
+      lo = std::prev(next)->first;
+      free_.erase(std::prev(next));
+    }
+    free_.emplace(lo, hi);
+  }
+
+  std::size_t do_used_bytes() const noexcept override { return used_; }
+
+  stream_ref do_create_stream() override {
+    if (streams_ >= kMaxStreams) throw device_error("model device: too many streams");
+    return stream_ref{reinterpret_cast<void*>(static_cast<std::uintptr_t>(streams_++))};
+  }
+  void do_destroy_stream(stream_ref) noexcept override {}
+  void do_synchronize_stream(stream_ref s) override {
+    const int i = index(s);
+    complete_on_host(ordered_after_[i]);
+    host_known_[i] = launched_[i];
+  }
+  void do_synchronize_device() override { host_known_ = launched_; }
+
+  event_ref do_create_event() override {
+    void* key = reinterpret_cast<void*>(next_event_++);
+    events_[key] = {};
+    return event_ref{key};
+  }
+  void do_destroy_event(event_ref e) noexcept override {
+    if (events_.erase(e.native) == 0) violate("destroy of an unknown event");
+  }
+  void do_record(event_ref e, stream_ref s) override {
+    event_state* ev = find_event(e, "record");
+    if (ev == nullptr) return;
+    const int i = index(s);
+    ev->vc = ordered_after_[i];
+    ev->vc[i] = launched_[i];
+  }
+  bool do_query(event_ref e) override {
+    event_state* ev = find_event(e, "query");
+    if (ev == nullptr) return true;
+    bool done = true;
+    for (int t = 0; t < kMaxStreams; ++t) done = done && host_known_[t] >= ev->vc[t];
+    if (done) return true;
+    if (std::uniform_real_distribution<double>(0, 1)(rng_) < query_p_) {
+      complete_on_host(ev->vc);
+      return true;
+    }
+    return false;
+  }
+  void do_wait(stream_ref s, event_ref e) override {
+    event_state* ev = find_event(e, "wait");
+    if (ev == nullptr) return;
+    vclock& vc = ordered_after_[index(s)];
+    for (int t = 0; t < kMaxStreams; ++t) vc[t] = std::max(vc[t], ev->vc[t]);
+  }
+  void do_synchronize_event(event_ref e) override {
+    if (event_state* ev = find_event(e, "synchronize")) complete_on_host(ev->vc);
+  }
+  void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override {}
+
+  std::mt19937_64& rng_;
+  const double query_p_;
+  vclock launched_{};                           // W: work launched per stream
+  vclock host_known_{};                         // H: completion the host knows of, per stream
+  std::array<vclock, kMaxStreams> ordered_after_{};  // vc[S]: what stream S's queue waits for
+  std::map<void*, event_state> events_;
+  std::uintptr_t next_event_ = 1;
+  int streams_ = 1;  // the default stream is 0
+  std::map<std::uintptr_t, std::size_t> segments_;  // address -> bytes as reserved
+  std::map<std::uintptr_t, std::uintptr_t> free_;   // free address space: start -> end
+  std::size_t used_ = 0;
+  std::map<std::uintptr_t, uses> retired_;
+  std::optional<std::string> violation_;
+};
+
+// ========================================================================= workload generator
+// An iteration is a list of ops over block ids local to it. The base shape repeats (that is what
+// the planner learns); each iteration may be perturbed from it, or be another shape entirely.
+//
+// Every random draw is its own statement: two draws in one expression are unsequenced, and a seed
+// must mean the same workload under every compiler.
+
+struct op {
+  enum kind_t { alloc, free, record_stream, host_sync, empty_cache, reset_accumulated, reset_peak,
+                inject_oom, begin_mark, end_mark };
+  kind_t kind;
+  int id = -1;           // local block id (alloc, free, record_stream)
+  std::size_t size = 0;  // alloc
+  int stream = 0;        // alloc: the stream; record_stream: the other stream
+  int tag = -1;          // alloc: tag number, -1 for none
+};
+
+const char* kind_name(op::kind_t k) {
+  static constexpr std::array<const char*, 10> names = {
+      "alloc", "free", "record_stream", "host_sync", "empty_cache", "reset_accumulated_stats",
+      "reset_peak_stats", "inject_oom", "begin_iteration", "end_iteration"};
+  return names[static_cast<std::size_t>(k)];
+}
+
+// Ids of blocks a deviation adds start here, clear of the shape's own.
+constexpr int kExtraId = 10000;
+
+std::size_t random_size(std::mt19937_64& rng, int size_mode) {
+  const std::uint64_t r = rng() % 100;
+  if (size_mode == 0) {  // small pool only
+    const std::size_t pages = rng() % 64 + 1;
+    const bool ragged = rng() % 3 == 0;
+    return pages * 512 + (ragged ? rng() % 512 : 0);
+  }
+  if (size_mode == 1) {  // both sides of small_size (1 MiB)
+    if (r < 50) return (rng() % 2048 + 1) * 512;
+    const std::size_t halves = rng() % 12 + 1;
+    return halves * (std::size_t{1} << 19) + 512 * (rng() % 5);
+  }
+  // large: 20 MiB segments, max_split_size and exact segments
+  if (r < 30) return (rng() % 64 + 1) * 4096;
+  const std::size_t mib = rng() % 24 + 1;
+  return mib * (std::size_t{1} << 20) + 512 * (rng() % 9);
+}
+
+// One iteration of `nallocs` blocks: allocated in order, each freed a little later (a quarter of
+// them much later), one in twelve crossing into the next iteration, one in six also used on
+// another stream (record_stream).
+std::vector<op> make_shape(std::mt19937_64& rng, int nstreams, int size_mode, int nallocs) {
+  std::vector<std::pair<double, op>> timed;
+  for (int i = 0; i < nallocs; ++i) {
+    const double a = static_cast<double>(i) + 0.1;
+    const bool long_lived = rng() % 4 == 0;
+    const double f = a + 0.5 + static_cast<double>(rng() % (long_lived ? nallocs : 6));
+    const std::size_t size = random_size(rng, size_mode);
+    const int stream = static_cast<int>(rng() % nstreams);
+    const bool crosses = rng() % 12 == 0;
+    int other = -1;
+    if (nstreams > 1 && rng() % 6 == 0) {
+      other = static_cast<int>(rng() % nstreams);
+      if (other == stream) other = -1;
+    }
+    timed.push_back({a, op{op::alloc, i, size, stream, i}});
+    if (other >= 0) timed.push_back({a + 0.05, op{op::record_stream, i, 0, other}});
+    if (!crosses) {
+      timed.push_back({std::min(f, static_cast<double>(nallocs) + 0.05), op{op::free, i}});
+    }
+  }
+  std::stable_sort(timed.begin(), timed.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  std::vector<op> ops;
+  for (auto& [t, o] : timed) ops.push_back(o);
+  return ops;
+}
+
+// Live bytes at the shape's peak: the device's capacity is drawn relative to it.
+std::size_t peak_bytes(const std::vector<op>& ops) {
+  std::map<int, std::size_t> live;
+  std::size_t current = 0;
+  std::size_t peak = 0;
+  for (const op& o : ops) {
+    if (o.kind == op::alloc) {
+      live[o.id] = o.size;
+      current += o.size;
+      peak = std::max(peak, current);
+    } else if (o.kind == op::free) {
+      current -= live[o.id];
+    }
+  }
+  return peak;
+}
+
+// Everything a seed decides before the first op.
+struct fuzz_setup {
+  enum variant_t { plain, pressure, big };
+  variant_t variant = plain;
+  int nstreams = 1;
+  int size_mode = 0;
+  int nallocs = 0;
+  bool use_tags = false;
+  // Iteration marks: 0, 1 explicit; 2 explicit from a third of the run on; 3 stray ones only.
+  int marks_mode = 0;
+  bool counterfactual = false;
+  double query_p = 0;
+  int deviation_rate = 0;  // 0 (none) .. 3
+  bool default_stream = false;
+  bool inject_ooms = false;
+  bool phase_change = false;  // base and other shape swap halfway
+  std::size_t capacity = 0;
+  std::string conf;
+  int iterations = 0;
+
+  std::string describe() const {
+    static constexpr std::array<const char*, 3> variants = {"plain", "pressure", "big"};
+    return std::string(variants[variant]) + " streams=" + std::to_string(nstreams) +
+           (default_stream ? " (default stream first)" : "") +
+           " size_mode=" + std::to_string(size_mode) + " nallocs=" + std::to_string(nallocs) +
+           " marks=" + std::to_string(marks_mode) +
+           " deviations=" + std::to_string(deviation_rate) +
+           " query_p=" + std::to_string(query_p).substr(0, 3) +
+           " capacity=" + std::to_string(capacity) + " conf=" + conf;
+  }
+};
+
+// Every 4th seed (seed % 4 == 1) runs a device barely larger than the peak; every 4th (seed % 4
+// == 3) iterations of 40-140 blocks, which is where plans with many slots per lane go wrong.
+fuzz_setup::variant_t variant_of(std::uint64_t seed) {
+  if (seed % 4 == 1) return fuzz_setup::pressure;
+  if (seed % 4 == 3) return fuzz_setup::big;
+  return fuzz_setup::plain;
+}
+
+// Perturbs one iteration's ops in place: the deviations a real training loop shows (a changed
+// size, a skipped or extra tensor, reordering, a cache flush or stats reset mid-iteration, frees
+// delayed to the end).
+void deviate(std::mt19937_64& rng, const fuzz_setup& setup, std::vector<op>& ops) {
+  const int count = 1 + static_cast<int>(rng() % 3);
+  for (int d = 0; d < count && !ops.empty(); ++d) {
+    const int kind = static_cast<int>(rng() % 9);
+    const std::size_t i = rng() % ops.size();
+    const auto at = [&](std::size_t k) { return ops.begin() + static_cast<std::ptrdiff_t>(k); };
+    if (kind == 0 && ops[i].kind == op::alloc) {
+      ops[i].size += 512 * (1 + rng() % 4);  // a changed size
+    } else if (kind == 1 && ops[i].kind == op::alloc) {
+      const int id = ops[i].id;  // a skipped block: its alloc and free
+      std::erase_if(ops, [&](const op& o) { return o.id == id; });
+    } else if (kind == 2) {  // an extra block, freed later in the iteration or left live
+      const std::size_t size = random_size(rng, setup.size_mode);
+      const bool any_stream = rng() % 4 != 0;  // else one of all three, maybe unused so far
+      const int stream = static_cast<int>(rng() % (any_stream ? setup.nstreams : 3));
+      ops.insert(at(i), op{op::alloc, kExtraId + d, size, stream, 500 + d});
+      if (rng() % 3 != 0) {
+        const std::size_t j = i + 1 + rng() % (ops.size() - i);
+        ops.insert(at(j), op{op::free, kExtraId + d});
+      }
+    } else if (kind == 3 && i + 1 < ops.size()) {
+      std::swap(ops[i], ops[i + 1]);  // a reordered pair (a free before its alloc is skipped)
+    } else if (kind == 4) {
+      ops.insert(at(i), op{op::empty_cache});
+    } else if (kind == 5) {
+      ops.insert(at(i), op{rng() % 2 != 0 ? op::reset_accumulated : op::reset_peak});
+    } else if (kind == 6 && setup.nstreams > 1 && ops[i].kind == op::alloc) {
+      const int other = static_cast<int>(rng() % setup.nstreams);
+      ops.insert(at(i + 1), op{op::record_stream, ops[i].id, 0, other});
+    } else if (kind == 7 || kind == 8) {  // one op moved by up to 10 places either way
+      const op moved = ops[i];
+      ops.erase(at(i));
+      const long j = static_cast<long>(i) + static_cast<long>(rng() % 21) - 10;
+      const long to = std::clamp<long>(j, 0, static_cast<long>(ops.size()));
+      ops.insert(at(static_cast<std::size_t>(to)), moved);
+    }
+  }
+  if (rng() % 4 == 0) {  // some frees moved to the end of the iteration, shuffled
+    std::vector<op> tail;
+    std::erase_if(ops, [&](const op& o) {
+      if (o.kind != op::free || rng() % 3 != 0) return false;
+      tail.push_back(o);
+      return true;
+    });
+    std::shuffle(tail.begin(), tail.end(), rng);
+    ops.insert(ops.end(), tail.begin(), tail.end());
+  }
+}
+
+// ================================================================================== checker
+// The program's own books: which blocks are live where, and what the stats must therefore say.
+// Every handout is checked against them and the model device; check() compares the allocator's
+// view (check_invariants, stats) with them.
+
+struct live_block {
+  std::uintptr_t p;
+  std::size_t n;
+  int stream;  // model_device::index of the stream it was allocated on
+  std::vector<stream_use> uses;
+};
+
+class fuzz_checker {
+ public:
+  explicit fuzz_checker(model_device& dev) : dev_(dev) {}
+
+  // REQUIRES: the allocator just returned p for n bytes on stream s. Checks it, then records one
+  // use of it on s (the kernel that writes it). Returns the block's id.
+  long handed_out(void* ptr, std::size_t n, int s) {
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    if (!dev_.inside_segment(p, n)) {
+      fail("block [" + hex(p) + ",+" + std::to_string(n) + ") lies outside every reserved segment");
+    }
+    if (p % 512 != 0) fail("block " + hex(p) + " is not 512-aligned");
+    check_no_overlap(p, n, s);
+    dev_.check_handout(p, n, s);
+    const long id = next_id_++;
+    live_block b{p, n, s, {}};
+    b.uses.push_back({s, dev_.launch(s)});
+    live_.emplace(id, std::move(b));
+    by_address_.emplace(p, id);
+    requested_ += static_cast<std::int64_t>(n);
+    rounded_ += static_cast<std::int64_t>(round512(n));
+    peak_requested_ = std::max(peak_requested_, requested_);
+    peak_rounded_ = std::max(peak_rounded_, rounded_);
+    peak_used_ = std::max(peak_used_, static_cast<std::int64_t>(dev_.used()));
+    return id;
+  }
+
+  const live_block* find(long id) const {
+    auto it = live_.find(id);
+    return it == live_.end() ? nullptr : &it->second;
+  }
+
+  void used_on(long id, int s) { live_.at(id).uses.push_back({s, dev_.launch(s)}); }
+
+  // The allocator took block `id` back: its unfinished uses stay on its space.
+  void freed(long id) {
+    auto it = live_.find(id);
+    const live_block& b = it->second;
+    dev_.retire(b.p, b.n, b.uses);
+    by_address_.erase(b.p);
+    requested_ -= static_cast<std::int64_t>(b.n);
+    rounded_ -= static_cast<std::int64_t>(round512(b.n));
+    live_.erase(it);
+  }
+
+  std::vector<long> live_ids() const {
+    std::vector<long> ids;
+    for (const auto& [id, b] : live_) ids.push_back(id);
+    return ids;
+  }
+
+  void peaks_reset() {
+    peak_requested_ = requested_;
+    peak_rounded_ = rounded_;
+    peak_used_ = static_cast<std::int64_t>(dev_.used());
+  }
+
+  // The allocator's own invariants, and its stats against the program's count and the device.
+  void check(const caching_allocator& a) const {
+    try {
+      a.check_invariants();
+    } catch (const std::exception& e) {
+      fail(std::string("check_invariants: ") + e.what());
+    }
+    const allocator_stats st = a.stats();
+    const auto expect_eq = [](const char* what, std::int64_t got, std::int64_t want,
+                              const char* against) {
+      if (got != want) {
+        fail(std::string(what) + " " + std::to_string(got) + " != " + against + " " +
+             std::to_string(want));
+      }
+    };
+    const auto expect_ge = [](const char* what, std::int64_t got, std::int64_t want,
+                              const char* against) {
+      if (got < want) {
+        fail(std::string(what) + " " + std::to_string(got) + " < " + against + " " +
+             std::to_string(want));
+      }
+    };
+    expect_eq("requested_bytes.current", st.requested_bytes[0].current, requested_,
+              "live requested bytes");
+    expect_ge("allocated_bytes.current", st.allocated_bytes[0].current, rounded_,
+              "live rounded bytes");
+    expect_eq("allocation.current", st.allocation[0].current,
+              static_cast<std::int64_t>(live_.size()), "live blocks");
+    expect_eq("reserved_bytes.current", st.reserved_bytes[0].current,
+              static_cast<std::int64_t>(dev_.used()), "device used bytes");
+    expect_eq("segment.current", st.segment[0].current,
+              static_cast<std::int64_t>(dev_.segment_count()), "device segments");
+    expect_ge("reserved_bytes.current", st.reserved_bytes[0].current,
+              st.allocated_bytes[0].current, "allocated_bytes.current");
+    expect_ge("requested_bytes.peak", st.requested_bytes[0].peak, peak_requested_, "observed");
+    expect_ge("allocated_bytes.peak", st.allocated_bytes[0].peak, peak_rounded_, "observed");
+    expect_ge("reserved_bytes.peak", st.reserved_bytes[0].peak, peak_used_, "observed");
+    for (std::size_t pool = 0; pool < 3; ++pool) {
+      const std::string in = " (pool " + std::to_string(pool) + ")";
+      for (const auto* s : {&st.allocated_bytes, &st.reserved_bytes, &st.requested_bytes}) {
+        if ((*s)[pool].peak < (*s)[pool].current) fail("a peak below its current value" + in);
+        if ((*s)[pool].current < 0) fail("a negative current byte count" + in);
+      }
+      if (st.allocation[pool].current < 0) fail("a negative allocation count" + in);
+    }
+  }
+
+ private:
+  void check_no_overlap(std::uintptr_t p, std::size_t n, int s) const {
+    const auto overlap = [&](long id) {
+      const live_block& b = live_.at(id);
+      fail("overlap: new block [" + hex(p) + ",+" + std::to_string(n) + ") on stream " +
+           std::to_string(s) + " lies on live block [" + hex(b.p) + ",+" + std::to_string(b.n) +
+           ") of stream " + std::to_string(b.stream) + " (handout " + std::to_string(id) + ")");
+    };
+    auto it = by_address_.lower_bound(p);
+    if (it != by_address_.end() && it->first < p + n) overlap(it->second);
+    if (it != by_address_.begin()) {
+      const long prev = std::prev(it)->second;
+      const live_block& b = live_.at(prev);
+      if (b.p + b.n > p) overlap(prev);
+    }
+  }
+
+  model_device& dev_;
+  std::map<long, live_block> live_;
+  std::map<std::uintptr_t, long> by_address_;
+  long next_id_ = 0;
+  std::int64_t requested_ = 0;
+  std::int64_t rounded_ = 0;
+  std::int64_t peak_requested_ = 0;
+  std::int64_t peak_rounded_ = 0;
+  std::int64_t peak_used_ = 0;
+};
+
+// ================================================================================== one seed
+// Draws the setup, runs the iterations through the allocator and the checker, and says what went
+// wrong first (or nothing). The allocator is destroyed without a synchronize first: its
+// destructor must wait for queued work before its segments go back.
+
+class fuzz_run {
+ public:
+  explicit fuzz_run(std::uint64_t seed) : seed_(seed), rng_(seed * 0x9e3779b97f4a7c15ull + 7) {}
+
+  // Runs the seed. Returns the first failure with its context, or nothing.
+  std::optional<std::string> run() {
+    try {
+      draw_setup();
+      dev_ = std::make_unique<model_device>(setup_.capacity, rng_, setup_.query_p);
+      checker_ = std::make_unique<fuzz_checker>(*dev_);
+      for (int s = 0; s < 3; ++s) {
+        streams_[s] = (s == 0 && setup_.default_stream) ? stream_ref{} : dev_->create_stream();
+      }
+      try {
+        alloc_ = std::make_unique<caching_allocator>(*dev_, parse_alloc_conf(setup_.conf));
+      } catch (const std::exception& e) {
+        fail(std::string("the allocator refused the config: ") + e.what());
+      }
+      for (iteration_ = 0; iteration_ < setup_.iterations; ++iteration_) run_iteration();
+      teardown();
+      return std::nullopt;
+    } catch (const fuzz_failure& f) {
+      std::string where = "at iteration " + std::to_string(iteration_);
+      if (iteration_ < 0) where = "before the first iteration";
+      if (iteration_ >= setup_.iterations) where = "after the last iteration";
+      std::string msg = f.what + "\n  setup: " + setup_.describe() + "\n  " + where +
+                        ", the last ops (block numbers are the iteration's own):";
+      for (const std::string& o : recent_) msg += "\n    " + o;
+      // The allocator is destroyed with blocks live (it leaks them to the device, by contract);
+      // what the model device records meanwhile is not reported, the first failure is.
+      alloc_.reset();
+      return msg;
+    }
+  }
+
+ private:
+  void draw_setup() {
+    fuzz_setup& s = setup_;
+    s.variant = variant_of(seed_);
+    s.nstreams = 1 + static_cast<int>(rng_() % 3);
+    s.size_mode = static_cast<int>(rng_() % 3);
+    s.nallocs = s.variant == fuzz_setup::big ? 40 + static_cast<int>(rng_() % 100)
+                                             : 12 + static_cast<int>(rng_() % 40);
+    s.use_tags = rng_() % 2 != 0;
+    s.marks_mode = static_cast<int>(rng_() % 6);
+    explicit_marks_ = s.marks_mode <= 1;
+    s.counterfactual = rng_() % 8 == 0;
+    s.query_p = std::array<double, 3>{0.0, 0.3, 1.0}[rng_() % 3];
+    s.deviation_rate = static_cast<int>(rng_() % 4);
+    s.default_stream = rng_() % 3 == 0;
+    s.inject_ooms = rng_() % 3 == 0;
+    s.phase_change = rng_() % 4 == 0;
+    base_ = make_shape(rng_, s.nstreams, s.size_mode, s.nallocs);
+    other_ = make_shape(rng_, s.nstreams, s.size_mode, s.nallocs / 2 + 8);
+
+    // From roomy to barely above the base shape's peak (the pressure variant always the latter):
+    // the out-of-memory paths, pressure releases and loans of the arena run only there.
+    const std::size_t peak = peak_bytes(base_);
+    const int cap_mode = s.variant == fuzz_setup::pressure ? 3 : static_cast<int>(rng_() % 4);
+    s.capacity = std::size_t{1} << 42;
+    if (cap_mode == 1) {
+      const std::size_t factor = 2 + rng_() % 3;
+      s.capacity = peak * factor + (std::size_t{40} << 20) * (rng_() % 2);
+    } else if (cap_mode == 2) {
+      s.capacity = peak + peak / 2 + (rng_() % 4) * (std::size_t{2} << 20);
+    } else if (cap_mode == 3) {
+      const std::size_t divisor = 2 + rng_() % 8;
+      s.capacity = peak + peak / divisor + (rng_() % 3) * (std::size_t{2} << 20);
+    }
+    s.capacity = std::max<std::size_t>(s.capacity, std::size_t{4} << 20);
+
+    s.conf = s.counterfactual ? "policy:caching,plan_counterfactual:true" : "policy:planned";
+    s.conf += ",plan_min_period:" + std::to_string(16 + 16 * (rng_() % 4));
+    if (rng_() % 4 == 0) s.conf += ",max_split_size_mb:" + std::to_string(20 + rng_() % 30);
+    if (rng_() % 5 == 0) {
+      s.conf += ",roundup_power2_divisions:" + std::to_string(1 << (rng_() % 3 + 1));
+    }
+    if (rng_() % 5 == 0) s.conf += ",garbage_collection_threshold:0.6";
+    // Small large segments, also beside a max_split_size above: the config accepts both (a
+    // refused config fails the seed).
+    if (rng_() % 5 == 0) s.conf += ",large_segment_size:4MiB,min_large_alloc:2MiB,large_round:512";
+    s.iterations = 30 + static_cast<int>(rng_() % 40);
+  }
+
+  // The ops of iteration `iteration_`, with its deviations and stray calls.
+  std::vector<op> next_ops() {
+    const fuzz_setup& s = setup_;
+    const int another_odds = s.deviation_rate == 0 ? 1000 : 14 - 3 * s.deviation_rate;
+    const bool another = iteration_ > 4 && rng_() % another_odds == 0;
+    if (s.phase_change && iteration_ == s.iterations / 2) std::swap(base_, other_);
+    if (s.marks_mode == 2 && iteration_ == s.iterations / 3) explicit_marks_ = true;
+    std::vector<op> ops = another ? other_ : base_;
+    if (iteration_ > 3 && s.deviation_rate > 0 && rng_() % (8 - 2 * s.deviation_rate) == 0) {
+      deviate(rng_, s, ops);
+    }
+    const auto insert_somewhere = [&](op o) {
+      const std::size_t i = rng_() % (ops.size() + 1);
+      ops.insert(ops.begin() + static_cast<std::ptrdiff_t>(i), o);
+    };
+    if (s.inject_ooms && rng_() % 6 == 0) insert_somewhere(op{op::inject_oom});
+    if (s.marks_mode == 3 && rng_() % 5 == 0) {
+      insert_somewhere(op{rng_() % 2 != 0 ? op::begin_mark : op::end_mark});
+    }
+    if (rng_() % 10 == 0) insert_somewhere(op{op::host_sync});
+    return ops;
+  }
+
+  void run_iteration() {
+    std::vector<op> ops = next_ops();
+    if (explicit_marks_) {
+      note("begin_iteration (explicit)");
+      call("begin_iteration", [&] { alloc_->begin_iteration(); });
+    }
+    std::map<int, long> local;  // local id -> block id
+    // The previous iteration's crossing blocks are freed early in this one.
+    std::vector<long> early = std::move(carried_);
+    carried_.clear();
+    const std::size_t early_at = rng_() % 4;
+    for (std::size_t k = 0; k < ops.size(); ++k) {
+      if (k == early_at) {
+        for (long id : early) free_block(id);
+        early.clear();
+      }
+      run_op(ops[k], local);
+      if (rng_() % 16 == 0) check_all();
+    }
+    for (long id : early) free_block(id);
+    // Blocks not freed cross into the next iteration; half the extras stay live longer (leaked).
+    for (const auto& [local_id, id] : local) {
+      if (local_id >= kExtraId && rng_() % 2 != 0) continue;
+      carried_.push_back(id);
+    }
+    if (explicit_marks_) {
+      note("end_iteration (explicit)");
+      call("end_iteration", [&] { alloc_->end_iteration(); });
+    }
+    check_all();
+    if (iteration_ % 11 == 10 && !params_.empty() && rng_() % 3 == 0) {
+      free_block(params_.back());
+      params_.pop_back();
+    }
+  }
+
+  void run_op(const op& o, std::map<int, long>& local) {
+    note(o);
+    switch (o.kind) {
+      case op::alloc: {
+        const std::string tag =
+            setup_.use_tags && o.tag >= 0 ? "t" + std::to_string(o.tag) : std::string();
+        if (const auto id = allocate(o.size, o.stream, tag)) {
+          if (auto old = local.find(o.id); old != local.end()) free_block(old->second);
+          local[o.id] = *id;
+        }
+        // Long-lived "parameters" allocated during the first iterations, between the others.
+        if (iteration_ < 3 && rng_() % 5 == 0) {
+          const std::size_t size = random_size(rng_, setup_.size_mode);
+          const int stream = static_cast<int>(rng_() % setup_.nstreams);
+          if (const auto id = allocate(size, stream, "param")) params_.push_back(*id);
+        }
+        break;
+      }
+      case op::free:
+        if (auto it = local.find(o.id); it != local.end()) {
+          free_block(it->second);
+          local.erase(it);
+        }
+        break;
+      case op::record_stream:
+        if (auto it = local.find(o.id); it != local.end()) record_stream(it->second, o.stream);
+        break;
+      case op::host_sync:
+        dev_->synchronize_device();
+        break;
+      case op::empty_cache:
+        call("empty_cache", [&] { alloc_->empty_cache(); });
+        break;
+      case op::reset_accumulated:
+        alloc_->reset_accumulated_stats();
+        break;
+      case op::reset_peak:
+        alloc_->reset_peak_stats();
+        checker_->peaks_reset();
+        break;
+      case op::inject_oom:
+        dev_->inject_out_of_memory(1 + static_cast<int>(rng_() % 2));
+        check_all();
+        break;
+      case op::begin_mark:
+        call("begin_iteration", [&] { alloc_->begin_iteration(); });
+        check_all();
+        break;
+      case op::end_mark:
+        call("end_iteration", [&] { alloc_->end_iteration(); });
+        check_all();
+        break;
+    }
+  }
+
+  // One allocator call: anything it throws is a failure, and so is any contract violation the
+  // model device recorded during it.
+  template <class F>
+  void call(const char* what, F&& f) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      fail(std::string(what) + " threw: " + e.what());
+    }
+    throw_if_violated();
+  }
+
+  void throw_if_violated() const {
+    if (dev_->violation()) fail(*dev_->violation());
+  }
+
+  // Out of memory is an answer, not a failure: the block is then simply not there.
+  std::optional<long> allocate(std::size_t n, int s, const std::string& tag) {
+    void* p = nullptr;
+    try {
+      p = alloc_->allocate(n, streams_[s], tag);
+    } catch (const out_of_memory&) {
+      throw_if_violated();
+      return std::nullopt;
+    } catch (const std::exception& e) {
+      fail(std::string("allocate threw: ") + e.what());
+    }
+    throw_if_violated();
+    return checker_->handed_out(p, n, model_device::index(streams_[s]));
+  }
+
+  void free_block(long id) {
+    const live_block* b = checker_->find(id);
+    if (b == nullptr) return;
+    // Sometimes one more kernel uses it on its own stream just before the free.
+    if (rng_() % 2 != 0) checker_->used_on(id, b->stream);
+    // Always named with the first stream: the stream argument is informational only.
+    call("deallocate", [&] { alloc_->deallocate(reinterpret_cast<void*>(b->p), streams_[0]); });
+    checker_->freed(id);
+  }
+
+  void record_stream(long id, int s) {
+    const live_block* b = checker_->find(id);
+    if (b == nullptr) return;
+    call("record_stream",
+         [&] { alloc_->record_stream(reinterpret_cast<void*>(b->p), streams_[s]); });
+    checker_->used_on(id, model_device::index(streams_[s]));
+  }
+
+  void check_all() const {
+    throw_if_violated();
+    checker_->check(*alloc_);
+  }
+
+  void teardown() {
+    note("teardown: free every live block");
+    std::vector<long> all = checker_->live_ids();
+    std::shuffle(all.begin(), all.end(), rng_);
+    for (long id : all) free_block(id);
+    check_all();
+    note("teardown: destroy the allocator (no synchronize before)");
+    alloc_.reset();
+    throw_if_violated();
+    if (dev_->segment_count() != 0) {
+      fail("the destroyed allocator left " + std::to_string(dev_->segment_count()) +
+           " segments reserved");
+    }
+  }
+
+  void note(std::string text) {
+    if (recent_.size() == kRecent) recent_.erase(recent_.begin());
+    recent_.push_back(std::move(text));
+  }
+  void note(const op& o) {
+    if (recent_.size() == kRecent) recent_.erase(recent_.begin());
+    std::string s = kind_name(o.kind);
+    if (o.kind == op::alloc || o.kind == op::free || o.kind == op::record_stream) {
+      s += " block " + std::to_string(o.id);
+    }
+    if (o.kind == op::alloc) s += " size " + std::to_string(o.size);
+    if (o.kind == op::alloc || o.kind == op::record_stream) {
+      s += " stream " + std::to_string(model_device::index(streams_[o.stream]));
+    }
+    recent_.push_back(std::move(s));
+  }
+
+  static constexpr std::size_t kRecent = 8;
+
+  const std::uint64_t seed_;
+  std::mt19937_64 rng_;
+  fuzz_setup setup_;
+  std::vector<op> base_;
+  std::vector<op> other_;
+  bool explicit_marks_ = false;
+  // Declared in this order so that the allocator goes before the device it uses.
+  std::unique_ptr<model_device> dev_;
+  std::unique_ptr<fuzz_checker> checker_;
+  std::unique_ptr<caching_allocator> alloc_;
+  std::array<stream_ref, 3> streams_{};
+  int iteration_ = -1;
+  std::vector<long> params_;   // long-lived blocks from the first iterations
+  std::vector<long> carried_;  // blocks crossing into the next iteration
+  std::vector<std::string> recent_;
+};
+
+// A number from the environment, or nothing when unset. A value that is not a number fails the
+// test rather than quietly running the default range.
+std::optional<std::uint64_t> env_number(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  if (*end != '\0' || *v == '-') {
+    ADD_FAILURE() << name << "=" << v << " is not a seed number";
+    return std::nullopt;
+  }
+  return n;
+}
+
+// ==================================================================================== the test
+
+TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactStats) {
+  const std::optional<std::uint64_t> one = env_number("TERRACE_FUZZ_SEED");
+  const std::optional<std::uint64_t> count = env_number("TERRACE_FUZZ_SEEDS");
+  if (HasFailure()) return;
+  const std::uint64_t first = one.value_or(1);
+  const std::uint64_t seeds = count.value_or(one ? 1 : kDefaultSeeds);
+  for (std::uint64_t seed = first; seed < first + seeds; ++seed) {
+    if (const std::optional<std::string> failure = fuzz_run(seed).run()) {
+      FAIL() << "seed " << seed << ": " << *failure << "\nReproduce with TERRACE_FUZZ_SEED="
+             << seed << " tests/planned_policy_fuzz_test (later seeds were not run)";
+    }
+  }
+  std::printf("[          ] seeds %llu..%llu passed\n", static_cast<unsigned long long>(first),
+              static_cast<unsigned long long>(first + seeds - 1));
+}
+
+}  // namespace
+}  // namespace terrace
