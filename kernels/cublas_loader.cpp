@@ -38,8 +38,9 @@ std::map<std::string, std::unique_ptr<cublas_api>, std::less<>>& loaded() {
 
 std::string advice() {
   return std::string("Set LD_LIBRARY_PATH to the folder that holds ") + default_soname +
-         " (the CUDA toolkit's lib64, or nvidia/cublas/lib in the site-packages of a PyTorch "
-         "installed with pip), or " + cublas_library_env + " to the library's path.";
+         " (the CUDA toolkit's lib64; in the site-packages of a PyTorch installed with pip, "
+         "nvidia/cu13/lib for CUDA 13 wheels or nvidia/cublas/lib for CUDA 12 ones), or " +
+         cublas_library_env + " to the library's path.";
 }
 
 std::string last_dlerror() {

@@ -65,9 +65,13 @@ double time_ms(cudaStream_t stream, int reps, F fn) {
 // (the GPU machines' torch is a pip one, not Debian's).
 double torch_step(std::size_t n, int reps, std::string& note) {
   const char* py = std::getenv("TERRACE_PYTHON");
+  // The sources may sit elsewhere on the machine that runs this (a GPU machine's copy of the
+  // repository): $TERRACE_SOURCE_DIR, else where this was built from.
+  const char* source = std::getenv("TERRACE_SOURCE_DIR");
   return terrace::tools::python_result(
-      std::string(py != nullptr ? py : "python3") + " " TERRACE_SOURCE_DIR
-      "/tools/bench_adam_torch.py --impl torch-cuda --params " + std::to_string(n) + " --reps " +
+      std::string(py != nullptr ? py : "python3") + " " +
+          (source != nullptr && *source != '\0' ? source : TERRACE_SOURCE_DIR) +
+          "/tools/bench_adam_torch.py --impl torch-cuda --params " + std::to_string(n) + " --reps " +
           std::to_string(reps) + " 2>/dev/null",
       note);
 }
