@@ -359,7 +359,12 @@ bool cuda_backend::do_query(event_ref e) {
   // depend on the current device.
   const cudaError_t error = cudaEventQuery(native(e));
   if (error == cudaSuccess) return true;
-  if (error == cudaErrorNotReady) return false;
+  if (error == cudaErrorNotReady) {
+    // The runtime may keep it as the thread's last error, which the next launch check (ours,
+    // after a kernel, reads cudaGetLastError) would then report as that kernel's failure.
+    (void)cudaGetLastError();
+    return false;
+  }
   throw_cuda_error(error, "cudaEventQuery(" + hex(e.native) + ")", device());
 }
 
