@@ -457,34 +457,49 @@ class allocator_impl {
 
   // ---------------------------------------------------------------- expandable segments
 
-  // The one expandable segment of (stream, pool), created on first use: a virtual range as large as
-  // the device, whose pages are mapped as the pool grows. Returns an unmapped free block that can
-  // hold `rounded`, possibly extending a mapped free block just before it; nullptr if the range or
-  // the device is exhausted.
+  // The expandable segments of (stream, pool): virtual ranges as large as the device, whose pages
+  // are mapped as the pool grows. Returns an unmapped free block that can hold `rounded`, possibly
+  // extending a mapped free block just before it; nullptr if the device is exhausted. Usually one
+  // range per (stream, pool); another is reserved when live blocks scattered through the ranges
+  // leave no hole large enough, though the device has room (as PyTorch's expandable segments do),
+  // and a range whose pages are all unmapped goes back at the next empty_cache.
   block* grow_expandable(bool small, std::uintptr_t stream, std::size_t rounded) {
-    const expandable_key key{stream, small};
-    auto found = expandable_.find(key);
-    segment* seg = nullptr;
-    if (found == expandable_.end()) {
-      const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
-      void* p = device_.reserve_address_range(range);
-      seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
-      seg->head->mapped = false;  // address space only: kept out of the free set
-      seg->unmapped.insert(seg->head);
-      expandable_.emplace(key, seg);
-    } else {
-      seg = found->second;
+    // A request larger than the device can never be mapped: out of memory, with its report,
+    // rather than the backend's failure to reserve so large a range.
+    if (rounded > allowed_bytes()) return nullptr;
+    std::vector<segment*>& ranges = expandable_[expandable_key{stream, small}];
+    for (segment* seg : ranges) {
+      bool device_full = false;
+      if (block* b = map_hole(seg, rounded, device_full)) return b;
+      if (device_full) return nullptr;
     }
-    // The unmapped tail (or any unmapped hole) large enough, preferring the lowest address.
+    const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
+    void* p = device_.reserve_address_range(range);
+    segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
+    seg->head->mapped = false;  // address space only: kept out of the free set
+    seg->unmapped.insert(seg->head);
+    ranges.push_back(seg);
+    bool device_full = false;
+    return map_hole(seg, rounded, device_full);
+  }
+
+  // An unmapped hole of `seg` large enough (with the mapped free block before it), the lowest
+  // first, mapped and returned as a free block; nullptr if none, with device_full set when one
+  // fits but the device (or the memory fraction) refuses its pages.
+  block* map_hole(segment* seg, std::size_t rounded, bool& device_full) {
     for (block* b : seg->unmapped) {
       const std::size_t have = (b->prev && b->prev->is_free() && b->prev->mapped) ? b->prev->size : 0;
       if (b->size + have < rounded) continue;
       const std::size_t need = round_up(rounded - std::min(have, rounded), granularity_);
       if (need == 0) continue;  // the mapped free neighbour alone fits: find_free_block missed it
-      if (reserved_total() + need > allowed_bytes()) return nullptr;
+      if (reserved_total() + need > allowed_bytes()) {
+        device_full = true;
+        return nullptr;
+      }
       try {
         b = map_for(b, rounded);
       } catch (const out_of_memory&) {
+        device_full = true;
         return nullptr;
       }
       insert_free(b);
@@ -531,31 +546,35 @@ class allocator_impl {
   // many blocks change at once, so the inactive_split families are recounted afterwards rather than
   // tracked move by move (this is empty_cache / the OOM path, not a hot path).
   void unmap_free_pages() {
-    for (auto& [key, seg] : expandable_) {
-      free_set& pool = pool_of(seg->small_pool);
-      for (block* b = seg->head; b != nullptr; b = b->next) {
-        if (!b->mapped || !b->is_free()) continue;
-        const std::uintptr_t lo = round_up(b->addr, granularity_);
-        const std::uintptr_t hi = round_down(b->addr + b->size, granularity_);
-        if (hi <= lo) continue;
-        pool.erase(b);
-        block* mid = b;  // carve [lo, hi) out of b as a block of its own
-        if (lo > b->addr) {
-          mid = split_off(b, lo - b->addr);
-          pool.insert(b);
-        }
-        if (hi < mid->addr + mid->size) pool.insert(split_off(mid, hi - mid->addr));
-        device_.unmap(reinterpret_cast<void*>(mid->addr), mid->size);
-        seg->mapped_bytes -= mid->size;
-        count_reserved(seg, -static_cast<std::int64_t>(mid->size));
-        ++stats_.num_device_free;
-        if (tracing_) trace(trace_action::segment_unmap, seg->stream, mid->addr, mid->size, 0, {});
-        mid->mapped = false;
-        seg->unmapped.insert(mid);
-        b = merge_free_neighbours(mid);
-      }
+    for (auto& [key, ranges] : expandable_) {
+      for (segment* seg : ranges) unmap_free_pages(seg);
     }
     fix_inactive_split_counts();
+  }
+
+  void unmap_free_pages(segment* seg) {
+    free_set& pool = pool_of(seg->small_pool);
+    for (block* b = seg->head; b != nullptr; b = b->next) {
+      if (!b->mapped || !b->is_free()) continue;
+      const std::uintptr_t lo = round_up(b->addr, granularity_);
+      const std::uintptr_t hi = round_down(b->addr + b->size, granularity_);
+      if (hi <= lo) continue;
+      pool.erase(b);
+      block* mid = b;  // carve [lo, hi) out of b as a block of its own
+      if (lo > b->addr) {
+        mid = split_off(b, lo - b->addr);
+        pool.insert(b);
+      }
+      if (hi < mid->addr + mid->size) pool.insert(split_off(mid, hi - mid->addr));
+      device_.unmap(reinterpret_cast<void*>(mid->addr), mid->size);
+      seg->mapped_bytes -= mid->size;
+      count_reserved(seg, -static_cast<std::int64_t>(mid->size));
+      ++stats_.num_device_free;
+      if (tracing_) trace(trace_action::segment_unmap, seg->stream, mid->addr, mid->size, 0, {});
+      mid->mapped = false;
+      seg->unmapped.insert(mid);
+      b = merge_free_neighbours(mid);
+    }
   }
 
   // Splits b at `offset`; returns the new upper part (same state as b, not in any set).
@@ -597,11 +616,16 @@ class allocator_impl {
   // to the device before new memory is asked for, so that a long job does not hoard its peak.
   void maybe_collect_garbage(std::size_t rounded) {
     const double threshold = config_.garbage_collection_threshold;
-    if (threshold <= 0.0 || config_.expandable_segments) return;
+    if (threshold <= 0.0) return;
     const auto limit = static_cast<std::size_t>(threshold * static_cast<double>(allowed_bytes()));
     if (reserved_total() + rounded <= limit) return;
     device_.synchronize_device();  // as in release_cached_memory
     ++stats_.num_sync_all_streams;
+    if (config_.expandable_segments) {
+      // What an expandable segment caches is its free mapped pages.
+      unmap_free_pages();
+      return;
+    }
     for (auto it = segments_.begin(); it != segments_.end() && reserved_total() + rounded > limit;) {
       segment* seg = it->second;
       ++it;
@@ -627,7 +651,9 @@ class allocator_impl {
         device_.unmap(reinterpret_cast<void*>(from), run);
       }
       device_.release_address_range(reinterpret_cast<void*>(seg->addr), seg->size);
-      expandable_.erase(expandable_key{seg->stream, seg->small_pool});
+      auto ranges = expandable_.find(expandable_key{seg->stream, seg->small_pool});
+      std::erase(ranges->second, seg);
+      if (ranges->second.empty()) expandable_.erase(ranges);
     } else {
       device_.release(reinterpret_cast<void*>(seg->addr), seg->size);
       if (tracing_) trace(trace_action::segment_free, seg->stream, seg->addr, seg->size, 0, {});
@@ -1155,7 +1181,7 @@ class allocator_impl {
   free_set large_free_;
   std::unordered_map<std::uintptr_t, block*> live_;
   std::map<std::uintptr_t, segment*> segments_;
-  std::map<expandable_key, segment*> expandable_;
+  std::map<expandable_key, std::vector<segment*>> expandable_;
   std::vector<pending_free> pending_;
   std::vector<event_ref> event_pool_;
   std::vector<block*> spare_blocks_;

@@ -576,6 +576,66 @@ TEST(CachingAllocator, ExpandableSegmentsHitTheCapacityWithAClearError) {
   a.check_invariants();
 }
 
+TEST(CachingAllocator, ExpandableSegmentsScatteredByLiveBlocksGetAnotherRange) {
+  // Ten 10 MiB blocks fill the device; every other one is freed and its pages unmapped. A 40 MiB
+  // request fits the device (50 MiB free) but no hole of the one address range, which was as
+  // large as the device: out of memory, where the caching policy succeeds.
+  auto dev = paged_sim(100 * MiB);
+  caching_allocator a(*dev, expandable_config());
+  std::vector<void*> v;
+  for (int i = 0; i < 10; ++i) v.push_back(a.allocate(10 * MiB));
+  for (int i = 0; i < 10; i += 2) a.deallocate(v[static_cast<std::size_t>(i)]);
+  a.empty_cache();
+  void* big = a.allocate(40 * MiB);
+  std::memset(big, 1, 40 * MiB);
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(90 * MiB));
+  a.check_invariants();
+  a.deallocate(big);
+  for (int i = 1; i < 10; i += 2) a.deallocate(v[static_cast<std::size_t>(i)]);
+  a.empty_cache();  // every range, the extra one too, goes back
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  EXPECT_EQ(a.stats().segment[0].current, 0);
+  a.check_invariants();
+}
+
+TEST(CachingAllocator, ExpandableSegmentsRefuseARequestLargerThanTheDeviceAsOutOfMemory) {
+  // Such a request reached the backend as an address range it could not reserve: a device_error,
+  // without the out-of-memory report or count.
+  for (const char* backend : {"null", "sim"}) {
+    device_options o;
+    o.capacity = 1024 * MiB;
+    o.map_granularity = 2 * MiB;
+    auto dev = make_device(backend, o);
+    caching_allocator a(*dev, expandable_config());
+    for (int shift : {50, 55, 61}) {
+      EXPECT_THROW(a.allocate(std::size_t{1} << shift), out_of_memory) << backend << " 2^" << shift;
+    }
+    EXPECT_EQ(a.stats().num_ooms, 3) << backend;
+    a.deallocate(a.allocate(1 * MiB));  // and the allocator goes on
+    a.check_invariants();
+  }
+}
+
+TEST(CachingAllocator, ExpandableSegmentsHonourTheGarbageCollectionThreshold) {
+  // Free pages cached on one stream used to stay mapped past the threshold while another stream
+  // mapped more: the setting was ignored under expandable segments.
+  auto dev = paged_sim(100 * MiB);
+  allocator_config cfg = expandable_config();
+  cfg.garbage_collection_threshold = 0.5;
+  caching_allocator a(*dev, cfg);
+  const stream_ref s1 = dev->create_stream();
+  const stream_ref s2 = dev->create_stream();
+  a.deallocate(a.allocate(40 * MiB, s1), s1);  // 40 MiB cached on s1
+  void* p = a.allocate(30 * MiB, s2);          // would hold 70 MiB, above 50
+  EXPECT_LE(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(50 * MiB));
+  a.deallocate(p, s2);
+  a.check_invariants();
+  dev->synchronize_device();
+  a.empty_cache();
+  dev->destroy_stream(s1);
+  dev->destroy_stream(s2);
+}
+
 // Regression: expandable segments split blocks whatever max_split_size and small_size say (as
 // PyTorch's should_split does under expandable_segments). Keeping the remainder counted it as
 // allocated: under the offload engine's settings (no small pool, max_split_size 1) every request

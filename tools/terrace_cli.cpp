@@ -67,7 +67,7 @@ CLI::App* setup_replay(CLI::App& app, replay_args& args) {
           ->check(CLI::IsMember({"null", "sim", "cuda", "cuda-vmm"}))
           ->capture_default_str();
   cmd->add_flag("--expandable", args.expandable,
-                "expandable segments (one growing virtual range per stream and pool)");
+                "expandable segments (growing virtual ranges per stream and pool)");
   cmd->add_option("--conf", args.conf,
                   "allocator options as in TERRACE_ALLOC_CONF, e.g. "
                   "max_split_size_mb:64,roundup_power2_divisions:4,device_capacity:80GiB");
