@@ -75,16 +75,17 @@ void device_backend::release_pinned_host(void* p, std::size_t bytes) noexcept {
   {
     std::lock_guard<std::mutex> lock(pinned_mutex_);
     const auto it = pinned_regions_.find(reinterpret_cast<std::uintptr_t>(p));
+    const auto call = [&] {
+      return "release_pinned_host(" + detail::hex_address(reinterpret_cast<std::uintptr_t>(p)) +
+             ", " + std::to_string(bytes) + "): ";
+    };
     if (it == pinned_regions_.end()) {
-      detail::contract_violation(properties_.name,
-                                 "release_pinned_host(" + detail::hex_address(reinterpret_cast<std::uintptr_t>(p)) +
-                                     "): not a live region from reserve_pinned_host (released twice?)");
+      detail::contract_violation(
+          properties_.name, call() + "not a live region from reserve_pinned_host (released twice?)");
     }
     if (it->second != bytes) {
-      detail::contract_violation(properties_.name,
-                                 "release_pinned_host(" + detail::hex_address(reinterpret_cast<std::uintptr_t>(p)) + ", " +
-                                     std::to_string(bytes) + "): the region was reserved with " +
-                                     std::to_string(it->second) + " bytes");
+      detail::contract_violation(properties_.name, call() + "the region was reserved with " +
+                                                       std::to_string(it->second) + " bytes");
     }
     pinned_regions_.erase(it);
   }
