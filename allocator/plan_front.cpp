@@ -130,7 +130,7 @@ void plan_front::push_token(std::uint64_t token, std::int64_t delta, std::uintpt
   tokens_.push_back(token);
   token_stream_.push_back(stream);
   if (!lanes_.empty() && stream == lanes_.front().stream) {
-    lead_window_[lead_seen_++ % kAnchorTokens] = token;
+    lead_window_[lead_seen_++ % kLeadRing] = token;
   }
   prefix_hash_.push_back((mulmod(prefix_hash_.back(), kBase) + (token % (kMod - 1)) + 1) % kMod);
   pow_.push_back(mulmod(pow_.back(), kBase));
@@ -296,11 +296,11 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   note_totals(last_totals_);
 }
 
-// n tokens of a ring of kAnchorTokens from `first` on (or of a plain array, with first 0).
+// n tokens of a ring of kLeadRing from `first` on (or of a plain array, with first 0).
 std::uint64_t plan_front::window_hash(const std::uint64_t* ring, std::size_t n,
                                       std::size_t first) noexcept {
   std::uint64_t h = 0x9ae16a3b2f90404full;
-  for (std::size_t i = 0; i < n; ++i) h = mix(h ^ ring[(first + i) % kAnchorTokens]);
+  for (std::size_t i = 0; i < n; ++i) h = mix(h ^ ring[(first + i) % kLeadRing]);
   return h;
 }
 
@@ -309,8 +309,8 @@ std::uint64_t plan_front::window_hash(const std::uint64_t* ring, std::size_t n,
 bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
   if (slots_.empty() || slot_live_ != 0 || replan_pending_ || key != slots_[0].key) return false;
   if (lead_seen_ < anchor_len_) return false;
-  // The ring holds the last min(lead_seen_, kAnchorTokens) lead tokens; hash the last anchor_len_.
-  const std::size_t first = (lead_seen_ - anchor_len_) % kAnchorTokens;
+  // The ring holds the last min(lead_seen_, kLeadRing) lead tokens; hash the last anchor_len_.
+  const std::size_t first = (lead_seen_ - anchor_len_) % kLeadRing;
   return window_hash(lead_window_.data(), anchor_len_, first) == anchor_hash_;
 }
 
@@ -940,6 +940,7 @@ void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
 
 void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
   pending_slot_ = -1;
+  recorded_pending_ = false;
   const std::size_t rounded = round_up(bytes);
   const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
   const std::uint64_t key = key_of(rounded, st, tag);
@@ -1044,8 +1045,30 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
   rec_stream_.push_back(st);
   rec_key_.push_back(key);
   push_token(key, static_cast<std::int64_t>(rounded), st);
+  const std::int64_t plans_before = stats_.plans;
+  const bool replan_before = replan_pending_;
   detect_steady_state();
+  // Undoable while no plan was made from it (forget_refused_request).
+  recorded_pending_ = stats_.plans == plans_before && replan_pending_ == replan_before;
   return nullptr;
+}
+
+void plan_front::forget_refused_request() noexcept {
+  if (!recorded_pending_) return;
+  recorded_pending_ = false;
+  if (!lanes_.empty() && token_stream_.back() == lanes_.front().stream) --lead_seen_;
+  tokens_.pop_back();
+  token_stream_.pop_back();
+  prefix_hash_.pop_back();
+  pow_.pop_back();
+  prefix_bytes_.pop_back();
+  rec_alloc_pos_.pop_back();
+  rec_free_pos_.pop_back();
+  rec_size_.pop_back();
+  rec_stream_.pop_back();
+  rec_key_.pop_back();
+  // window_seen_ may keep the popped window's position: a candidate period is checked against
+  // the tokens themselves before it is taken, so a stale one only costs a check.
 }
 
 void plan_front::on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream) {

@@ -57,9 +57,13 @@ class plan_front {
   std::mutex& mutex() noexcept { return mutex_; }
 
   /// An arena address for this request, or nullptr: then the caller allocates from the fallback
-  /// and reports it with on_fallback_alloc (or, if that throws, with nothing).
+  /// and reports it with on_fallback_alloc (or, if that throws, with forget_refused_request).
   void* try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag);
   void on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream);
+  /// The request try_allocate just passed on was refused by the fallback too: it never became
+  /// live, so it leaves the recording (its bytes would otherwise count as live for good, and a
+  /// workspace request that fails every iteration would become a slot of the plan).
+  void forget_refused_request() noexcept;
   /// The caching allocator ran out of memory for a request. The plan leaves this iteration, and
   /// if no block is live in its arena it gives the arena back at once: true, then the caller
   /// retries. False: nothing was freed (the arena is given back when its last block is).
@@ -266,7 +270,10 @@ class plan_front {
   static constexpr std::size_t kAnchorTokens = 16;
   std::uint64_t anchor_hash_ = 0;
   std::size_t anchor_len_ = 0;
-  std::array<std::uint64_t, kAnchorTokens> lead_window_{};
+  // One more than the anchor: forget_refused_request takes the last token back, and the anchor's
+  // oldest must survive the slot that token overwrote.
+  static constexpr std::size_t kLeadRing = kAnchorTokens + 1;
+  std::array<std::uint64_t, kLeadRing> lead_window_{};
   std::size_t lead_seen_ = 0;
   std::size_t plan_period_ = 0;          // tokens per iteration
   void* arena_ = nullptr;
@@ -322,6 +329,7 @@ class plan_front {
   std::size_t arena_live_requested_ = 0;
   std::size_t arena_live_count_ = 0;
   std::int64_t pending_slot_ = -1;        // the slot try_allocate chose for the fallback call
+  bool recorded_pending_ = false;         // try_allocate recorded the request the fallback serves
 
   std::unordered_map<std::uintptr_t, live_entry> live_;
 

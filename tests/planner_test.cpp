@@ -714,6 +714,30 @@ TEST(PlannedPolicy, ALateFreeBeforeASlotTheFallbackServesIsStillChecked) {
   EXPECT_GT(a.plan_stats().planned_hits, 0);
 }
 
+TEST(PlannedPolicy, ARequestRefusedEveryIterationDoesNotKeepThePlanAway) {
+  // A workspace request that fails every iteration (the caller catches the out-of-memory and
+  // takes a smaller one, as cuDNN's algorithm search does) was recorded as a block that stays
+  // live: the live bytes grew by it every iteration, so no steady state was ever seen (and huge
+  // refused requests overflowed the recorded byte count).
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  terrace::device_options o;
+  o.capacity = 256 * kMiB;
+  auto dev = terrace::make_device("null", o);
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("policy:planned,plan_min_period:16"));
+  for (int it = 0; it < 30; ++it) {  // no iteration marks: the plan must see the period itself
+    std::vector<void*> held;
+    for (std::size_t i = 1; i <= 16; ++i) held.push_back(a.allocate(i * kMiB / 2));
+    EXPECT_THROW(a.allocate(std::size_t{1} << 61), terrace::out_of_memory);
+    EXPECT_THROW(a.allocate(512 * kMiB), terrace::out_of_memory);
+    for (std::size_t i = 0; i < 8; ++i) a.deallocate(held[i]);
+    held.push_back(a.allocate(3 * kMiB));
+    for (std::size_t i = 8; i < held.size(); ++i) a.deallocate(held[i]);
+  }
+  a.check_invariants();
+  EXPECT_GT(a.plan_stats().plans, 0);
+  EXPECT_GT(a.plan_stats().planned_hits, 0);
+}
+
 TEST(PlannedPolicy, DestroyingTheAllocatorWaitsForWorkStillUsingTheArena) {
   // A stream-ordered free is legal while a kernel queued before it still writes the block; the
   // arena went back to the device before that kernel ran (ASan: heap-use-after-free on the sim
