@@ -689,10 +689,9 @@ fuzz_setup draw_setup(std::uint64_t seed, policy_mix mix, std::mt19937_64& rng) 
 }
 
 // Mostly small and medium blocks, some large ones, a few near the device's size, and now and then
-// one beyond it: even 2^61 bytes must be out of memory with its report. Not 2^50 and above under
-// the planned policy yet (`huge` false): its recording counts a refused request as live bytes, and
-// a few such requests overflow its signed running sum (plan_front::push_token; UBSan reports it).
-std::size_t random_size(std::mt19937_64& rng, std::size_t capacity, bool huge) {
+// one beyond it: even 2^61 bytes must be out of memory with its report (under the planned policy
+// this found refused requests recorded as live bytes, whose running sum overflowed).
+std::size_t random_size(std::mt19937_64& rng, std::size_t capacity) {
   const int r = static_cast<int>(rng() % 200);
   if (r < 80) {  // up to 128 KiB, ragged
     const std::size_t units = rng() % 2048 + 1;
@@ -711,7 +710,7 @@ std::size_t random_size(std::mt19937_64& rng, std::size_t capacity, bool huge) {
   if (r < 196) return (rng() % 8 + 1) * (capacity / 64);
   if (r < 198) return capacity / 3 + rng() % (capacity / 2);
   static constexpr std::array<int, 3> shifts = {50, 55, 61};
-  if (r < 199 && huge) return std::size_t{1} << shifts[rng() % 3];
+  if (r < 199) return std::size_t{1} << shifts[rng() % 3];
   return capacity + 512 + rng() % capacity;
 }
 
@@ -1065,7 +1064,7 @@ class fuzz_run {
     const int nstreams = static_cast<int>(streams_.size());
     const int op = static_cast<int>(r() % 100);
     if (op < 38 || me.own.empty()) {
-      const std::size_t n = random_size(r, setup_.capacity, !setup_.planned);
+      const std::size_t n = random_size(r, setup_.capacity);
       const int which = static_cast<int>(r() % 10);
       const int s = which < 6 ? own_stream(tid) : which < 9 ? 1 : 0;
       if (const auto p = allocate(me, n, s, tid)) {
