@@ -3,7 +3,8 @@
 // as a test because it found what the hand-written cases did not: expandable segments out of
 // memory with half the device free (live blocks scattered through the one address range of a
 // (stream, pool) left no hole large enough), and a request larger than the device coming out as
-// the backend's device_error instead of out of memory. Either fails the first few seeds.
+// the backend's device_error instead of out of memory (either fails the first few seeds), and,
+// under the planned policy, refused requests recorded as live bytes until their sum overflowed.
 //
 // Each seed draws a setup (1-4 worker threads, maybe a chaos thread, a device of 96 MiB to 1 GiB
 // with pages of 512 B to 2 MiB, a policy and config knobs) and runs phases of random work over a
