@@ -55,6 +55,8 @@
 #include <utility>
 #include <vector>
 
+#include "fuzz_support.hpp"
+#include "stream_order_model.hpp"
 #include "terrace/caching_allocator.hpp"
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
@@ -62,50 +64,17 @@
 namespace terrace {
 namespace {
 
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kThreadSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kThreadSanitized = true;
-#else
-constexpr bool kThreadSanitized = false;
-#endif
-#else
-constexpr bool kThreadSanitized = false;
-#endif
-
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitized = true;
-#else
-constexpr bool kAddressSanitized = false;
-#endif
-#else
-constexpr bool kAddressSanitized = false;
-#endif
+using fuzz::fail;
+using fuzz::fuzz_failure;
+using fuzz::hex;
+using fuzz::stream_use;
 
 // Per test, about 2.5 s in a Release build on a 2-core runner (about 10 ms a seed). ASan is a few
 // times slower per seed, and TSan some 20 times (the test is mostly locks, and every one is
 // instrumented; 12 seeds take about 3 s a test there). The variants come round every 4 seeds, and
 // the first 12 already reach both defects the file comment names.
-constexpr std::uint64_t kDefaultSeeds = kThreadSanitized ? 12 : kAddressSanitized ? 60 : 250;
-
-// A check that failed. Thrown only by the test's own code, never from inside a device callback
-// (the allocator would see a foreign exception), and not a std::exception, so that the handlers
-// around allocator calls cannot swallow it.
-struct fuzz_failure {
-  std::string what;
-};
-
-[[noreturn]] void fail(std::string what) { throw fuzz_failure{std::move(what)}; }
-
-std::string hex(std::uintptr_t p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%#llx", static_cast<unsigned long long>(p));
-  return buf;
-}
+constexpr std::uint64_t kDefaultSeeds =
+    fuzz::kThreadSanitized ? 12 : fuzz::kAddressSanitized ? 60 : 250;
 
 std::string block_text(std::uintptr_t p, std::size_t n) {
   return "[" + hex(p) + ",+" + std::to_string(n) + ")";
@@ -128,34 +97,17 @@ const char* error_kind(const std::exception& e) {
 // pages of map_granularity are mapped and unmapped, each mapped page counted against the
 // capacity. Every call returns at once, as on the null device. What it adds is a model of stream
 // order, and the program's books of live blocks, so that it can tell from inside an unmap that the
-// allocator took pages from under a live block or from under work still queued on them.
+// allocator took pages from under a live block or from under work still queued on them. The
+// stream order itself is stream_order_model.hpp's book.
 //
-// Why vector clocks: "that work is over" is not one fact the host either knows or not. Stream S is
-// ordered after work w of stream T when the host learnt that w completed (a synchronize, a query
-// that said true), or when S was made to wait on the device for an event recorded on T after w,
-// which the host never sees complete. And orderings compose: if T waited for U's event and S then
-// waits for one of T's, S is after U's work too. One counter of launched work per stream (W), a
-// vector of host-known completion (H), and per stream a vector of what its queue is ordered after
-// (vc[S]) capture exactly that; an event carries its stream's vector at record time.
-//
-// Work completes nondeterministically: a query of unfinished work completes it with probability
-// query_p, so the allocator's "still pending" and "done" paths both run.
-//
-// Why one mutex over the device and the program's books: the allocator calls the device from
-// every thread (under its own mutex), and an unmap must see the live blocks as they are at that
-// instant. The test therefore never calls the allocator while holding it (the allocator's mutex is
-// always taken first), and a thread enters a block in the books only after allocate returned it
-// and takes it out before it calls deallocate, so the books never miss a block the allocator
-// counts as live.
+// Why one mutex over the device, its stream-order book and the program's books: the allocator
+// calls the device from every thread (under its own mutex), the book is not thread-safe, and an
+// unmap must see the live blocks as they are at that instant. The test therefore never calls the
+// allocator while holding it (the allocator's mutex is always taken first), and a thread enters a
+// block in the books only after allocate returned it and takes it out before it calls deallocate,
+// so the books never miss a block the allocator counts as live.
 
 constexpr int kMaxStreams = 8;  // index 0 is the default stream (stream_ref{})
-using vclock = std::array<long, kMaxStreams>;
-
-// One piece of work that used a block: the `work`-th launch on `stream`.
-struct stream_use {
-  int stream;
-  long work;
-};
 
 // A block the program holds: its size, the stream it was allocated on, the streams it may be used
 // on (its own and those record_stream named), and the work that used it.
@@ -189,10 +141,6 @@ class model_device final : public device_backend {
     free_.emplace(std::uintptr_t{1} << 40, std::uintptr_t{1} << 46);  // 64 TiB of address space
   }
 
-  static int index(stream_ref s) {
-    return static_cast<int>(reinterpret_cast<std::uintptr_t>(s.native));
-  }
-
   // ---- the program's side (test threads only, never under the allocator)
 
   // REQUIRES: the allocator just returned [p, p+n) on stream s. Checks it against the device and
@@ -208,20 +156,9 @@ class model_device final : public device_backend {
            " lies on live block " + block_text(b->first, b->second.n) + " of stream " +
            std::to_string(b->second.stream));
     }
-    for (auto it = first_retired(p); it != retired_.end() && it->first < p + n; ++it) {
-      for (const stream_use& x : it->second.u) {
-        if (ordered(s, x.stream, x.work)) continue;
-        fail("stream-ordered reuse violated: block " + block_text(p, n) + " on stream " +
-             std::to_string(s) + " over [" + hex(it->first) + "," + hex(it->second.hi) +
-             ") last used by stream " + std::to_string(x.stream) + " work " +
-             std::to_string(x.work) + " (host knows " + std::to_string(host_known_[x.stream]) +
-             ", stream " + std::to_string(s) + " waited for " +
-             std::to_string(ordered_after_[s][x.stream]) + ")");
-      }
-    }
-    cut(p, p + n);
+    book_.claim(p, n, s);
     live_block b{n, s, {s}, {}};
-    b.uses.push_back({s, launch(s)});
+    b.uses.push_back({s, book_.launch(s)});
     live_.emplace(p, std::move(b));
   }
 
@@ -231,7 +168,7 @@ class model_device final : public device_backend {
     std::lock_guard<std::mutex> lock(mutex_);
     live_block& b = live_.at(p);
     if (recorded) b.streams.insert(s);
-    b.uses.push_back({s, launch(s)});
+    b.uses.push_back({s, book_.launch(s)});
   }
 
   // One more kernel uses block p on one of the streams it may be used on, picked by `pick`.
@@ -240,7 +177,7 @@ class model_device final : public device_backend {
     live_block& b = live_.at(p);
     auto it = b.streams.begin();
     std::advance(it, static_cast<std::ptrdiff_t>(pick % b.streams.size()));
-    b.uses.push_back({*it, launch(*it)});
+    b.uses.push_back({*it, book_.launch(*it)});
   }
 
   // REQUIRES: p is live and about to be freed (the allocator still counts it). Its unfinished
@@ -254,13 +191,8 @@ class model_device final : public device_backend {
     if (!in_device_memory(p, b.n)) {
       fail("live block " + block_text(p, b.n) + " lost its pages before its free");
     }
-    if (last_use) b.uses.push_back({b.stream, launch(b.stream)});
-    std::vector<stream_use> pending;
-    for (const stream_use& x : b.uses) {
-      if (host_known_[x.stream] < x.work) pending.push_back(x);
-    }
-    cut(p, p + b.n);
-    if (!pending.empty()) retired_.emplace(p, uses{p + b.n, std::move(pending)});
+    if (last_use) b.uses.push_back({b.stream, book_.launch(b.stream)});
+    book_.retire(p, b.n, b.uses);
     live_.erase(it);
   }
 
@@ -280,34 +212,13 @@ class model_device final : public device_backend {
   // noexcept or run under the allocator's frames, so they are recorded, not thrown), or none.
   std::optional<std::string> violation() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return violation_;
+    return book_.violation();
   }
 
  private:
-  struct event_state {
-    vclock vc{};
-  };
-  // Unfinished uses of the space [key, hi) of freed blocks; intervals are disjoint.
-  struct uses {
-    std::uintptr_t hi;
-    std::vector<stream_use> u;
-  };
-
   // ---- helpers (REQUIRES: mutex_ held)
 
-  void violate(std::string what) {
-    if (!violation_) violation_ = std::move(what);
-  }
-
-  long launch(int s) { return ++launched_[s]; }
-
-  bool ordered(int s, int t, long w) const {
-    return t == s || host_known_[t] >= w || ordered_after_[s][t] >= w;
-  }
-
-  void complete_on_host(const vclock& vc) {
-    for (int t = 0; t < kMaxStreams; ++t) host_known_[t] = std::max(host_known_[t], vc[t]);
-  }
+  void violate(std::string what) { book_.violate(std::move(what)); }
 
   static bool inside(const std::map<std::uintptr_t, std::size_t>& m, std::uintptr_t p,
                      std::size_t n) {
@@ -341,26 +252,6 @@ class model_device final : public device_backend {
     return nullptr;
   }
 
-  std::map<std::uintptr_t, uses>::iterator first_retired(std::uintptr_t lo) {
-    auto it = retired_.lower_bound(lo);
-    if (it != retired_.begin() && std::prev(it)->second.hi > lo) --it;
-    return it;
-  }
-
-  // Cuts [lo, hi) out of the retired intervals, keeping the parts outside it.
-  void cut(std::uintptr_t lo, std::uintptr_t hi) {
-    auto it = first_retired(lo);
-    std::vector<std::pair<std::uintptr_t, uses>> keep;
-    while (it != retired_.end() && it->first < hi) {
-      const std::uintptr_t a = it->first;
-      const std::uintptr_t b = it->second.hi;
-      if (a < lo) keep.push_back({a, {lo, it->second.u}});
-      if (b > hi) keep.push_back({hi, {b, it->second.u}});
-      it = retired_.erase(it);
-    }
-    for (auto& [a, u] : keep) retired_.emplace(a, std::move(u));
-  }
-
   // Records a violation if [lo, hi) is under a live block or under work still queued: the
   // allocator is about to give it back to the device.
   void check_nothing_uses(std::uintptr_t lo, std::uintptr_t hi, const char* call) {
@@ -369,15 +260,11 @@ class model_device final : public device_backend {
               block_text(b->first, b->second.n));
       return;
     }
-    for (auto it = first_retired(lo); it != retired_.end() && it->first < hi; ++it) {
-      for (const stream_use& x : it->second.u) {
-        if (host_known_[x.stream] >= x.work) continue;
-        violate(std::string(call) + " of [" + hex(lo) + "," + hex(hi) +
-                ") with work still queued on it (stream-ordered release violated: stream " +
-                std::to_string(x.stream) + " work " + std::to_string(x.work) + ", host knows " +
-                std::to_string(host_known_[x.stream]) + ")");
-        return;
-      }
+    if (const stream_use* x = book_.first_unfinished(lo, hi)) {
+      violate(std::string(call) + " of [" + hex(lo) + "," + hex(hi) +
+              ") with work still queued on it (stream-ordered release violated: stream " +
+              std::to_string(x->stream) + " work " + std::to_string(x->work) + ", host knows " +
+              std::to_string(book_.host_known(x->stream)) + ")");
     }
   }
 
@@ -396,24 +283,7 @@ class model_device final : public device_backend {
   }
 
   void give_address_space(std::uintptr_t lo, std::size_t n) {
-    std::uintptr_t hi = lo + n;
-    auto next = free_.lower_bound(hi);
-    if (next != free_.end() && next->first == hi) {
-      hi = next->second;
-      next = free_.erase(next);
-    }
-    if (next != free_.begin() && std::prev(next)->second == lo) {
-      lo = std::prev(next)->first;
-      free_.erase(std::prev(next));
-    }
-    free_.emplace(lo, hi);
-  }
-
-  event_state* find_event(event_ref e, const char* call) {
-    auto it = events_.find(e.native);
-    if (it != events_.end()) return &it->second;
-    violate(std::string(call) + " of an event that was never created or already destroyed");
-    return nullptr;
+    fuzz::insert_coalesced(free_, lo, lo + n);
   }
 
   // ---- the backend contract
@@ -426,7 +296,7 @@ class model_device final : public device_backend {
     if (p == 0) throw out_of_memory("model device: no address space");
     segments_.emplace(p, bytes);
     used_ += n;
-    cut(p, p + n);
+    book_.cut(p, p + n);
     return reinterpret_cast<void*>(p);
   }
 
@@ -439,7 +309,7 @@ class model_device final : public device_backend {
       return;
     }
     check_nothing_uses(p, p + bytes, "release");
-    cut(p, p + bytes);
+    book_.cut(p, p + bytes);
     segments_.erase(seg);
     used_ -= round_up(bytes, 512);
     give_address_space(p, round_up(bytes, 512));
@@ -492,18 +362,7 @@ class model_device final : public device_backend {
       return;
     }
     if (used_ + bytes > properties_.capacity) throw out_of_memory("model device: full (map)");
-    std::uintptr_t lo = p;
-    std::uintptr_t hi = p + bytes;
-    auto next = mapped_.lower_bound(hi);
-    if (next != mapped_.end() && next->first == hi) {
-      hi = next->second;
-      next = mapped_.erase(next);
-    }
-    if (next != mapped_.begin() && std::prev(next)->second == lo) {
-      lo = std::prev(next)->first;
-      mapped_.erase(std::prev(next));
-    }
-    mapped_.emplace(lo, hi);
+    fuzz::insert_coalesced(mapped_, p, p + bytes);
     used_ += bytes;
     mapped_bytes_ += bytes;
   }
@@ -529,7 +388,7 @@ class model_device final : public device_backend {
     if (p + bytes < hi) mapped_.emplace(p + bytes, hi);
     used_ -= bytes;
     mapped_bytes_ -= bytes;
-    cut(p, p + bytes);
+    book_.cut(p, p + bytes);
   }
 
   std::size_t do_used_bytes() const noexcept override {
@@ -537,76 +396,51 @@ class model_device final : public device_backend {
     return used_;
   }
 
+  // The stream and event calls: the book's, under the device's mutex.
   stream_ref do_create_stream() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (streams_ >= kMaxStreams) throw device_error("model device: too many streams");
-    return stream_ref{reinterpret_cast<void*>(static_cast<std::uintptr_t>(streams_++))};
+    return book_.create_stream();
   }
   void do_destroy_stream(stream_ref) noexcept override {}
   void do_synchronize_stream(stream_ref s) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    const int i = index(s);
-    complete_on_host(ordered_after_[i]);
-    host_known_[i] = launched_[i];
+    book_.synchronize_stream(s);
   }
   void do_synchronize_device() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    host_known_ = launched_;
+    book_.synchronize_device();
   }
 
   event_ref do_create_event() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    void* key = reinterpret_cast<void*>(next_event_++);
-    events_[key] = {};
-    return event_ref{key};
+    return book_.create_event();
   }
   void do_destroy_event(event_ref e) noexcept override {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (events_.erase(e.native) == 0) violate("destroy of an unknown event");
+    book_.destroy_event(e);
   }
   void do_record(event_ref e, stream_ref s) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    event_state* ev = find_event(e, "record");
-    if (ev == nullptr) return;
-    const int i = index(s);
-    ev->vc = ordered_after_[i];
-    ev->vc[i] = launched_[i];
+    book_.record(e, s);
   }
   bool do_query(event_ref e) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    event_state* ev = find_event(e, "query");
-    if (ev == nullptr) return true;
-    bool done = true;
-    for (int t = 0; t < kMaxStreams; ++t) done = done && host_known_[t] >= ev->vc[t];
-    if (done) return true;
-    if (std::uniform_real_distribution<double>(0, 1)(rng_) < query_p_) {
-      complete_on_host(ev->vc);
-      return true;
-    }
-    return false;
+    return book_.query(e, rng_, query_p_);
   }
   void do_wait(stream_ref s, event_ref e) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    event_state* ev = find_event(e, "wait");
-    if (ev == nullptr) return;
-    vclock& vc = ordered_after_[index(s)];
-    for (int t = 0; t < kMaxStreams; ++t) vc[t] = std::max(vc[t], ev->vc[t]);
+    book_.wait(s, e);
   }
   void do_synchronize_event(event_ref e) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (event_state* ev = find_event(e, "synchronize")) complete_on_host(ev->vc);
+    book_.synchronize_event(e);
   }
   void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override {}
 
   mutable std::mutex mutex_;  // guards everything below
   std::mt19937_64 rng_;
   const double query_p_;
-  vclock launched_{};                                 // W: work launched per stream
-  vclock host_known_{};                               // H: completion the host knows of
-  std::array<vclock, kMaxStreams> ordered_after_{};  // vc[S]: what stream S's queue waits for
-  std::map<void*, event_state> events_;
-  std::uintptr_t next_event_ = 1;
-  int streams_ = 1;  // the default stream is 0
+  fuzz::stream_order_book<kMaxStreams> book_;  // streams, events, work and retired uses
   std::map<std::uintptr_t, std::size_t> segments_;   // plain segments: address -> bytes
   std::map<std::uintptr_t, std::size_t> ranges_;     // reserved address ranges: address -> bytes
   std::map<std::uintptr_t, std::uintptr_t> mapped_;  // mapped pages: start -> end, coalesced
@@ -614,8 +448,6 @@ class model_device final : public device_backend {
   std::size_t used_ = 0;
   std::size_t mapped_bytes_ = 0;
   std::map<std::uintptr_t, live_block> live_;  // the program's live blocks, every thread's
-  std::map<std::uintptr_t, uses> retired_;
-  std::optional<std::string> violation_;
 };
 
 // ========================================================================= workload
@@ -1232,29 +1064,12 @@ class fuzz_run {
   std::optional<std::string> failure_;
 };
 
-// A number from the environment, or nothing when unset. A value that is not a number fails the
-// test rather than quietly running the default range.
-std::optional<std::uint64_t> env_number(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  if (*end != '\0' || *v == '-') {
-    ADD_FAILURE() << name << "=" << v << " is not a seed number";
-    return std::nullopt;
-  }
-  return n;
-}
-
 // Runs the seeds the environment names (or the default range) of one policy mix; the first
 // failure fails the test, naming its seed and how to rerun it.
 void run_seeds(policy_mix mix, const char* test_name) {
-  const std::optional<std::uint64_t> one = env_number("TERRACE_FUZZ_SEED");
-  const std::optional<std::uint64_t> count = env_number("TERRACE_FUZZ_SEEDS");
-  if (::testing::Test::HasFailure()) return;
-  const std::uint64_t first = one.value_or(1);
-  const std::uint64_t seeds = count.value_or(one ? 1 : kDefaultSeeds);
-  for (std::uint64_t seed = first; seed < first + seeds; ++seed) {
+  const std::optional<fuzz::seed_range> seeds = fuzz::seeds_from_environment(kDefaultSeeds);
+  if (!seeds) return;
+  for (std::uint64_t seed = seeds->first; seed < seeds->end(); ++seed) {
     if (const std::optional<std::string> failure = fuzz_run(seed, mix).run()) {
       FAIL() << "seed " << seed << ": " << *failure << "\nReproduce with TERRACE_FUZZ_SEED="
              << seed << " tests/allocator_threads_fuzz_test --gtest_filter=AllocatorThreadsFuzz."
@@ -1262,8 +1077,7 @@ void run_seeds(policy_mix mix, const char* test_name) {
              << (seed % 4 == 1 ? "" : "; a race may take a few reruns") << ")";
     }
   }
-  std::printf("[          ] seeds %llu..%llu passed\n", static_cast<unsigned long long>(first),
-              static_cast<unsigned long long>(first + seeds - 1));
+  fuzz::print_passed(*seeds);
 }
 
 // ==================================================================================== the tests

@@ -40,6 +40,8 @@
 #include <utility>
 #include <vector>
 
+#include "fuzz_support.hpp"
+#include "stream_order_model.hpp"
 #include "terrace/caching_allocator.hpp"
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
@@ -47,66 +49,26 @@
 namespace terrace {
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-#else
-constexpr bool kSanitized = false;
-#endif
+using fuzz::fail;
+using fuzz::fuzz_failure;
+using fuzz::hex;
+using fuzz::stream_use;
 
 // ~7 s in a Release build on a 2-core runner (about 7 ms a seed). A sanitized build is several
 // times slower per seed, so it runs a quarter of them; the variants come round every 4 seeds, so
 // any range covers them all.
-constexpr std::uint64_t kDefaultSeeds = kSanitized ? 250 : 1000;
-
-// A check that failed. Thrown only by the test's own code, never from inside a device callback
-// (the allocator would see a foreign exception), and not a std::exception, so that the handlers
-// around allocator calls cannot swallow it.
-struct fuzz_failure {
-  std::string what;
-};
-
-[[noreturn]] void fail(std::string what) { throw fuzz_failure{std::move(what)}; }
-
-std::string hex(std::uintptr_t p) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%#llx", static_cast<unsigned long long>(p));
-  return buf;
-}
+constexpr std::uint64_t kDefaultSeeds =
+    fuzz::kAddressSanitized || fuzz::kThreadSanitized ? 250 : 1000;
 
 std::size_t round512(std::size_t n) { return (n + 511) / 512 * 512; }
 
 // =============================================================================== model device
 // Addresses only (never touched), capacity-limited, and every call returns at once, like the
-// null device. What it adds is a model of stream order, so that the checker can tell whether a
-// block was handed out while work queued on another stream might still be using its space.
-//
-// Why vector clocks: "that work is over" is not one fact the host either knows or not. Stream S is
-// ordered after work w of stream T when the host learnt that w completed (a synchronize, a query
-// that said true), or when S was made to wait on the device for an event recorded on T after w,
-// which the host never sees complete. And orderings compose: if T waited for U's event and S then
-// waits for one of T's, S is after U's work too. One counter of launched work per stream (W), a
-// vector of host-known completion (H), and per stream a vector of what its queue is ordered after
-// (vc[S]) capture exactly that; an event carries its stream's vector at record time. A scalar
-// "last completed" per stream would miss device-side waits or, worse, accept reuse that is only
-// transitively unordered.
-//
-// Work completes nondeterministically: a query of unfinished work completes it with probability
-// query_p, so the allocator's "still pending" and "done" paths both run.
+// null device. What it adds is a model of stream order (stream_order_model.hpp), so that the
+// checker can tell whether a block was handed out while work queued on another stream might still
+// be using its space.
 
 constexpr int kMaxStreams = 4;  // index 0 is the default stream (stream_ref{})
-using vclock = std::array<long, kMaxStreams>;
-
-// One piece of work that used a block: the `work`-th launch on `stream`.
-struct stream_use {
-  int stream;
-  long work;
-};
 
 class model_device final : public device_backend {
  public:
@@ -120,12 +82,8 @@ class model_device final : public device_backend {
     free_.emplace(std::uintptr_t{1} << 40, std::uintptr_t{1} << 44);
   }
 
-  static int index(stream_ref s) {
-    return static_cast<int>(reinterpret_cast<std::uintptr_t>(s.native));
-  }
-
   // Queues one piece of work on stream s (a kernel using some block) and returns its number.
-  long launch(int s) { return ++launched_[s]; }
+  long launch(int s) { return book_.launch(s); }
 
   bool inside_segment(std::uintptr_t p, std::size_t n) const {
     auto it = segments_.upper_bound(p);
@@ -140,84 +98,18 @@ class model_device final : public device_backend {
   // A block at [p, p+n) was freed after the uses `u`: those still unfinished stay on its space
   // until a block handed out over it proves itself ordered after them.
   void retire(std::uintptr_t p, std::size_t n, const std::vector<stream_use>& u) {
-    cut(p, p + n);
-    std::vector<stream_use> pending;
-    for (const stream_use& x : u) {
-      if (host_known_[x.stream] < x.work) pending.push_back(x);
-    }
-    if (!pending.empty()) retired_.emplace(p, uses{p + n, std::move(pending)});
+    book_.retire(p, n, u);
   }
 
   // REQUIRES: [p, p+n) was just handed out on stream s. Fails unless s is ordered after every
   // unfinished use of that space.
-  void check_handout(std::uintptr_t p, std::size_t n, int s) {
-    for (auto it = first_overlapping(p); it != retired_.end() && it->first < p + n; ++it) {
-      for (const stream_use& x : it->second.u) {
-        if (ordered(s, x.stream, x.work)) continue;
-        fail("stream-ordered reuse violated: block [" + hex(p) + ",+" + std::to_string(n) +
-             ") on stream " + std::to_string(s) + " over [" + hex(it->first) + "," +
-             hex(it->second.hi) + ") last used by stream " + std::to_string(x.stream) + " work " +
-             std::to_string(x.work) + " (host knows " + std::to_string(host_known_[x.stream]) +
-             ", stream " + std::to_string(s) + " waited for " +
-             std::to_string(ordered_after_[s][x.stream]) + ")");
-      }
-    }
-    cut(p, p + n);
-  }
+  void check_handout(std::uintptr_t p, std::size_t n, int s) { book_.claim(p, n, s); }
 
   // The first contract violation the allocator committed inside a device call (those are
   // noexcept or run under the allocator's frames, so they are recorded, not thrown), or none.
-  const std::optional<std::string>& violation() const { return violation_; }
+  const std::optional<std::string>& violation() const { return book_.violation(); }
 
  private:
-  struct event_state {
-    vclock vc{};
-  };
-  // Unfinished uses of the space [key, hi) of freed blocks; intervals are disjoint.
-  struct uses {
-    std::uintptr_t hi;
-    std::vector<stream_use> u;
-  };
-
-  void violate(std::string what) {
-    if (!violation_) violation_ = std::move(what);
-  }
-
-  bool ordered(int s, int t, long w) const {
-    return t == s || host_known_[t] >= w || ordered_after_[s][t] >= w;
-  }
-
-  std::map<std::uintptr_t, uses>::iterator first_overlapping(std::uintptr_t lo) {
-    auto it = retired_.lower_bound(lo);
-    if (it != retired_.begin() && std::prev(it)->second.hi > lo) --it;
-    return it;
-  }
-
-  // Cuts [lo, hi) out of the retired intervals, keeping the parts outside it.
-  void cut(std::uintptr_t lo, std::uintptr_t hi) {
-    auto it = first_overlapping(lo);
-    std::vector<std::pair<std::uintptr_t, uses>> keep;
-    while (it != retired_.end() && it->first < hi) {
-      const std::uintptr_t a = it->first;
-      const std::uintptr_t b = it->second.hi;
-      if (a < lo) keep.push_back({a, {lo, it->second.u}});
-      if (b > hi) keep.push_back({hi, {b, it->second.u}});
-      it = retired_.erase(it);
-    }
-    for (auto& [a, u] : keep) retired_.emplace(a, std::move(u));
-  }
-
-  void complete_on_host(const vclock& vc) {
-    for (int t = 0; t < kMaxStreams; ++t) host_known_[t] = std::max(host_known_[t], vc[t]);
-  }
-
-  event_state* find_event(event_ref e, const char* call) {
-    auto it = events_.find(e.native);
-    if (it != events_.end()) return &it->second;
-    violate(std::string(call) + " of an event that was never created or already destroyed");
-    return nullptr;
-  }
-
   void* do_reserve(std::size_t bytes) override {
     const std::size_t n = round512(bytes);
     if (used_ + n > properties_.capacity) throw out_of_memory("model device: full");
@@ -238,102 +130,43 @@ class model_device final : public device_backend {
     const auto p = reinterpret_cast<std::uintptr_t>(ptr);
     auto seg = segments_.find(p);
     if (seg == segments_.end() || seg->second != bytes) {
-      violate("release of " + hex(p) + " (" + std::to_string(bytes) +
+      book_.violate("release of " + hex(p) + " (" + std::to_string(bytes) +
               " bytes), not a segment or not its size");
       return;
     }
     // The contract: no queued work uses it any more.
-    for (auto it = first_overlapping(p); it != retired_.end() && it->first < p + bytes; ++it) {
-      for (const stream_use& x : it->second.u) {
-        if (host_known_[x.stream] < x.work) {
-          violate("release of segment " + hex(p) + " with work still queued on it (stream " +
-                  std::to_string(x.stream) + " work " + std::to_string(x.work) + ")");
-        }
-      }
+    if (const stream_use* x = book_.first_unfinished(p, p + bytes)) {
+      book_.violate("release of segment " + hex(p) + " with work still queued on it (stream " +
+                    std::to_string(x->stream) + " work " + std::to_string(x->work) + ")");
     }
-    cut(p, p + bytes);
+    book_.cut(p, p + bytes);
     segments_.erase(seg);
     const std::size_t n = round512(bytes);
     used_ -= n;
-    std::uintptr_t lo = p;
-    std::uintptr_t hi = p + n;
-    auto next = free_.lower_bound(hi);
-    if (next != free_.end() && next->first == hi) {
-      hi = next->second;
-      next = free_.erase(next);
-    }
-    if (next != free_.begin() && std::prev(next)->second == lo) {
-      lo = std::prev(next)->first;
-      free_.erase(std::prev(next));
-    }
-    free_.emplace(lo, hi);
+    fuzz::insert_coalesced(free_, p, p + n);
   }
 
   std::size_t do_used_bytes() const noexcept override { return used_; }
 
-  stream_ref do_create_stream() override {
-    if (streams_ >= kMaxStreams) throw device_error("model device: too many streams");
-    return stream_ref{reinterpret_cast<void*>(static_cast<std::uintptr_t>(streams_++))};
-  }
+  stream_ref do_create_stream() override { return book_.create_stream(); }
   void do_destroy_stream(stream_ref) noexcept override {}
-  void do_synchronize_stream(stream_ref s) override {
-    const int i = index(s);
-    complete_on_host(ordered_after_[i]);
-    host_known_[i] = launched_[i];
-  }
-  void do_synchronize_device() override { host_known_ = launched_; }
+  void do_synchronize_stream(stream_ref s) override { book_.synchronize_stream(s); }
+  void do_synchronize_device() override { book_.synchronize_device(); }
 
-  event_ref do_create_event() override {
-    void* key = reinterpret_cast<void*>(next_event_++);
-    events_[key] = {};
-    return event_ref{key};
-  }
-  void do_destroy_event(event_ref e) noexcept override {
-    if (events_.erase(e.native) == 0) violate("destroy of an unknown event");
-  }
-  void do_record(event_ref e, stream_ref s) override {
-    event_state* ev = find_event(e, "record");
-    if (ev == nullptr) return;
-    const int i = index(s);
-    ev->vc = ordered_after_[i];
-    ev->vc[i] = launched_[i];
-  }
-  bool do_query(event_ref e) override {
-    event_state* ev = find_event(e, "query");
-    if (ev == nullptr) return true;
-    bool done = true;
-    for (int t = 0; t < kMaxStreams; ++t) done = done && host_known_[t] >= ev->vc[t];
-    if (done) return true;
-    if (std::uniform_real_distribution<double>(0, 1)(rng_) < query_p_) {
-      complete_on_host(ev->vc);
-      return true;
-    }
-    return false;
-  }
-  void do_wait(stream_ref s, event_ref e) override {
-    event_state* ev = find_event(e, "wait");
-    if (ev == nullptr) return;
-    vclock& vc = ordered_after_[index(s)];
-    for (int t = 0; t < kMaxStreams; ++t) vc[t] = std::max(vc[t], ev->vc[t]);
-  }
-  void do_synchronize_event(event_ref e) override {
-    if (event_state* ev = find_event(e, "synchronize")) complete_on_host(ev->vc);
-  }
+  event_ref do_create_event() override { return book_.create_event(); }
+  void do_destroy_event(event_ref e) noexcept override { book_.destroy_event(e); }
+  void do_record(event_ref e, stream_ref s) override { book_.record(e, s); }
+  bool do_query(event_ref e) override { return book_.query(e, rng_, query_p_); }
+  void do_wait(stream_ref s, event_ref e) override { book_.wait(s, e); }
+  void do_synchronize_event(event_ref e) override { book_.synchronize_event(e); }
   void do_copy_async(void*, const void*, std::size_t, copy_kind, stream_ref) override {}
 
   std::mt19937_64& rng_;
   const double query_p_;
-  vclock launched_{};                           // W: work launched per stream
-  vclock host_known_{};                         // H: completion the host knows of, per stream
-  std::array<vclock, kMaxStreams> ordered_after_{};  // vc[S]: what stream S's queue waits for
-  std::map<void*, event_state> events_;
-  std::uintptr_t next_event_ = 1;
-  int streams_ = 1;  // the default stream is 0
+  fuzz::stream_order_book<kMaxStreams> book_;
   std::map<std::uintptr_t, std::size_t> segments_;  // address -> bytes as reserved
   std::map<std::uintptr_t, std::uintptr_t> free_;   // free address space: start -> end
   std::size_t used_ = 0;
-  std::map<std::uintptr_t, uses> retired_;
-  std::optional<std::string> violation_;
 };
 
 // ========================================================================= workload generator
@@ -528,7 +361,7 @@ void deviate(std::mt19937_64& rng, const fuzz_setup& setup, std::vector<op>& ops
 struct live_block {
   std::uintptr_t p;
   std::size_t n;
-  int stream;  // model_device::index of the stream it was allocated on
+  int stream;  // fuzz::stream_index of the stream it was allocated on
   std::vector<stream_use> uses;
 };
 
@@ -895,7 +728,7 @@ class fuzz_run {
       fail(std::string("allocate threw: ") + e.what());
     }
     throw_if_violated();
-    return checker_->handed_out(p, n, model_device::index(streams_[s]));
+    return checker_->handed_out(p, n, fuzz::stream_index(streams_[s]));
   }
 
   void free_block(long id) {
@@ -913,7 +746,7 @@ class fuzz_run {
     if (b == nullptr) return;
     call("record_stream",
          [&] { alloc_->record_stream(reinterpret_cast<void*>(b->p), streams_[s]); });
-    checker_->used_on(id, model_device::index(streams_[s]));
+    checker_->used_on(id, fuzz::stream_index(streams_[s]));
   }
 
   void check_all() const {
@@ -948,7 +781,7 @@ class fuzz_run {
     }
     if (o.kind == op::alloc) s += " size " + std::to_string(o.size);
     if (o.kind == op::alloc || o.kind == op::record_stream) {
-      s += " stream " + std::to_string(model_device::index(streams_[o.stream]));
+      s += " stream " + std::to_string(fuzz::stream_index(streams_[o.stream]));
     }
     recent_.push_back(std::move(s));
   }
@@ -972,36 +805,18 @@ class fuzz_run {
   std::vector<std::string> recent_;
 };
 
-// A number from the environment, or nothing when unset. A value that is not a number fails the
-// test rather than quietly running the default range.
-std::optional<std::uint64_t> env_number(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return std::nullopt;
-  char* end = nullptr;
-  const unsigned long long n = std::strtoull(v, &end, 10);
-  if (*end != '\0' || *v == '-') {
-    ADD_FAILURE() << name << "=" << v << " is not a seed number";
-    return std::nullopt;
-  }
-  return n;
-}
-
 // ==================================================================================== the test
 
 TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactStats) {
-  const std::optional<std::uint64_t> one = env_number("TERRACE_FUZZ_SEED");
-  const std::optional<std::uint64_t> count = env_number("TERRACE_FUZZ_SEEDS");
-  if (HasFailure()) return;
-  const std::uint64_t first = one.value_or(1);
-  const std::uint64_t seeds = count.value_or(one ? 1 : kDefaultSeeds);
-  for (std::uint64_t seed = first; seed < first + seeds; ++seed) {
+  const std::optional<fuzz::seed_range> seeds = fuzz::seeds_from_environment(kDefaultSeeds);
+  if (!seeds) return;
+  for (std::uint64_t seed = seeds->first; seed < seeds->end(); ++seed) {
     if (const std::optional<std::string> failure = fuzz_run(seed).run()) {
       FAIL() << "seed " << seed << ": " << *failure << "\nReproduce with TERRACE_FUZZ_SEED="
              << seed << " tests/planned_policy_fuzz_test (later seeds were not run)";
     }
   }
-  std::printf("[          ] seeds %llu..%llu passed\n", static_cast<unsigned long long>(first),
-              static_cast<unsigned long long>(first + seeds - 1));
+  fuzz::print_passed(*seeds);
 }
 
 }  // namespace
