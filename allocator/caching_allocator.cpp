@@ -473,6 +473,9 @@ class allocator_impl {
       if (block* b = map_hole(seg, rounded, device_full)) return b;
       if (device_full) return nullptr;
     }
+    // No hole anywhere: a new range, unless the device could not map the request's pages anyway
+    // (the range would stay behind, reserved and empty, until the next empty_cache).
+    if (reserved_total() + round_up(rounded, granularity_) > allowed_bytes()) return nullptr;
     const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
     void* p = device_.reserve_address_range(range);
     segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);

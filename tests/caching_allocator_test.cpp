@@ -570,6 +570,7 @@ TEST(CachingAllocator, ExpandableSegmentsHitTheCapacityWithAClearError) {
   caching_allocator a(*dev, expandable_config());
   void* p = a.allocate(20 * MiB);
   EXPECT_THROW(a.allocate(20 * MiB), out_of_memory);
+  EXPECT_EQ(a.stats().segment[0].current, 1) << "a refused request left an empty address range";
   a.deallocate(p);
   void* q = a.allocate(30 * MiB);  // the freed pages serve it
   a.deallocate(q);
