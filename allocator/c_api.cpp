@@ -210,7 +210,14 @@ std::atomic<bool> g_warned_fraction{false};
 std::atomic<bool> g_warned_empty_cache{false};
 std::atomic<bool> g_warned_init{false};
 
+// Whether check_device(device) would pass; the fast path of slot_for asks this.
+bool device_known(int device) noexcept {
+  const int count = g_device_count.load(std::memory_order_relaxed);
+  return device >= 0 && device < kMaxDevices && (count < 0 || device < count);
+}
+
 void check_device(int device) {
+  if (device_known(device)) return;
   if (device < 0 || device >= kMaxDevices) {
     fail("terrace: device index " + std::to_string(device) +
          " is out of range (terrace supports 0.." + std::to_string(kMaxDevices - 1) + ")");
@@ -256,8 +263,7 @@ device_slot& create_slot(int device) {
 device_slot& slot_for(int device) {
   // The fast path checks what check_device checks, so that every entry point agrees on which
   // devices exist (a malloc accepted after terrace_init lowered the count could not be freed).
-  const int count = g_device_count.load(std::memory_order_relaxed);
-  if (device >= 0 && device < kMaxDevices && (count < 0 || device < count)) {
+  if (device_known(device)) {
     if (device_slot* s = find_slot(device)) return *s;
   }
   check_device(device);

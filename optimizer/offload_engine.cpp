@@ -153,6 +153,14 @@ struct offload_engine::impl {
     double grad_wait = 0;       // waiting for gradients to come home
     std::int64_t nvme_read = 0, nvme_write = 0;
     double io_wait = 0;
+    // Counts another update's time and I/O with this one's (a failed phase finished first).
+    void add_costs(const update_result& o) {
+      seconds += o.seconds;
+      grad_wait += o.grad_wait;
+      nvme_read += o.nvme_read;
+      nvme_write += o.nvme_write;
+      io_wait += o.io_wait;
+    }
   };
   // delayed_update: the bf16 params the running update writes (plain host memory, 2 B per
   // param: the home copies are published from here after the next backward; each layer at its
@@ -840,12 +848,7 @@ struct offload_engine::impl {
         failed = failed_phase::update;  // its gradients stay in their home copies until then
         throw;
       }
-      // What finishing the failed phase cost counts with this step's own.
-      u.seconds += retried.seconds;
-      u.grad_wait += retried.grad_wait;
-      u.nvme_read += retried.nvme_read;
-      u.nvme_write += retried.nvme_write;
-      u.io_wait += retried.io_wait;
+      u.add_costs(retried);
       s.exposed_transfer_seconds += u.grad_wait;
       completed_steps = adam->step_count();
     }
