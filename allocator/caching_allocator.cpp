@@ -1242,16 +1242,19 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
     } catch (const out_of_memory&) {
       // The plan's arena may hold the memory this request needs: correctness, and never running
       // out where the caching allocator alone would not, come before the plan.
-      if (!plan_->release_under_pressure()) {
-        void* q = plan_->lend_under_pressure(bytes, stream);
-        if (q == nullptr) throw;
+      if (plan_->release_under_pressure()) {
+        p = impl_->allocate(bytes, stream, tag);
+      } else if (void* q = plan_->lend_under_pressure(bytes, stream)) {
         if (impl_->tracing()) {
           impl_->trace_arena_block(trace_action::alloc, stream, q, plan_->block_size(q), bytes, tag);
         }
         plan_->note_totals(impl_->totals());
         return q;
+      } else if (plan_->unmap_under_pressure()) {
+        p = impl_->allocate(bytes, stream, tag);
+      } else {
+        throw;
       }
-      p = impl_->allocate(bytes, stream, tag);
     }
   } catch (...) {
     plan_->forget_refused_request();

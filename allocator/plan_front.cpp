@@ -93,7 +93,7 @@ plan_front::~plan_front() {
   }
   for (event_ref e : event_pool_) device_.destroy_event(e);
   // Arena blocks still live are leaked to the device, as the caching allocator leaks its blocks.
-  if (arena_ != nullptr && arena_live_count_ == tail_live_.size()) device_.release(arena_, arena_bytes_);
+  if (arena_ != nullptr && arena_live_count_ == tail_live_.size()) give_arena_back();
 }
 
 std::uint64_t plan_front::key_of(std::size_t rounded, std::uintptr_t stream,
@@ -253,6 +253,26 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
     }
   }
   whole.lower_bound = items.empty() ? 0 : max_live_bytes(items, kRound);
+  // The fewest bytes the recorded iteration keeps live outside the arena at any moment (blocks
+  // from before it, and those it allocates but frees after it): what a lazily mapped arena must
+  // leave room for beside it.
+  {
+    std::vector<std::int64_t> delta(hi - lo + 1, 0);
+    for (std::size_t i = 0; i < i1; ++i) {
+      const std::uint32_t f = rec_free_pos_[i];
+      const bool outside = i < i0 ? f == UINT32_MAX || f > lo : !slots[i - i0].planned;
+      if (!outside) continue;
+      const auto size = static_cast<std::int64_t>(rec_size_[i]);
+      delta[rec_alloc_pos_[i] > lo ? rec_alloc_pos_[i] - lo : 0] += size;
+      if (f != UINT32_MAX && f < hi) delta[f - lo] -= size;
+    }
+    std::int64_t live = 0, floor = INT64_MAX;
+    for (std::size_t t = 0; t < hi - lo; ++t) {
+      live += delta[t];
+      floor = std::min(floor, live);
+    }
+    outside_floor_ = floor == INT64_MAX ? 0 : static_cast<std::size_t>(std::max<std::int64_t>(floor, 0));
+  }
   for (std::size_t j = 0; j < whole.offsets.size(); ++j) slots[item_slot[j]].offset = whole.offsets[j];
 
   // The old arena is empty here (plans are made only when no slot is live). The new one is
@@ -318,13 +338,15 @@ bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
 void plan_front::uninstall() {
   finish_deferred();  // the fallback reuses the space in its own order
   if (arena_ != nullptr) {
-    if (adopt_segment_) {
+    if (arena_adoptable()) {
       // The fallback serves what comes next (a deviating iteration) from the arena's memory, on
       // the lead stream; the other streams' work in it must be done first.
       if (lanes_.size() > 1) device_.synchronize_device();
       adopt_segment_(arena_, arena_bytes_, lanes_.front().stream);
     } else {
-      device_.release(arena_, arena_bytes_);
+      // Work queued on a block freed in stream order may still use the arena.
+      device_.synchronize_device();
+      give_arena_back();
     }
   }
   arena_ = nullptr;
@@ -487,6 +509,12 @@ bool plan_front::ensure_arena() {
     try {
       arena = device_.reserve(open_total);
     } catch (const out_of_memory&) {
+      // Reserved whole, the arena needs its memory beside the blocks the iteration before the
+      // installation left live (the fallback's, freed during the first planned iteration).
+      // With virtual memory, its pages are mapped as slots reach them instead (map_arena).
+      arena = reserve_lazy_arena(open_total);
+    }
+    if (arena == nullptr) {
       for (std::size_t h = 0; h < claimed.size(); ++h) give_back(h);
       if (fallback_totals_) last_totals_ = fallback_totals_();
       // No room: the caching allocator serves this iteration. Each try empties its cache, so a
@@ -561,7 +589,7 @@ bool plan_front::ensure_arena() {
   installed_ = true;
   if (fallback_exact_) fallback_exact_(true);
   holes_since_reset_ = holes_since_reset_ || !holes_.empty();
-  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_bytes_);
+  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_resident_bytes());
   stats_.hole_bytes = static_cast<std::int64_t>(hole_bytes_);
   // The installed plan's footprint, to compare with the lower bound: the new reservation plus the
   // extent it uses of each hole (a hole's tail beyond it was idle before the plan too).
@@ -571,6 +599,49 @@ bool plan_front::ensure_arena() {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   note_totals(last_totals_);
   return true;
+}
+
+// An address range for an arena of `bytes` with no page mapped, or nullptr when the device has no
+// virtual memory or no address space for it.
+void* plan_front::reserve_lazy_arena(std::size_t bytes) {
+  const device_properties& props = device_.properties();
+  if (!props.supports_vmm || props.map_granularity == 0) return nullptr;
+  const std::size_t page = props.map_granularity;
+  const std::size_t range = (bytes + page - 1) / page * page;
+  // Only when the arena, fully mapped, fits beside what stays outside it in the steady state:
+  // the memory others hold on the device, the caching allocator's blocks from before the
+  // recording (the claimed holes among them), and the recorded iteration's floor outside the
+  // plan, and a page more for the requests an iteration makes beyond the recorded one (the
+  // arena lends them free space only where its pages are mapped). Else the arena's pages, once
+  // mapped, would starve the caching allocator.
+  const fallback_totals now = fallback_totals_ ? fallback_totals_() : last_totals_;
+  std::int64_t recorded_live = 0;
+  for (std::size_t i = 0; i < rec_free_pos_.size(); ++i) {
+    if (rec_free_pos_[i] == UINT32_MAX) recorded_live += static_cast<std::int64_t>(rec_size_[i]);
+  }
+  const auto used = static_cast<std::int64_t>(device_.used_bytes());
+  const std::int64_t others = std::max<std::int64_t>(used - now.reserved, 0);
+  const std::int64_t before = std::max<std::int64_t>(now.allocated - recorded_live, 0);
+  const double limit = static_cast<double>(props.capacity) * config_.memory_fraction;
+  if (static_cast<double>(others + before) + static_cast<double>(range) +
+          static_cast<double>(outside_floor_ + page) > limit) {
+    return nullptr;
+  }
+  void* p = nullptr;
+  try {
+    p = device_.reserve_address_range(range);
+  } catch (const device_error&) {
+    return nullptr;
+  } catch (const out_of_memory&) {
+    return nullptr;
+  }
+  arena_lazy_ = true;
+  arena_page_ = page;
+  arena_range_bytes_ = range;
+  arena_mapped_.assign(range / page, false);
+  arena_mapped_bytes_ = 0;
+  ++stats_.lazy_arenas;
+  return p;
 }
 
 // An iteration left the plan for the fallback. A plan that keeps losing its iterations (a trace
@@ -699,6 +770,43 @@ void* plan_front::lend_under_pressure(std::size_t bytes, stream_ref stream) {
   return lend_arena_space(bytes, stream, /*by_choice=*/false);
 }
 
+bool plan_front::unmap_under_pressure() {
+  if (!live_mode_ || !installed_ || !arena_lazy_) return false;
+  if (mode_ == mode::in_sync) {
+    // The device cannot hold the arena beside what the caching allocator needs: as a refused
+    // installation, the iteration is lost, and a plan refused again and again is set aside.
+    ++stats_.arena_refusals;
+    deviate();
+    if (!installed_) return true;  // it was idle after all: given back
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(arena_);
+  std::vector<bool> busy(arena_mapped_.size(), false);
+  for (const auto& [addr, e] : live_) {
+    if (!e.in_arena || addr < base || addr >= base + arena_range_bytes_) continue;
+    const std::size_t last = (addr - base + e.size - 1) / arena_page_;
+    for (std::size_t p = (addr - base) / arena_page_; p <= last; ++p) busy[p] = true;
+  }
+  bool any = false;
+  for (std::size_t p = 0; p < busy.size(); ++p) any = any || (arena_mapped_[p] && !busy[p]);
+  if (!any) return false;
+  // Blocks freed in stream order: work queued before their frees may still use the pages.
+  device_.synchronize_device();
+  for (std::size_t p = 0; p < busy.size();) {  // one unmap per run of idle mapped pages
+    if (!arena_mapped_[p] || busy[p]) {
+      ++p;
+      continue;
+    }
+    std::size_t q = p;
+    while (q < busy.size() && arena_mapped_[q] && !busy[q]) arena_mapped_[q++] = false;
+    device_.unmap(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
+    arena_mapped_bytes_ -= (q - p) * arena_page_;
+    p = q;
+  }
+  ++stats_.pressure_unmaps;
+  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_mapped_bytes_);
+  return true;
+}
+
 // How many of its lane's slots come before one that uses [at, at + size) again (the next use of
 // that space, by the plan); SIZE_MAX when no slot does. A slot taken in this lane iteration comes
 // again in the next one. `foreign` tells whether a slot of a stream other than `stream` uses it.
@@ -766,6 +874,7 @@ void* plan_front::lend_arena_space(std::size_t bytes, stream_ref stream, bool by
   }
   if (!found) return nullptr;
   const std::uintptr_t at = best_at;
+  if (!map_arena(at, rounded)) return nullptr;
   // Whatever any stream did in this space before must be done first. Under pressure, where the
   // alternative is failing, the host waits for the device (as the caching allocator's own
   // out-of-memory path does before it gives memory back); by choice the space is the borrower's
@@ -802,11 +911,77 @@ void* plan_front::hand_out_unplanned(std::uintptr_t at, live_entry e) {
 // Whether the arena can be uninstalled now: no slot block is live in it. Blocks from hole tails,
 // and guests once the fallback takes the arena as a segment, become the fallback's own.
 bool plan_front::arena_idle() const noexcept {
-  return arena_live_count_ == tail_live_.size() + (adopt_segment_ ? guests_.size() : 0);
+  return arena_live_count_ == tail_live_.size() + (arena_adoptable() ? guests_.size() : 0);
 }
 
 bool plan_front::arena_quiet() const noexcept {
-  return slot_live_ == 0 && (adopt_segment_ || guests_.empty());
+  return slot_live_ == 0 && (arena_adoptable() || guests_.empty());
+}
+
+// The fallback takes a reserved arena as one of its plain segments. A lazily mapped one is an
+// address range with pages missing: it goes back to the device instead.
+bool plan_front::arena_adoptable() const noexcept {
+  return adopt_segment_ && !arena_lazy_;
+}
+
+std::size_t plan_front::arena_resident_bytes() const noexcept {
+  return arena_lazy_ ? arena_mapped_bytes_ : arena_bytes_;
+}
+
+// REQUIRES: no queued work uses the arena.
+void plan_front::give_arena_back() noexcept {
+  if (arena_ == nullptr) return;
+  if (!arena_lazy_) {
+    device_.release(arena_, arena_bytes_);
+    return;
+  }
+  const auto base = reinterpret_cast<std::uintptr_t>(arena_);
+  for (std::size_t p = 0; p < arena_mapped_.size();) {  // one unmap per run of mapped pages
+    std::size_t q = p;
+    while (q < arena_mapped_.size() && arena_mapped_[q]) ++q;
+    if (q > p) {
+      device_.unmap(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
+    }
+    p = q + 1;
+  }
+  device_.release_address_range(arena_, arena_range_bytes_);
+  arena_lazy_ = false;
+  arena_mapped_.clear();
+  arena_mapped_bytes_ = arena_range_bytes_ = 0;
+}
+
+// Backs [at, at + size) of a lazily mapped arena with memory, page by page. When the device is
+// full, the fallback's cache goes back first (its free segments are what the blocks of the
+// iteration before the installation left behind), once. False when even then the device refuses:
+// the caller serves the request elsewhere, and the pages mapped so far stay for the next slot.
+bool plan_front::map_arena(std::uintptr_t at, std::size_t size) {
+  const auto base = reinterpret_cast<std::uintptr_t>(arena_);
+  if (!arena_lazy_ || at < base || at >= base + arena_range_bytes_) return true;  // a claimed hole
+  const std::size_t first = (at - base) / arena_page_;
+  const std::size_t end = (at - base + size + arena_page_ - 1) / arena_page_;
+  bool emptied = false;
+  for (std::size_t p = first; p < end;) {
+    if (arena_mapped_[p]) {
+      ++p;
+      continue;
+    }
+    std::size_t q = p;
+    while (q < end && !arena_mapped_[q]) ++q;
+    try {
+      device_.map(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
+    } catch (const out_of_memory&) {
+      if (emptied || !release_fallback_cache_) return false;
+      emptied = true;
+      last_totals_ = release_fallback_cache_();
+      continue;  // the same run again
+    }
+    for (std::size_t k = p; k < q; ++k) arena_mapped_[k] = true;
+    arena_mapped_bytes_ += (q - p) * arena_page_;
+    p = q;
+  }
+  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_mapped_bytes_);
+  note_totals(last_totals_);
+  return true;
 }
 
 void plan_front::track_unplanned(std::int64_t delta) noexcept {
@@ -968,6 +1143,17 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       // one starts here, as it would have at the wrap.
       wrap_lane(*l);
       j = match_slot(*l, key, blocked);
+    }
+    if (j >= 0 && live_mode_ && slots_[static_cast<std::size_t>(j)].planned &&
+        !map_arena(slots_[static_cast<std::size_t>(j)].addr, rounded)) {
+      // A lazily mapped arena the device has no page for, even with the fallback's cache given
+      // back: the plan does not fit beside what else is live. As a refused installation, the
+      // iteration is lost (a plan refused again and again is set aside, rather than empty the
+      // fallback's cache at every try) and the fallback serves the request.
+      ++stats_.map_refusals;
+      ++stats_.arena_refusals;
+      deviate();
+      j = -1;
     }
     if (j >= 0) {
       l->misses_in_row = 0;
@@ -1298,7 +1484,7 @@ void plan_front::end_iteration() {
 
 void plan_front::note_totals(const fallback_totals& t) noexcept {
   last_totals_ = t;
-  const auto arena = live_mode_ ? static_cast<std::int64_t>(arena_bytes_) : 0;
+  const auto arena = live_mode_ ? static_cast<std::int64_t>(arena_resident_bytes()) : 0;
   // Claimed holes are the fallback's allocations but the arena's memory: count its blocks instead.
   const auto holes = static_cast<std::int64_t>(hole_bytes_);
   peak_reserved_ = std::max(peak_reserved_, t.reserved + arena);
@@ -1333,7 +1519,7 @@ void plan_front::merge_into(allocator_stats& s) const {
       const bool joins = i != 1;
       if (arena_ != nullptr && joins) {
         s.segment[i].current += 1;
-        s.reserved_bytes[i].current += static_cast<std::int64_t>(arena_bytes_);
+        s.reserved_bytes[i].current += static_cast<std::int64_t>(arena_resident_bytes());
       }
       s.allocation[i].current += (joins ? n : 0) - hn;
       s.active[i].current += (joins ? n : 0) - hn;
@@ -1439,6 +1625,11 @@ void plan_front::check_invariants() const {
     throw logic_error("terrace: planned policy invariant: " + what);
   };
   if (slot_holders != slot_live_) fail("slot-holding block count drifted");
+  if (arena_lazy_ && static_cast<std::size_t>(std::count(arena_mapped_.begin(), arena_mapped_.end(),
+                                                          true)) * arena_page_ !=
+                         arena_mapped_bytes_) {
+    fail("the lazily mapped arena's page count drifted");
+  }
   if (arena.size() != arena_live_count_ || bytes != arena_live_bytes_) fail("arena counts drifted");
   std::sort(arena.begin(), arena.end());
   const auto lo = reinterpret_cast<std::uintptr_t>(arena_);
@@ -1467,6 +1658,12 @@ void plan_front::check_invariants() const {
   }
   for (std::size_t i = 0; i < arena.size(); ++i) {
     if (!inside(arena[i].first, arena[i].second)) fail("a live block lies outside the arena");
+    if (arena_lazy_ && arena[i].first >= lo && arena[i].first < lo + arena_range_bytes_) {
+      for (std::size_t p = (arena[i].first - lo) / arena_page_;
+           p * arena_page_ < arena[i].first - lo + arena[i].second; ++p) {
+        if (!arena_mapped_[p]) fail("a live block lies on an unmapped page of the arena");
+      }
+    }
     if (i > 0 && arena[i - 1].first + arena[i - 1].second > arena[i].first) {
       fail("two live arena blocks overlap");
     }

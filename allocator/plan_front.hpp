@@ -72,6 +72,11 @@ class plan_front {
   /// from free space of the open arena (a guest block, which slots keep clear of while it lives),
   /// or nullptr when there is none. Call only after release_under_pressure() returned false.
   void* lend_under_pressure(std::size_t bytes, stream_ref stream);
+  /// The caching allocator ran out of memory and no arena space could be lent: the pages of a
+  /// lazily mapped arena that hold no live block go back to the device (after a device
+  /// synchronisation), true when some did; then the caller retries. A slot that needs one of them
+  /// again maps it again, or, if the device refuses, its iteration leaves the plan.
+  bool unmap_under_pressure();
   /// Records the free. True when `p` was an arena block (now free); false when the caller must
   /// free it in the fallback (also for pointers this front never saw).
   /// @throws terrace::logic_error for the start of a claimed hole that holds no live block.
@@ -218,6 +223,11 @@ class plan_front {
   std::size_t slots_before_reuse(std::uintptr_t at, std::size_t size, std::uintptr_t stream,
                                  bool& foreign) const;
   void* hand_out_unplanned(std::uintptr_t at, live_entry e);
+  void* reserve_lazy_arena(std::size_t bytes);
+  bool map_arena(std::uintptr_t at, std::size_t size);
+  std::size_t arena_resident_bytes() const noexcept;
+  bool arena_adoptable() const noexcept;
+  void give_arena_back() noexcept;
 
   device_backend& device_;
   allocator_config config_;
@@ -279,6 +289,17 @@ class plan_front {
   void* arena_ = nullptr;
   std::size_t arena_bytes_ = 0;
   std::int64_t arena_reservations_ = 0;
+  // A lazily mapped arena (when the device refused to reserve it whole and has virtual memory):
+  // an address range of arena_range_bytes_ whose pages of arena_page_ bytes are mapped as slots
+  // first reach them, so that the arena fills as the blocks of the iteration before the
+  // installation (the fallback's) are freed. Pages stay mapped until the arena goes back, or until
+  // the caching allocator runs out of memory and they hold no live block (unmap_under_pressure).
+  bool arena_lazy_ = false;
+  std::size_t arena_page_ = 0;
+  std::size_t arena_range_bytes_ = 0;
+  std::vector<bool> arena_mapped_;  // per page
+  std::size_t arena_mapped_bytes_ = 0;
+  std::size_t outside_floor_ = 0;  // make_plan: the recorded iteration's least live outside the plan
   std::function<fallback_totals()> release_fallback_cache_;
   std::function<std::vector<fallback_hole>()> claim_holes_;
   std::function<void(void*)> release_hole_;

@@ -234,7 +234,8 @@ std::string to_json(const planner_stats& s) {
       "\"plan.deviations\":%lld,\"plan.period_allocs\":%lld,\"plan.planned_slots\":%lld,"
       "\"plan.arena_bytes\":%lld,\"plan.lower_bound_bytes\":%lld,"
       "\"plan.unplanned_live_peak\":%lld,\"plan.arena_reserved_bytes\":%lld,"
-      "\"plan.hole_bytes\":%lld,\"plan.stream_waits\":%lld,\"plan.arena_refusals\":%lld,\"plan.pressure_releases\":%lld,\"plan.pressure_loans\":%lld,\"plan.miss_loans\":%lld,\"plan.hit_rate\":%.6f,\"plan.plan_seconds\":%.6f,"
+      "\"plan.hole_bytes\":%lld,\"plan.stream_waits\":%lld,\"plan.arena_refusals\":%lld,"
+      "\"plan.lazy_arenas\":%lld,\"plan.map_refusals\":%lld,\"plan.pressure_unmaps\":%lld,\"plan.pressure_releases\":%lld,\"plan.pressure_loans\":%lld,\"plan.miss_loans\":%lld,\"plan.hit_rate\":%.6f,\"plan.plan_seconds\":%.6f,"
       "\"plan.heuristic\":\"%s\"}",
       s.enabled ? "true" : "false", s.counterfactual ? "true" : "false",
       s.active ? "true" : "false", static_cast<long long>(s.plans),
@@ -247,6 +248,8 @@ std::string to_json(const planner_stats& s) {
       static_cast<long long>(s.lower_bound_bytes), static_cast<long long>(s.unplanned_live_peak),
       static_cast<long long>(s.arena_reserved_bytes), static_cast<long long>(s.hole_bytes),
       static_cast<long long>(s.stream_waits), static_cast<long long>(s.arena_refusals),
+      static_cast<long long>(s.lazy_arenas), static_cast<long long>(s.map_refusals),
+      static_cast<long long>(s.pressure_unmaps),
       static_cast<long long>(s.pressure_releases), static_cast<long long>(s.pressure_loans),
       static_cast<long long>(s.miss_loans),
       s.hit_rate(), s.plan_seconds, s.heuristic.c_str());

@@ -9,10 +9,13 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "terrace/caching_allocator.hpp"
@@ -789,6 +792,16 @@ TEST(PlannedPolicy, UnderMemoryPressureThePlanLendsItsFreeSpace) {
   EXPECT_GT(p.plan.pressure_loans, 0);
   EXPECT_GT(p.plan.hit_rate(), 0.95);  // measured 98.2%, as without the capacity
   EXPECT_LT(p.steady_peak_reserved_bytes, c.steady_peak_reserved_bytes);  // 26.44 vs 27.85 MiB
+
+  // At 26 MiB the plan (a 25.4 MiB arena) does not fit beside what the iterations keep outside
+  // it: neither whole nor mapped page by page (whose pages, once mapped, starved the caching
+  // allocator: 67 failed requests before the lazy arena checked for room), and the caching
+  // allocator serves the trace as without a plan.
+  o.config.device_capacity = std::size_t{26} << 20;
+  const auto tight = terrace::tools::replay(events, o);
+  EXPECT_EQ(tight.ooms, 0u);
+  EXPECT_EQ(tight.plan.lazy_arenas, 0);
+  EXPECT_GT(tight.plan.arena_refusals, 0);
 }
 
 // An idle arena (no block live in it) is given back at once when the caching allocator runs out
@@ -840,6 +853,116 @@ TEST(PlannedPolicy, UnderMemoryPressureAnIdleArenaIsGivenBack) {
   a.deallocate(carry);
   a.check_invariants();
   EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+}
+
+// Iterations of 16 short blocks (1 MiB and 1.25 MiB pairs: a 2.3 MiB arena) that end by allocating
+// a block carried into the next iteration, which frees it first: the carried block is the
+// fallback's (it outlives the iteration), beside the arena, on an 8 MiB device with virtual memory.
+class carried_block_program {
+ public:
+  static constexpr std::size_t kUnit = std::size_t{1} << 20;
+
+  explicit carried_block_program(std::size_t carried) : carried_(carried) {
+    terrace::device_options d;
+    d.capacity = 8 * kUnit;
+    d.map_granularity = std::size_t{64} << 10;
+    dev_ = terrace::make_device("null", d);
+    // Exact-size segments and no small pool (as the engine's settings), so that sizes add up.
+    a_ = std::make_unique<terrace::caching_allocator>(*dev_, terrace::parse_alloc_conf(
+        "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  }
+  ~carried_block_program() {
+    if (carry_ != nullptr) a_->deallocate(carry_);
+  }
+
+  terrace::caching_allocator& allocator() { return *a_; }
+  const terrace::device_backend& device() const { return *dev_; }
+
+  /// One iteration; `before_the_slots` runs after the carried block is freed, with the first
+  /// short block (a slot) live.
+  void iteration(const std::function<void()>& before_the_slots = {}) {
+    a_->begin_iteration();
+    if (carry_ != nullptr) a_->deallocate(std::exchange(carry_, nullptr));
+    for (int k = 0; k < 8; ++k) {
+      void* p = a_->allocate(kUnit + static_cast<std::size_t>(k) * 4096);
+      if (k == 0 && before_the_slots) before_the_slots();
+      void* q = a_->allocate(5 * kUnit / 4);
+      a_->deallocate(q);
+      a_->deallocate(p);
+    }
+    carry_ = a_->allocate(carried_);
+    a_->end_iteration();
+    a_->check_invariants();
+  }
+
+ private:
+  std::size_t carried_;
+  std::unique_ptr<terrace::device_backend> dev_;
+  std::unique_ptr<terrace::caching_allocator> a_;
+  void* carry_ = nullptr;
+};
+
+// A block from before the recording (freed early in the first planned iteration) leaves no room
+// to reserve the arena whole at the boundary; the device has virtual memory, so the arena is an
+// address range whose pages are mapped as its slots reach them, and the plan serves every
+// iteration from the first on, in no more memory than when reserved whole.
+TEST(PlannedPolicy, AnArenaTheDeviceCannotHoldWholeAtInstallationIsMappedPageByPage) {
+  constexpr std::size_t kUnit = carried_block_program::kUnit;
+  carried_block_program program(3 * kUnit);
+  auto& a = program.allocator();
+  for (int it = 0; it < 3; ++it) program.iteration();
+  // 3 MiB carried + 4 MiB + the 2.3 MiB arena: more than the device's 8.
+  void* transient = a.allocate(4 * kUnit);
+  program.iteration([&] { a.deallocate(std::exchange(transient, nullptr)); });
+  auto s = a.plan_stats();
+  ASSERT_EQ(s.lazy_arenas, 1);
+  EXPECT_EQ(s.iterations, 1);
+  EXPECT_EQ(s.lost_iterations, 0);
+  EXPECT_EQ(s.map_refusals, 0);
+  for (int it = 0; it < 6; ++it) program.iteration();
+  s = a.plan_stats();
+  EXPECT_EQ(s.lost_iterations, 0);
+  EXPECT_EQ(s.planned_hits, 7 * 16);  // every short block: only the carried one is outside
+  EXPECT_EQ(s.arena_reserved_bytes, static_cast<std::int64_t>(
+      (s.arena_bytes + (64 << 10) - 1) / (64 << 10) * (64 << 10)));  // all pages mapped, once
+  EXPECT_LE(program.device().used_bytes(), 3 * kUnit + static_cast<std::size_t>(s.arena_reserved_bytes));
+}
+
+// Out of the plan's step (a deviating iteration), a request the device cannot hold beside the
+// lazily mapped arena takes back its pages that hold no live block; the slots map them again in
+// the iterations that follow the plan.
+TEST(PlannedPolicy, UnderMemoryPressureALazilyMappedArenaGivesBackItsIdlePages) {
+  constexpr std::size_t kUnit = carried_block_program::kUnit;
+  carried_block_program program(3 * kUnit);
+  auto& a = program.allocator();
+  for (int it = 0; it < 3; ++it) program.iteration();
+  void* transient = a.allocate(4 * kUnit);
+  program.iteration([&] { a.deallocate(std::exchange(transient, nullptr)); });
+  ASSERT_EQ(a.plan_stats().lazy_arenas, 1);
+  // 6 MiB beside the first slot's 1 MiB: only with the arena's other pages given back.
+  program.iteration([&] { a.deallocate(a.allocate(6 * kUnit)); });
+  auto s = a.plan_stats();
+  EXPECT_EQ(s.pressure_unmaps, 1);
+  EXPECT_EQ(s.lost_iterations, 1);
+  const auto hits = s.planned_hits;
+  for (int it = 0; it < 4; ++it) program.iteration();
+  s = a.plan_stats();
+  EXPECT_EQ(s.lost_iterations, 1);
+  EXPECT_GE(s.planned_hits, hits + 3 * 16);
+  EXPECT_EQ(s.map_refusals, 0);
+}
+
+// A carried block so large that the arena fits beside it only while it is freed: the arena,
+// mapped page by page, must go back for every carried block. That never fails a request (the
+// idle arena goes back under pressure); the plan loses those iterations and is set aside.
+TEST(PlannedPolicy, ALazilyMappedArenaThatNeverFitsIsSetAsideWithoutFailingARequest) {
+  constexpr std::size_t kUnit = carried_block_program::kUnit;
+  carried_block_program program(59 * kUnit / 10);
+  for (int it = 0; it < 12; ++it) ASSERT_NO_THROW(program.iteration()) << it;
+  const auto s = program.allocator().plan_stats();
+  EXPECT_GE(s.lazy_arenas, 1);
+  EXPECT_EQ(s.suspensions, 1);
+  EXPECT_LE(s.lost_iterations, 3);
 }
 
 // Iterations that keep leaving the plan (here: each begins with requests of random sizes) run on

@@ -278,9 +278,15 @@ train_result run_train(const train_options& options) {
   std::uint64_t cursor = 0;
   if (const auto& from = engine->resumed_from()) cursor = from->data_cursor;
   r.first_step = engine->step_count() + 1;
+  const std::int64_t run_steps = o.steps - r.first_step + 1;
+  if (run_steps >= 8) r.steady_from_step = r.first_step + std::max<std::int64_t>(4, run_steps / 4);
   {
     progress_bar bar(o.progress, o.steps);
     for (std::int64_t s = r.first_step; s <= o.steps; ++s) {
+      if (s == r.steady_from_step) {  // the whole run's peak is the larger of the two
+        r.device_peak_reserved = engine->device_memory().stats().reserved_bytes[0].peak;
+        engine->device_memory().reset_peak_stats();
+      }
       const std::vector<std::uint8_t> batch = sample_batch(corpus, o.model, o.seed, cursor);
       const offload_step_stats st = engine->step(batch.data());
       ++cursor;
@@ -308,7 +314,12 @@ train_result run_train(const train_options& options) {
   r.tiers = engine->tiers().stats();
   r.optimizer = engine->optimizer().stats();
   r.pinned_bytes = engine->pinned_bytes();
-  r.device_peak_reserved = engine->device_memory().stats().reserved_bytes[0].peak;
+  const allocator_stats device_stats = engine->device_memory().stats();
+  r.device_peak_reserved = std::max(r.device_peak_reserved, device_stats.reserved_bytes[0].peak);
+  if (r.steady_from_step > 0) {
+    r.steady_peak_reserved = device_stats.reserved_bytes[0].peak;
+    r.steady_peak_allocated = device_stats.allocated_bytes[0].peak;
+  }
   r.plan = engine->device_memory().plan_stats();
   if (tensor_store* store = engine->store()) {
     r.store_capacity = store->capacity();
@@ -394,6 +405,16 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
       bytes(static_cast<std::int64_t>(r.pinned_bytes)).c_str(),
       bytes(static_cast<std::int64_t>(r.store_used)).c_str(),
       bytes(static_cast<std::int64_t>(r.store_capacity)).c_str());
+  if (r.steady_from_step > 0) {
+    const double unused = r.steady_peak_reserved > 0
+                              ? 1.0 - static_cast<double>(r.steady_peak_allocated) /
+                                          static_cast<double>(r.steady_peak_reserved)
+                              : 0.0;
+    add("  steady state    steps %lld..%lld: device peak reserved %s, peak allocated %s (%s unused)\n",
+        static_cast<long long>(r.steady_from_step), static_cast<long long>(o.steps),
+        bytes(r.steady_peak_reserved).c_str(), bytes(r.steady_peak_allocated).c_str(),
+        percent(unused).c_str());
+  }
   if (r.plan.enabled && !r.plan.counterfactual) {
     add("  planned policy  %s of %lld device allocations from the plan over %lld iterations (%lld "
         "lost), arena %s for a lower bound of %s, %lld device-side stream waits\n",
@@ -401,6 +422,11 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
         static_cast<long long>(r.plan.iterations), static_cast<long long>(r.plan.lost_iterations),
         bytes(r.plan.arena_bytes).c_str(), bytes(r.plan.lower_bound_bytes).c_str(),
         static_cast<long long>(r.plan.stream_waits));
+    if (r.plan.lazy_arenas > 0) {
+      add("                  the device could not hold the arena beside the blocks live at the "
+          "boundary: mapped page by page %lld time(s), %lld request(s) found no page\n",
+          static_cast<long long>(r.plan.lazy_arenas), static_cast<long long>(r.plan.map_refusals));
+    }
   }
   add("  prefetch        %lld hits, %lld on demand, %lld evictions, %lld schedule misses\n",
       static_cast<long long>(r.tiers.prefetch_hits), static_cast<long long>(r.tiers.demand_fetches),

@@ -100,6 +100,12 @@ struct train_result {
   tier_stats tiers{};                     ///< the tier manager's counters at the end
   offload_adam_stats optimizer{};
   std::int64_t device_peak_reserved = 0;  ///< the device allocator's peak reserved bytes
+  /// The steady state: from step steady_from_step on (after the first quarter of the run, when
+  /// the planned policy has learnt its iteration), the device allocator's peak reserved and peak
+  /// allocated bytes. steady_from_step = 0 when the run is too short to have one.
+  std::int64_t steady_from_step = 0;
+  std::int64_t steady_peak_reserved = 0;
+  std::int64_t steady_peak_allocated = 0;
   planner_stats plan{};                   ///< the device allocator's planner (policy planned)
   std::filesystem::path dir;
   std::filesystem::path report;           ///< written (empty when not)

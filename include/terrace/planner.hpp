@@ -89,8 +89,19 @@ struct planner_stats {
   /// Device-side waits the plan inserted: an arena block handed out over the space of one that a
   /// record_stream'd stream may still have been using at its free.
   std::int64_t stream_waits = 0;
-  /// Installations the device refused for lack of memory (counted as lost iterations too).
+  /// Installations the device refused for lack of memory, or whose lazily mapped arena it could
+  /// not map a page of (counted as lost iterations too).
   std::int64_t arena_refusals = 0;
+  /// Installations whose arena the device could not reserve whole, made instead as an address
+  /// range whose pages are mapped as slots first reach them (backends with virtual memory).
+  std::int64_t lazy_arenas = 0;
+  /// Requests for slots of such an arena whose pages the device could not map even after the
+  /// caching allocator's cache went back: each left the plan for the caching allocator (its
+  /// iteration is lost, as is one whose arena is refused).
+  std::int64_t map_refusals = 0;
+  /// Times the caching allocator ran out of memory and a lazily mapped arena gave back the pages
+  /// that held no live block.
+  std::int64_t pressure_unmaps = 0;
   /// Requests the caching allocator could not serve for lack of memory while the plan held an
   /// idle arena: the plan gave its memory back for this iteration and the request was retried.
   std::int64_t pressure_releases = 0;
