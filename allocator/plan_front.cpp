@@ -1472,9 +1472,15 @@ void plan_front::end_iteration() {
   const std::size_t lo = explicit_begin_, hi = tokens_.size();
   if (hi == lo) return;
   const std::uint64_t h = range_hash(lo, hi);
-  const bool repeated = h == last_explicit_hash_ && hi - lo == last_explicit_len_;
-  last_explicit_hash_ = h;
-  last_explicit_len_ = hi - lo;
+  // Repeated: the same as one of the last few iterations, not only the one before. A training
+  // step's streams interleave in a few ways that depend on timing (a copy stream's fetch before
+  // or after the compute stream's frees); when they alternate, two equal steps in a row may take
+  // long to come, while each way recurs within a few steps.
+  const auto seen = std::find(recent_iterations_.begin(), recent_iterations_.end(),
+                              std::make_pair(h, hi - lo));
+  const bool repeated = seen != recent_iterations_.end();
+  recent_iterations_[recent_iteration_next_] = {h, hi - lo};
+  recent_iteration_next_ = (recent_iteration_next_ + 1) % recent_iterations_.size();
   if (!repeated || (!slots_.empty() && h == plan_hash_)) return;
   replan_pending_ = true;
   replan_lo_ = lo;

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "terrace/config.hpp"
@@ -249,8 +250,9 @@ class plan_front {
   std::vector<std::uintptr_t> token_stream_;  // the stream of each token (a free: its block's)
   std::unordered_map<std::uint64_t, std::uint32_t> window_seen_;
   std::size_t explicit_begin_ = 0;             // token position of begin_iteration()
-  std::uint64_t last_explicit_hash_ = 0;
-  std::size_t last_explicit_len_ = 0;
+  // The last explicitly marked iterations (hash, token count), a ring; length 0: none yet.
+  std::array<std::pair<std::uint64_t, std::size_t>, 4> recent_iterations_{};
+  std::size_t recent_iteration_next_ = 0;
 
   // --- the plan
   std::vector<slot> slots_;

@@ -965,6 +965,37 @@ TEST(PlannedPolicy, ALazilyMappedArenaThatNeverFitsIsSetAsideWithoutFailingARequ
   EXPECT_LE(s.lost_iterations, 3);
 }
 
+// Explicitly marked iterations that come in two ways, alternating (one request more in every
+// other one, as a copy stream's fetch that lands before or after the compute stream's frees): no
+// two in a row are equal, but each way recurs, and that is enough to plan one of them (before,
+// only an iteration equal to the one just before it was planned: never, here).
+TEST(PlannedPolicy, AlternatingMarkedIterationsArePlanned) {
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
+      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  held_blocks live(a);
+  auto iteration = [&](bool extra) {
+    a.begin_iteration();
+    for (int k = 0; k < 12; ++k) {
+      void* p = live.get(kUnit + static_cast<std::size_t>(k) * 4096);
+      if (extra && k == 5) live.give(live.get(kUnit / 4));
+      live.give(p);
+    }
+    a.end_iteration();
+    ASSERT_NO_THROW(a.check_invariants());
+  };
+  for (int it = 0; it < 4; ++it) iteration(it % 2 == 1);
+  auto s = a.plan_stats();
+  EXPECT_EQ(s.plans, 1);
+  EXPECT_GE(s.iterations, 1);
+  for (int it = 4; it < 12; ++it) iteration(it % 2 == 1);
+  s = a.plan_stats();
+  EXPECT_EQ(s.plans, 1);
+  EXPECT_EQ(s.lost_iterations, 0);
+  EXPECT_GE(s.planned_hits, 9 * 12);
+}
+
 // Iterations that keep leaving the plan (here: each begins with requests of random sizes) run on
 // the fallback beside the arena and reinstall the plan every time; after three in a row the plan
 // is set aside for 8 iterations (then 16, ...), the caching allocator alone serving them, and it
