@@ -144,9 +144,13 @@ TEST(TrainCli, ThePlannedPolicyTrainsExactlyAsCachingDoes) {
 // On the default model and device (28 MiB), the plan's 25.4 MiB arena does not fit beside the
 // blocks the step before the installation leaves live; the device has virtual memory, so the
 // arena is mapped page by page as those blocks are freed, and the plan serves the steps that
-// follow (before: it was refused at every boundary, "0 iterations (3 lost)"). Same losses. The
-// plan is learnt from how the copy stream's fetches interleave with the compute stream, which
-// depends on timing: on a loaded machine that took up to 8 steps, hence 16.
+// follow (before: it was refused at every boundary, "0 iterations (3 lost)"). Same losses.
+// The plan is learnt from the order in which the copy stream's fetches and the compute stream's
+// blocks interleave, which depends on timing: on a loaded machine (a parallel ctest beside other
+// builds) half the runs saw no two equal periods in 16 steps, and one run in about twenty learnt
+// a plan whose arena did not fit (3 lost: the fit beside the blocks live at the boundary is
+// exact on this device, 26 MiB of pages and one spare page in 28). So up to three runs are made
+// and one must install the plan; every run must train the same bits.
 TEST(TrainCli, OnTheDefaultDeviceThePlanIsInstalledPageByPage) {
   scratch_dir dir("cli-planned-default");
   const auto run = [&](const std::string& name, const std::string& conf) {
@@ -159,19 +163,24 @@ TEST(TrainCli, OnTheDefaultDeviceThePlanIsInstalledPageByPage) {
     return std::make_pair(r.output, exact_losses(log));
   };
   const auto [caching_out, caching] = run("caching", "");
-  const auto [planned_out, planned] = run("planned", "--alloc-conf policy:planned");
   ASSERT_EQ(caching.size(), 16u);
-  EXPECT_EQ(planned, caching);
-  EXPECT_NE(planned_out.find("planned policy"), std::string::npos) << planned_out;
+  // The steady state is measured from step 1 + max(4, 16 / 4) on, under either policy.
+  EXPECT_NE(caching_out.find("steady state    steps 5..16: device peak reserved "),
+            std::string::npos) << caching_out;
+  std::string planned_out;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    std::vector<std::string> planned;
+    std::tie(planned_out, planned) = run("planned-" + std::to_string(attempt), "--alloc-conf policy:planned");
+    EXPECT_EQ(planned, caching) << "run " << attempt;
+    ASSERT_NE(planned_out.find("planned policy"), std::string::npos) << planned_out;
+    EXPECT_NE(planned_out.find("steady state    steps 5..16: device peak reserved "),
+              std::string::npos) << planned_out;
+    if (planned_out.find("mapped page by page") != std::string::npos) break;
+  }
   EXPECT_EQ(planned_out.find(" over 0 iterations"), std::string::npos) << planned_out;
   EXPECT_NE(planned_out.find("(0 lost)"), std::string::npos) << planned_out;
   EXPECT_NE(planned_out.find("mapped page by page 1 time(s), 0 request(s) found no page"),
             std::string::npos) << planned_out;
-  // The steady state is measured from step 1 + max(4, 16 / 4) on, under either policy.
-  for (const std::string* out : {&caching_out, &planned_out}) {
-    EXPECT_NE(out->find("steady state    steps 5..16: device peak reserved "), std::string::npos)
-        << *out;
-  }
 }
 
 // --recompute (activation checkpointing of the blocks) changes what is held, not what is computed.
