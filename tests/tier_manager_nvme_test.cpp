@@ -418,3 +418,44 @@ TEST(TierManagerNvme, AnAcquireThatFailsInAnotherTensorsPrefetchLeavesNothingPin
 
 }  // namespace
 }  // namespace terrace
+
+namespace terrace {
+namespace {
+
+// Found by tier_manager_fuzz_test (seed 14): an NVMe read started ahead of use holds its room in
+// the host budget, and a read in flight was never a victim; with the device's home copies pinned,
+// a demand for room failed with out_of_memory although the prefetched copy, once landed, could
+// simply have been dropped (NVMe holds it).
+TEST(TierManagerNvme, ADemandForHostRoomTakesItFromAnNvmeReadStartedAheadOfUse) {
+  testing::scratch_dir dir("tm-read-room");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);  // device: 2 tensors; host: 3
+  const std::vector<tensor_id> ids = add_patterned(r, "t", 4);  // adding t3 sends t0 to NVMe
+  ASSERT_FALSE(r.tm->on_host(ids[0]));
+  // No schedule yet, so nothing is prefetched while t1 and t2 are pinned on the device.
+  r.tm->acquire(ids[1], r.compute);
+  r.tm->acquire(ids[2], r.compute);
+  r.tm->set_schedule({ids[0]});
+  r.tm->begin_iteration();  // no room for t0's read: t3 starts leaving for NVMe
+  store.wait_all();
+  r.tm->begin_iteration();  // t3 has left: t0's read starts into its room
+  ASSERT_TRUE(r.tm->on_host(ids[0]));
+  ASSERT_FALSE(r.tm->on_host(ids[3]));
+  // t3's home copy is wanted back (replaced whole): the only room is the prefetched t0's.
+  auto* h = static_cast<unsigned char*>(r.tm->host_data(ids[3], access::write));
+  std::memset(h, 0x3c, kBytes);
+  EXPECT_FALSE(r.tm->on_host(ids[0]));
+  r.tm->check_invariants();
+  r.tm->release(ids[1], r.compute);
+  r.tm->release(ids[2], r.compute);
+  r.dev->synchronize(r.compute);
+  std::vector<unsigned char> out(kBytes);
+  r.tm->read_home(ids[0], out.data());
+  EXPECT_EQ(out, pattern(0));
+  r.tm->read_home(ids[3], out.data());
+  EXPECT_EQ(out, std::vector<unsigned char>(kBytes, 0x3c));
+  r.tm->check_invariants();
+}
+
+}  // namespace
+}  // namespace terrace

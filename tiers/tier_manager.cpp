@@ -630,8 +630,28 @@ struct tier_manager::impl {
     // Puts started ahead of need free room as they land: first those, then the rest of them.
     land_leaving(/*wait=*/false);
     if (host_bytes + bytes > options.host_budget) land_leaving(/*wait=*/true);
-    evict_hosts(host_victims(bytes, keep, later_than, 0).first);
+    auto victims = host_victims(bytes, keep, later_than, 0);
+    if (!victims.second) {
+      // Reads started ahead of use hold room that is never a victim while in flight; landed,
+      // their copies are clean (NVMe holds them) and leave like any other, without a put.
+      land_reads();
+      victims = host_victims(bytes, keep, later_than, 0);
+    }
+    evict_hosts(victims.first);
     return host_bytes + bytes <= options.host_budget;
+  }
+
+  // Waits for every NVMe read in flight. One that failed has given its buffer back (finish_read)
+  // and its tensor is still on NVMe: the error is left to the read that needs it, which tries
+  // again and reports it if it persists.
+  void land_reads() noexcept {
+    for (tensor& t : tensors) {
+      if (!t.nvme_reading) continue;
+      try {
+        finish_read(t);
+      } catch (...) {
+      }
+    }
   }
 
   // The home copies to move out (host_victim, in turn) so that `bytes` more fit the host budget
