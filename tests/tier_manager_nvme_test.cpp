@@ -459,3 +459,46 @@ TEST(TierManagerNvme, ADemandForHostRoomTakesItFromAnNvmeReadStartedAheadOfUse) 
 
 }  // namespace
 }  // namespace terrace
+
+namespace terrace {
+namespace {
+
+// Found by tier_manager_fuzz_test (seed 99): a write acquire gives its tensor a block and copies
+// nothing into it (the caller is to fill it); when the acquire then failed in another tensor's
+// prefetch (an NVMe read error), the block stayed, standing for the tensor's data, and the next
+// acquire handed out its garbage.
+TEST(TierManagerNvme, AWriteAcquireThatFailsInAnotherTensorsPrefetchLeavesNoEmptyBlock) {
+  testing::scratch_dir dir("tm-write-fail");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);  // device: 2 tensors; host: 3
+  const std::vector<tensor_id> ids = add_patterned(r, "x", 6);  // x0, x1, x2 go to NVMe
+  ASSERT_FALSE(r.tm->on_host(ids[0]));
+  r.tm->set_schedule({ids[0], ids[3]});
+  r.tm->begin_iteration();  // no room for x0's read yet: x4 starts leaving for NVMe
+  store.wait_all();
+  io_fault f;
+  f.what = io_fault::kind::eio;
+  f.writes = false;
+  f.count = 1000;
+  store.inject_fault(f);
+  r.tm->begin_iteration();  // x4 has left: x0's read starts, and fails
+  store.wait_all();
+  ASSERT_FALSE(r.tm->on_device(ids[5]));
+  // Off the schedule; its prefetch walk finishes x0's read, which throws.
+  EXPECT_THROW(r.tm->acquire(ids[5], r.compute, access::write), io_error);
+  r.tm->check_invariants();
+  store.inject_fault({});
+  auto* p = static_cast<unsigned char*>(r.tm->acquire(ids[5], r.compute, access::read));
+  std::vector<unsigned char> seen(kBytes);
+  enqueue_host_function(*r.dev, r.compute, [p, &seen] { std::memcpy(seen.data(), p, kBytes); });
+  r.tm->release(ids[5], r.compute);
+  r.dev->synchronize(r.compute);
+  EXPECT_TRUE(seen == pattern(5)) << "the failed write acquire's empty block stood for x5's data";
+  std::vector<unsigned char> out(kBytes);
+  r.tm->read_home(ids[0], out.data());
+  EXPECT_EQ(out, pattern(0));
+  r.tm->check_invariants();
+}
+
+}  // namespace
+}  // namespace terrace

@@ -748,6 +748,8 @@ struct tier_manager::impl {
     tensor& t = at(id, "acquire");
     follow_schedule(id, mode);
     t.last_use = ++tick;
+    bool had_home = true;
+    bool empty_block = false;  // this acquire gave t a block and put none of its data there
     if (t.dev != nullptr) {
       if (t.prefetched) ++counters.prefetch_hits;
     } else {
@@ -758,7 +760,7 @@ struct tier_manager::impl {
                             detail::describe_bytes(device_bytes) + " are held by " +
                             std::to_string(pinned_count()) + " acquired tensors");
       }
-      const bool had_home = t.host != nullptr;
+      had_home = t.host != nullptr;
       ensure_home(id, mode != access::write);
       void* block = nullptr;
       try {
@@ -773,6 +775,7 @@ struct tier_manager::impl {
       }
       bring_up(id, block, mode != access::write);
       if (t.up_pending) ++counters.demand_fetches;
+      empty_block = !t.up_pending;
     }
     t.prefetched = false;
     bool after_copy_up = false;
@@ -807,6 +810,14 @@ struct tier_manager::impl {
       // then must leave nothing pinned: the caller gets no pointer and will not release it.
       --t.pins;
       t.dev_newer = was_newer;
+      if (empty_block) {
+        // The caller was to fill it (access::write) and never will: kept, the block would pass
+        // for the tensor's data, and so would a home buffer taken without reading the data in.
+        drop_device_copy(id);
+        if (!had_home && t.host != nullptr && !t.host_written && !t.nvme_reading) {
+          give_back_home_buffer(t);
+        }
+      }
       throw;
     }
     return t.dev;
