@@ -500,5 +500,26 @@ TEST(TierManagerNvme, AWriteAcquireThatFailsInAnotherTensorsPrefetchLeavesNoEmpt
   r.tm->check_invariants();
 }
 
+
+// Found by tier_manager_fuzz_test under TSan: checkpoint put the tensors before an acquired one
+// to NVMe and only then refused, and the thrown exception dropped the puts' handles (which do not
+// wait) with the puts still reading home buffers that later copies down rewrote. A refused
+// checkpoint now starts nothing.
+TEST(TierManagerNvme, ACheckpointRefusedForAnAcquiredTensorStartsNoPut) {
+  testing::scratch_dir dir("tm-ckpt-pinned");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  const std::vector<tensor_id> ids = add_patterned(r, "x", 2);  // both at home, neither on NVMe
+  r.tm->acquire(ids[1], r.compute);
+  EXPECT_THROW(r.tm->checkpoint(), logic_error);
+  EXPECT_FALSE(store.contains("x0")) << "a put of x0 was issued by the refused checkpoint";
+  EXPECT_EQ(r.tm->stats().nvme_write_bytes, 0);
+  r.tm->release(ids[1], r.compute);
+  EXPECT_EQ(r.tm->checkpoint(), 1u);
+  EXPECT_TRUE(store.contains("x0"));
+  EXPECT_TRUE(store.contains("x1"));
+  r.tm->check_invariants();
+}
+
 }  // namespace
 }  // namespace terrace

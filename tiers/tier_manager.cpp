@@ -947,24 +947,43 @@ struct tier_manager::impl {
   std::uint64_t checkpoint() {
     std::lock_guard lock(mutex);
     TERRACE_EXPECTS(nvme != nullptr, "tier manager: checkpoint without an NVMe store");
-    land_leaving(/*wait=*/true);
-    std::vector<io_handle> writes;
-    for (tensor& t : tensors) {
+    // Refused before anything starts: a put issued for an earlier tensor would otherwise be left
+    // reading its home buffer.
+    for (const tensor& t : tensors) {
       if (t.pins > 0) {
         throw logic_error("terrace: tier manager: checkpoint while '" + t.name + "' is acquired");
       }
-      if (t.dev != nullptr && t.dev_newer) copy_down(t);
-      if (t.down_pending) {
-        device.synchronize(t.down);
-        t.down_pending = false;
+    }
+    land_leaving(/*wait=*/true);
+    std::vector<io_handle> writes;
+    // Every put issued is waited for before this returns or throws: an io_handle does not wait
+    // when destroyed, and a put left running would read a home buffer that a later copy down or
+    // host_data(write) rewrites, or that another tensor gets once it is freed.
+    std::exception_ptr failure;
+    try {
+      for (tensor& t : tensors) {
+        if (t.dev != nullptr && t.dev_newer) copy_down(t);
+        if (t.down_pending) {
+          device.synchronize(t.down);
+          t.down_pending = false;
+        }
+        if (t.nvme_reading) finish_read(t);
+        if (t.host != nullptr && t.host_written && !t.nvme_current) {
+          writes.push_back(nvme->put(t.name, t.host, t.bytes));
+          counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+        }
       }
-      if (t.nvme_reading) finish_read(t);
-      if (t.host != nullptr && t.host_written && !t.nvme_current) {
-        writes.push_back(nvme->put(t.name, t.host, t.bytes));
-        counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    for (io_handle& h : writes) {
+      try {
+        h.wait();
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
       }
     }
-    for (io_handle& h : writes) h.wait();
+    if (failure) std::rethrow_exception(failure);
     for (tensor& t : tensors) {
       if (t.host != nullptr && t.host_written) t.nvme_current = true;
     }
