@@ -446,7 +446,7 @@ struct tier_manager::impl {
       }
       if (t.nvme_reading) {
         if (!t.nvme_io.ready()) continue;  // still on its way from NVMe: a later call takes it
-        finish_read(t);
+        if (!finish_read_ahead(t)) continue;
       }
       if (t.host == nullptr || !t.host_written) continue;  // on NVMe only, or never written
       stay_home(t);  // wanted soon after all (evicted ahead, not landed yet)
@@ -641,16 +641,25 @@ struct tier_manager::impl {
     return host_bytes + bytes <= options.host_budget;
   }
 
-  // Waits for every NVMe read in flight. One that failed has given its buffer back (finish_read)
-  // and its tensor is still on NVMe: the error is left to the read that needs it, which tries
-  // again and reports it if it persists.
+  // Waits for every NVMe read in flight (finish_read_ahead).
   void land_reads() noexcept {
     for (tensor& t : tensors) {
-      if (!t.nvme_reading) continue;
-      try {
-        finish_read(t);
-      } catch (...) {
-      }
+      if (t.nvme_reading) finish_read_ahead(t);
+    }
+  }
+
+  // Finishes a read that the call at hand did not ask for (started ahead of use); false if it
+  // failed. The failed read has given its buffer back (finish_read) and its tensor is still on
+  // NVMe: the error is left to the use that needs the tensor, which reads it again and reports
+  // the error if it persists. Reported here, it would fail a call about another tensor (an
+  // acquire, begin_iteration, a checkpoint) once per failed read, however healthy the store is
+  // by then.
+  bool finish_read_ahead(tensor& t) noexcept {
+    try {
+      finish_read(t);
+      return true;
+    } catch (...) {
+      return false;
     }
   }
 
@@ -806,8 +815,9 @@ struct tier_manager::impl {
       prefetch();
       prefetch_from_nvme();
     } catch (...) {
-      // A failure of another tensor's prefetch (its NVMe read, say) fails this acquire, which
-      // then must leave nothing pinned: the caller gets no pointer and will not release it.
+      // A failure in another tensor's prefetch (a device error, say; not a failed read ahead:
+      // finish_read_ahead) fails this acquire, which then must leave nothing pinned: the caller
+      // gets no pointer and will not release it.
       --t.pins;
       t.dev_newer = was_newer;
       if (empty_block) {
@@ -967,7 +977,7 @@ struct tier_manager::impl {
           device.synchronize(t.down);
           t.down_pending = false;
         }
-        if (t.nvme_reading) finish_read(t);
+          if (t.nvme_reading) finish_read_ahead(t);  // NVMe holds it either way: nothing to put
         if (t.host != nullptr && t.host_written && !t.nvme_current) {
           writes.push_back(nvme->put(t.name, t.host, t.bytes));
           counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
