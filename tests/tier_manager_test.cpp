@@ -743,5 +743,33 @@ TEST(TierManager, ACopyDownWaitsForEveryStreamThatReleasedTheTensor) {
   dev->destroy_stream(s2);
 }
 
+// The cleanup of an acquire that fails after pinning, now that another tensor's failed NVMe read
+// no longer fails it: a device error in the prefetch walk (a block for the next tensor that the
+// device cannot reserve). A write acquire's block has none of its tensor's data yet (the caller
+// was to fill it), so it must not stay as the device copy, and nothing may stay pinned.
+TEST(TierManager, AWriteAcquireThatFailsInThePrefetchWalkLeavesNoEmptyBlockNorPin) {
+  constexpr std::size_t kBytes = 12 * MiB;  // at least min_large_alloc: a segment of its own
+  rig r(2 * kBytes);
+  const tensor_id a = r.tm->add("a", kBytes, pattern(kBytes, 1).data());
+  const tensor_id c = r.tm->add("c", kBytes, pattern(kBytes, 3).data());
+  r.tm->acquire(c, r.compute);  // c's block, then given back to the allocator's cache
+  r.tm->release(c, r.compute);
+  r.dev->synchronize(r.compute);
+  r.tm->host_modified(c);  // the home copy is the newest: the device copy goes
+  r.tm->set_schedule({a});
+  r.dev->inject_device_error(1);
+  // c's block comes from the cache; a's prefetch needs a new segment, which fails.
+  EXPECT_THROW(r.tm->acquire(c, r.compute, access::write), device_error);
+  EXPECT_FALSE(r.tm->on_device(c)) << "the failed write acquire's empty block stands for c's data";
+  EXPECT_THROW(r.tm->release(c, r.compute), logic_error) << "c was left pinned";
+  r.tm->check_invariants();
+  auto* p = static_cast<unsigned char*>(r.tm->acquire(c, r.compute, access::read));
+  std::vector<unsigned char> seen(kBytes);
+  r.launch([p, &seen] { std::memcpy(seen.data(), p, kBytes); });
+  r.tm->release(c, r.compute);
+  r.dev->synchronize(r.compute);
+  EXPECT_TRUE(seen == pattern(kBytes, 3));
+}
+
 }  // namespace
 }  // namespace terrace
