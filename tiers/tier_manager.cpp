@@ -977,7 +977,7 @@ struct tier_manager::impl {
           device.synchronize(t.down);
           t.down_pending = false;
         }
-          if (t.nvme_reading) finish_read_ahead(t);  // NVMe holds it either way: nothing to put
+        if (t.nvme_reading) finish_read_ahead(t);  // NVMe holds it either way: nothing to put
         if (t.host != nullptr && t.host_written && !t.nvme_current) {
           writes.push_back(nvme->put(t.name, t.host, t.bytes));
           counters.nvme_write_bytes += static_cast<std::int64_t>(t.bytes);
