@@ -155,6 +155,8 @@ struct offload_adam::impl {
     std::string name;
     std::size_t elements = 0;
     bool nvme = false;
+    // Listed by a failed call of the open step: the step may end only once all of it is updated.
+    bool owed = false;
     std::vector<chunk> chunks;
   };
   // One chunk of an NVMe group going through the pipeline.
@@ -519,6 +521,80 @@ struct offload_adam::impl {
     c.in_store = false;
   }
 
+  // ---- the open step: what may continue and end it
+
+  static bool fully_updated(const group& g) {
+    return std::all_of(g.chunks.begin(), g.chunks.end(), [](const chunk& c) { return c.updated; });
+  }
+
+  std::string names_of(const std::vector<group_id>& ids) const {
+    std::string out;
+    for (group_id id : ids) out += (out.empty() ? "'" : ", '") + groups[id].name + "'";
+    return out.empty() ? "none" : out;
+  }
+
+  std::string unfinished(std::int64_t t) const {
+    return "offload_adam: step " + std::to_string(t) + " is unfinished (";
+  }
+
+  // A call made while a step is open continues that step, so it must not mix another into it:
+  // other options would step some of its chunks differently, and a call that ends it must leave
+  // no group that a failed call listed half-stepped, or not stepped at all, without a word.
+  // Checked before anything is read or written.
+  void check_continues_open_step(std::span<const offload_group_step> list, const adam_step_options& so,
+                                 bool finish) const {
+    const std::int64_t t = adam.step_count() + 1;
+    TERRACE_EXPECTS(so.grad_dtype == open_options.grad_dtype && so.copy_dtype == open_options.copy_dtype &&
+                        so.grad_scale == open_options.grad_scale && so.clip_coef == open_options.clip_coef,
+                    unfinished(t) + "a failed call, or step_part() calls) was made with other step options "
+                    "(grad and copy dtypes, grad_scale, clip_coef): continue it with the same ones");
+    std::vector<group_id> listed;
+    for (const offload_group_step& s : list) listed.push_back(s.group);
+    std::sort(listed.begin(), listed.end());
+    if (failed_step_groups) {
+      TERRACE_EXPECTS(finish, unfinished(t) + "step() failed part way): finish it with step() and the same "
+                              "groups, not with step_part()");
+      TERRACE_EXPECTS(listed == *failed_step_groups,
+                      unfinished(t) + "step() failed part way over groups " + names_of(*failed_step_groups) +
+                          "); this call lists " + names_of(listed) + ": call step() again with the same "
+                          "groups, gradients and options to finish it");
+    }
+    if (finish) {
+      const std::vector<group_id> left = owed_and_unfinished(listed);
+      TERRACE_EXPECTS(left.empty(), unfinished(t) + "a failed call left groups " + names_of(left) +
+                                        " not wholly stepped); this call, which ends the step, does not "
+                                        "list them: list them too, with the same gradients");
+    }
+  }
+
+  // The groups a failed call of the open step listed that are not wholly updated and not in
+  // `listed` (sorted).
+  std::vector<group_id> owed_and_unfinished(const std::vector<group_id>& listed) const {
+    std::vector<group_id> out;
+    for (std::size_t id = 0; id < groups.size(); ++id) {
+      const group& g = groups[id];
+      if (g.owed && !fully_updated(g) && !std::binary_search(listed.begin(), listed.end(), id)) {
+        out.push_back(static_cast<group_id>(id));
+      }
+    }
+    return out;
+  }
+
+  // finish_step(): the step made in parts ends; every part that failed must have been retried.
+  void end_parts() {
+    const std::int64_t t = adam.step_count() + 1;
+    if (open) {
+      TERRACE_EXPECTS(!failed_step_groups, unfinished(t) + "step() failed part way over groups " +
+                                               names_of(*failed_step_groups) +
+                                               "): finish it with step() and the same groups, not finish_step()");
+      const std::vector<group_id> left = owed_and_unfinished({});
+      TERRACE_EXPECTS(left.empty(), unfinished(t) + "a failed step_part() left groups " + names_of(left) +
+                                        " not wholly stepped): retry that part, with the same gradients, "
+                                        "before finish_step()");
+    }
+    finish_step(t);
+  }
+
   // One step (`finish`), or one part of a step left open for finish_step().
   bool step(std::span<const offload_group_step> list, const adam_step_options& so, bool finish) {
     const auto start = clock_type::now();
@@ -528,6 +604,7 @@ struct offload_adam::impl {
       ~timer() { into += seconds_since(start); }
     } step_timer{counters.step_seconds, start};
     validate(list, so);
+    if (open) check_continues_open_step(list, so, finish);
     if (so.check_finite && !so.grads_known_finite) {
       const std::vector<adam_tensor> grads = grad_tensors(list);
       if (!adam.grad_norm(grads, so.grad_dtype, so.grad_scale).finite) return false;
@@ -536,8 +613,12 @@ struct offload_adam::impl {
     chunk_options.grads_known_finite = true;  // decided above, once for the whole step
     const std::int64_t t = adam.step_count() + 1;
     if (!open) {
-      for (group& g : groups)
+      for (group& g : groups) {
+        g.owed = false;
         for (chunk& c : g.chunks) c.updated = false;
+      }
+      failed_step_groups.reset();
+      open_options = so;
     }
     const std::size_t gsize = size_of(so.grad_dtype);
     const std::size_t csize = size_of(so.copy_dtype);
@@ -573,18 +654,32 @@ struct offload_adam::impl {
     }
     if (failure) {
       adam.set_step_count(t - 1);
-      open = std::any_of(groups.begin(), groups.end(), [](const group& g) {
+      // A step made in parts stays open after a failed part, even one that updated nothing:
+      // finish_step() must not end it without that part. A failed step() that updated nothing
+      // is as if it had not been called.
+      open = !finish || std::any_of(groups.begin(), groups.end(), [](const group& g) {
         return std::any_of(g.chunks.begin(), g.chunks.end(), [](const chunk& c) { return c.updated; });
       });
+      if (open) {
+        for (const offload_group_step& s : list) groups[s.group].owed = true;
+        if (finish) {
+          std::vector<group_id> listed;
+          for (const offload_group_step& s : list) listed.push_back(s.group);
+          std::sort(listed.begin(), listed.end());
+          failed_step_groups = std::move(listed);
+        }
+      }
       try {
         std::rethrow_exception(failure);
       } catch (...) {
         rethrow_with("terrace: offload_adam: step " + std::to_string(t) + " failed" + where +
                      ". The step counter stays at " + std::to_string(t - 1) +
                      "; chunks not yet written keep their previous state" +
-                     (open ? "; the chunks already updated are remembered: call step() again (or "
-                             "step_part(), for a step made in parts) with the same gradients to "
-                             "finish this step. Cause: "
+                     (open ? (finish ? "; the chunks already updated are remembered: call step() again with "
+                                       "the same groups, gradients and options to finish this step. Cause: "
+                                     : "; the chunks already updated are remembered: call step_part() again "
+                                       "with the same groups, gradients and options before finish_step(). "
+                                       "Cause: ")
                            : ". Cause: "));
       }
     }
@@ -602,6 +697,7 @@ struct offload_adam::impl {
     adam.set_step_count(t);
     steps.store(t, std::memory_order_relaxed);
     open = false;
+    failed_step_groups.reset();
   }
 
   // The step proper. On an error it stops issuing, drains every transfer, rescues the updated
@@ -813,6 +909,10 @@ struct offload_adam::impl {
   // A step is under way: some chunks carry `updated`, from a failed attempt (the next step()
   // finishes it) or from step_part() calls (finish_step() ends it).
   bool open = false;
+  // The open step's first call's options: every later call of that step must have the same.
+  adam_step_options open_options;
+  // Set when a step() call failed part way: the groups it listed (sorted), which its retry must list.
+  std::optional<std::vector<group_id>> failed_step_groups;
   // The counter as callers see it: the adam object's moves back and forth within a step.
   std::atomic<std::int64_t> steps{0};
   offload_adam_stats counters;
@@ -851,7 +951,7 @@ bool offload_adam::step_part(std::span<const offload_group_step> groups,
 
 void offload_adam::finish_step() {
   std::lock_guard lock(impl_->mutex);
-  impl_->finish_step(impl_->adam.step_count() + 1);
+  impl_->end_parts();
 }
 
 void offload_adam::read_master(group_id group, float* out) {
@@ -877,6 +977,10 @@ void offload_adam::set_step_count(std::int64_t step) {
 
 void offload_adam::set_lr(double lr) {
   std::lock_guard lock(impl_->mutex);
+  // Within a step every chunk must see one learning rate.
+  TERRACE_EXPECTS(!impl_->open, "offload_adam: set_lr while a step is unfinished (a failed step, or "
+                                "step_part() without finish_step()): finish the step first, with the same "
+                                "gradients");
   impl_->adam.set_lr(lr);
 }
 

@@ -772,6 +772,134 @@ TEST(OffloadAdam, AFailedPartIsRetriedAndTheStepEndsBitwise) {
   }
 }
 
+// ------------------------------------------------ a failed step is finished by the same step only
+
+// What finishes a failed step must be that step: the same groups, the same step options and the
+// same learning rate. A retry that lists other groups would advance the counter over a group left
+// half-stepped (or step, as step t, a group the failed call never listed); other options would
+// step the chunks of one step differently. Each is refused before anything is written, the step
+// stays open, and the right retry still finishes it bitwise.
+TEST(OffloadAdam, ARetryThatListsOtherGroupsIsRefusedAndTheRightOneFinishesTheStep) {
+  config c;
+  c.sizes = {10000, 8193, 12345, 300};  // all on NVMe, several chunks each but the last
+  c.copy = true;
+  offload_rig r(c);
+  reference ref(c);
+  const adam_step_options so = step_options_for(c);
+  auto grads = gradients(c, 0);
+  ASSERT_TRUE(ref.step(grads, so, true));
+  ASSERT_TRUE(r.step(grads, so));
+
+  // Step 2 over the first three groups fails at the fourth write: layer0 is done, layer1 is not.
+  grads = gradients(c, 1);
+  std::vector<offload_group_step> failed;
+  for (std::size_t g = 0; g < 3; ++g) failed.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+  r.store->inject_fault(fault(io_fault::kind::eio, false, true, 3));
+  EXPECT_THROW(r.opt->step(failed, so), io_error);
+  ASSERT_EQ(r.opt->step_count(), 1);
+
+  const auto expect_refused = [&](const std::vector<std::size_t>& groups, const char* what) {
+    SCOPED_TRACE(what);
+    std::vector<offload_group_step> list;
+    for (std::size_t g : groups) list.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+    try {
+      r.opt->step(list, so);
+      ADD_FAILURE() << "a retry listing other groups finished step 2";
+    } catch (const logic_error& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("step 2"), std::string::npos) << message;
+      EXPECT_NE(message.find("same groups"), std::string::npos) << message;
+    }
+    EXPECT_EQ(r.opt->step_count(), 1);
+  };
+  expect_refused({1, 2}, "the groups left, without the one already done");
+  expect_refused({0}, "only the group already done");
+  expect_refused({0, 1, 2, 3}, "one group more");
+  expect_refused({0, 1, 3}, "one group swapped for another");
+  // Nor may the step be finished by parts.
+  EXPECT_THROW(r.opt->step_part(std::span<const offload_group_step>(failed.data(), 2), so), logic_error);
+  EXPECT_THROW(r.opt->finish_step(), logic_error);
+  EXPECT_EQ(r.opt->step_count(), 1);
+  EXPECT_THROW(r.opt->checkpoint(), logic_error);
+
+  // The same groups, in another order, finish it: the reference steps the same three.
+  std::vector<offload_group_step> retry(failed.rbegin(), failed.rend());
+  ASSERT_TRUE(r.opt->step(retry, so));
+  std::vector<adam_tensor> t;
+  for (std::size_t g = 0; g < 3; ++g) {
+    t.push_back({ref.master[g].data(), ref.m[g].data(), ref.v[g].data(), grads[g].data(),
+                 ref.copy[g].data(), ref.master[g].size()});
+  }
+  ASSERT_TRUE(ref.adam.step(t, so));
+  expect_same(r, ref, "after the retried step");
+  r.opt->checkpoint();
+}
+
+// A part that failed must be retried before finish_step() ends the step: otherwise its groups
+// would simply not be stepped this step (or be half-stepped), and nothing would say so.
+TEST(OffloadAdam, FinishStepRefusesWhileAFailedPartIsNotRetried) {
+  for (int skip : {0, 2}) {  // the failed part left nothing updated / updated a chunk
+    SCOPED_TRACE("skip " + std::to_string(skip));
+    config c;
+    c.sizes = {10000, 8193, 12345};
+    c.copy = true;
+    offload_rig r(c);
+    reference ref(c);
+    adam_step_options so = step_options_for(c);
+    so.grads_known_finite = true;
+    const auto grads = gradients(c, 0);
+    ASSERT_TRUE(ref.step(grads, so, true));
+    const offload_group_step first{r.ids[2], grads[2].data(), r.copy[2].data()};
+    ASSERT_TRUE(r.opt->step_part({&first, 1}, so));
+    std::vector<offload_group_step> second;
+    for (std::size_t g = 2; g-- > 0;) second.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+    r.store->inject_fault(fault(io_fault::kind::eio, false, true, skip));
+    EXPECT_THROW(r.opt->step_part(second, so), io_error);
+    try {
+      r.opt->finish_step();
+      ADD_FAILURE() << "finish_step ended a step whose failed part was not retried";
+    } catch (const logic_error& e) {
+      const std::string message = e.what();
+      // layer0, listed after layer1 in the failed part, was not reached.
+      EXPECT_NE(message.find("'layer0'"), std::string::npos) << message;
+    }
+    // step() finishing the step must list the groups of the failed part too.
+    EXPECT_THROW(r.opt->step({&first, 1}, so), logic_error);
+    EXPECT_EQ(r.opt->step_count(), 0);
+    ASSERT_TRUE(r.opt->step_part(second, so));
+    r.opt->finish_step();
+    expect_same(r, ref, "after the retried part");
+  }
+}
+
+// The step options and the learning rate of an open step are those of its first call: a retry
+// or a later part with others would step some chunks of one step differently from the rest.
+TEST(OffloadAdam, AnOpenStepKeepsItsOptionsAndItsLearningRate) {
+  config c;
+  c.sizes = {10000, 8193};
+  c.copy = true;
+  offload_rig r(c);
+  reference ref(c);
+  const adam_step_options so = step_options_for(c);
+  const auto grads = gradients(c, 0);
+  ASSERT_TRUE(ref.step(grads, so, true));
+  r.store->inject_fault(fault(io_fault::kind::eio, false, true, 2));
+  EXPECT_THROW(r.step(grads, so), io_error);
+  for (int change = 0; change < 4; ++change) {
+    adam_step_options other = so;
+    if (change == 0) other.grad_scale = 4.0f;
+    if (change == 1) other.clip_coef = 0.5f;
+    if (change == 2) other.grad_dtype = dtype::bf16;
+    if (change == 3) other.copy_dtype = dtype::f16;
+    EXPECT_THROW(r.step(grads, other), logic_error) << "change " << change;
+  }
+  EXPECT_THROW(r.opt->set_lr(1e-3), logic_error);
+  EXPECT_EQ(r.opt->step_count(), 0);
+  ASSERT_TRUE(r.step(grads, so));
+  expect_same(r, ref, "after the retried step");
+  r.opt->set_lr(1e-3);  // between steps, as a scheduler does
+}
+
 // Which chunk the error names, for the simplest case: every group on NVMe, the first read fails.
 TEST(OffloadAdam, AReadErrorNamesTheStoreTensorOfTheChunk) {
   config c;

@@ -109,7 +109,10 @@ class offload_adam {
   ///         previous state. Chunks already updated keep their new state (a chunk whose write
   ///         failed keeps it in pinned memory until a later write lands), and are remembered:
   ///         calling step() again with the same groups, gradients and options finishes the step,
-  ///         bitwise as if it had not failed. Until then checkpoint() and set_step_count() refuse.
+  ///         bitwise as if it had not failed. Until then checkpoint(), set_step_count() and set_lr()
+  ///         refuse, and so does (logic_error, before anything is written; the step stays open) a
+  ///         step() that lists other groups, a step() or step_part() with other grad or copy
+  ///         dtypes, grad_scale or clip_coef, and finish_step(): none may mix another step in.
   bool step(std::span<const offload_group_step> groups, const adam_step_options& step_options = {});
 
   /// @brief One part of a step made over several calls, for a caller that cannot list every
@@ -121,12 +124,17 @@ class offload_adam {
   /// again (the caller keeps what the first attempt wrote). So a caller retrying after an error
   /// may list a group again without updating it twice. check_finite scans only this part's
   /// gradients: scan all of them first (grad_norm) and pass grads_known_finite. While a step is
-  /// open, checkpoint() and set_step_count() refuse; step() finishes it (listing the groups
-  /// left).
-  /// @throws as step(); the step stays open with what was updated remembered.
+  /// open, checkpoint(), set_step_count() and set_lr() refuse; step() finishes it (listing the
+  /// groups left). Every part has the step options (dtypes, grad_scale, clip_coef) of the first.
+  /// @throws as step(); the step stays open with what was updated remembered (even when nothing
+  ///         was), and the groups of the failed part must be stepped again (by a step_part(), or
+  ///         the step() that ends the step) before the step may end. logic_error, before anything
+  ///         is written, for other step options than the open step's, or after a failed step().
   bool step_part(std::span<const offload_group_step> groups,
                  const adam_step_options& step_options = {});
   /// @brief Ends the step that step_part() calls made: the step counter advances by one.
+  /// @throws logic_error, changing nothing, while a failed part's groups are not wholly stepped,
+  ///         or after a failed step() (which only step() with the same groups finishes).
   void finish_step();
 
   /// @brief Copies the group's current fp32 master weights into `out` (elements floats).
@@ -142,6 +150,7 @@ class offload_adam {
   std::int64_t step_count() const noexcept;
   /// @throws logic_error while a step is unfinished (see checkpoint()).
   void set_step_count(std::int64_t step);
+  /// @throws logic_error while a step is unfinished (see checkpoint()), or unless lr > 0.
   void set_lr(double lr);
   std::size_t elements(group_id group) const;
   bool on_nvme(group_id group) const;
