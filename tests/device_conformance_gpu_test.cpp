@@ -398,6 +398,33 @@ TEST_F(CudaErrorPathTest, AMapGranularityThatIsNotWholeDriverPagesIsALogicError)
   EXPECT_EQ(dev->properties().map_granularity, 64 * MiB);
 }
 
+// cuMemAddressReserve takes only a power-of-two alignment; a page of three driver pages is still
+// accepted, and its ranges still start on page boundaries (the allocator and the book count pages
+// from there), map, hold data and go back.
+TEST_F(CudaErrorPathTest, APageThatIsNotAPowerOfTwoGivesPageAlignedRanges) {
+  const std::size_t minimum = make_device("cuda-vmm")->properties().map_granularity;
+  device_options options;
+  options.map_granularity = 3 * minimum;
+  auto dev = make_device("cuda-vmm", options);
+  const std::size_t g = dev->properties().map_granularity;
+  ASSERT_EQ(g, 3 * minimum);
+  std::vector<void*> ranges;
+  for (int i = 0; i < 4; ++i) {
+    void* r = dev->reserve_address_range(2 * g);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(r) % g, 0u) << r;
+    ranges.push_back(r);
+  }
+  dev->map(ranges[1], 2 * g);
+  cuda_ok(cudaMemset(ranges[1], 0x5a, 2 * g), "cudaMemset");
+  unsigned char last = 0;
+  cuda_ok(cudaMemcpy(&last, static_cast<unsigned char*>(ranges[1]) + 2 * g - 1, 1, cudaMemcpyDeviceToHost),
+          "cudaMemcpy");
+  EXPECT_EQ(last, 0x5a);
+  dev->unmap(ranges[1], 2 * g);
+  for (void* r : ranges) dev->release_address_range(r, 2 * g);
+  EXPECT_EQ(dev->used_bytes(), 0u);
+}
+
 TEST_F(CudaErrorPathTest, MappingMoreThanTheDeviceHoldsIsOutOfMemoryAndUndone) {
   // Large pages, so that running the device out of memory takes few driver calls.
   device_options options;

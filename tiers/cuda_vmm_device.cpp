@@ -8,6 +8,13 @@
 // which need not match the ranges it once mapped; with one handle per page any page-aligned run of
 // mapped pages can be unmapped.
 //
+// Address ranges start on a multiple of map_granularity, as the sim's do: the book and the
+// allocator count pages from there. cuMemAddressReserve takes only a power of two (or 0) as its
+// alignment, though, and map_granularity may be any multiple of the driver's minimum (20 MiB, say).
+// Such a page is reached by reserving one page more, aligned to the largest power of two that
+// divides the page (a multiple of the minimum, itself a power of two), and handing out the first
+// page boundary inside; cuMemAddressFree then gets the driver's range back, as reserved.
+//
 // Plain segments (reserve/release) are inherited from the "cuda" backend: cudaMalloc. They do not
 // need to grow, and cudaMalloc is one call where a mapped segment would be an address reservation,
 // one allocation per page and an access change.
@@ -132,7 +139,7 @@ class cuda_vmm_backend final : public cuda_backend {
       (void)api_.unmap(address, page());
       (void)api_.release(handle);
     }
-    for (const auto& [address, bytes] : book_.ranges()) (void)api_.address_free(address, bytes);
+    for (const auto& [address, driver] : reservations_) (void)api_.address_free(driver.base, driver.bytes);
   }
 
  private:
@@ -158,16 +165,32 @@ class cuda_vmm_backend final : public cuda_backend {
 
   void* do_reserve_address_range(std::size_t bytes) override {
     book_.check_range_size(bytes);
+    const std::size_t p = page();
+    const bool power_of_two = (p & (p - 1)) == 0;
+    if (!power_of_two && bytes > SIZE_MAX - p) {
+      throw device_error("terrace: device 'cuda-vmm': reserve_address_range of " + describe_bytes(bytes) +
+                         " is larger than the address space");
+    }
+    // See the file comment: the driver's alignment must be a power of two.
+    const reservation driver{0, power_of_two ? bytes : bytes + p};
+    const std::size_t alignment = power_of_two ? p : p & (~p + 1);
     device_scope scope(device());
     scope.check();
-    CUdeviceptr address = 0;
-    check(api_.address_reserve(&address, bytes, page(), 0, 0),
-          "cuMemAddressReserve(" + describe_bytes(bytes) + ")");
+    CUdeviceptr base = 0;
+    check(api_.address_reserve(&base, driver.bytes, alignment, 0, 0),
+          "cuMemAddressReserve(" + describe_bytes(driver.bytes) + ", alignment " + describe_bytes(alignment) + ")");
+    const CUdeviceptr address = (base + p - 1) / p * p;
     try {
       std::lock_guard lock(mutex_);
-      book_.add_range(address, bytes);
+      reservations_.emplace(address, reservation{base, driver.bytes});
+      try {
+        book_.add_range(address, bytes);
+      } catch (...) {
+        reservations_.erase(address);
+        throw;
+      }
     } catch (...) {
-      (void)api_.address_free(address, bytes);
+      (void)api_.address_free(base, driver.bytes);
       throw;
     }
     return reinterpret_cast<void*>(address);
@@ -175,16 +198,20 @@ class cuda_vmm_backend final : public cuda_backend {
 
   void do_release_address_range(void* p, std::size_t bytes) noexcept override {
     const auto address = reinterpret_cast<CUdeviceptr>(p);
+    reservation driver;
     {
       std::lock_guard lock(mutex_);
       if (std::string why = book_.why_not_releasable(address, bytes); !why.empty()) {
         contract_violation(properties_.name, why);
       }
       book_.erase_range(address);
+      const auto it = reservations_.find(address);  // present: the book knew the range
+      driver = it->second;
+      reservations_.erase(it);
     }
     device_scope scope(device());
-    if (const CUresult r = api_.address_free(address, bytes); r != CUDA_SUCCESS) {
-      report(r, "cuMemAddressFree(" + hex_address(address) + ", " + describe_bytes(bytes) + ")");
+    if (const CUresult r = api_.address_free(driver.base, driver.bytes); r != CUDA_SUCCESS) {
+      report(r, "cuMemAddressFree(" + hex_address(driver.base) + ", " + describe_bytes(driver.bytes) + ")");
     }
   }
 
@@ -277,6 +304,13 @@ class cuda_vmm_backend final : public cuda_backend {
   std::mutex mutex_;
   vmm_book book_;
   std::map<CUdeviceptr, CUmemGenericAllocationHandle> pages_;  // one handle per mapped page
+  // The driver's range behind each range the book knows (by the address handed out): the same
+  // one unless the page is not a power of two (see the file comment).
+  struct reservation {
+    CUdeviceptr base = 0;
+    std::size_t bytes = 0;
+  };
+  std::map<CUdeviceptr, reservation> reservations_;
 };
 
 }  // namespace
