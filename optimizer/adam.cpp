@@ -203,7 +203,10 @@ void adam_optimizer::set_lr(double lr) {
   impl_->options.lr = lr;
 }
 
-const adam_options& adam_optimizer::options() const noexcept { return impl_->options; }
+adam_options adam_optimizer::options() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->options;
+}
 
 grad_norm_result adam_optimizer::grad_norm(std::span<const adam_tensor> tensors, dtype grad_dtype,
                                            float grad_scale) {

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <limits>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -392,6 +393,23 @@ TEST(AdamThreads, DistinctOptimizersStepConcurrently) {
   }
   for (auto& t : threads) t.join();
   EXPECT_TRUE(same_state(data[0], data[1]));
+}
+
+// A scheduler's set_lr on one thread beside a reader of options() on another (a logger, the C
+// ABI): the reader must get one of the rates set, read under the optimizer's lock. Under TSan
+// (the AdamThreads cases run there) an unlocked read of lr is a reported data race.
+TEST(AdamThreads, OptionsReadBesideSetLrSeesAWholeRate) {
+  adam_optimizer adam(small_options(simd_isa::automatic, dtype::f32, 1));
+  const double first = adam.options().lr;
+  std::thread scheduler([&] {
+    for (int i = 0; i < 2000; ++i) adam.set_lr(i % 2 == 0 ? 2e-3 : 3e-3);
+  });
+  for (int i = 0; i < 2000; ++i) {
+    const double lr = adam.options().lr;
+    ASSERT_TRUE(lr == first || lr == 2e-3 || lr == 3e-3) << lr;
+  }
+  scheduler.join();
+  EXPECT_EQ(adam.options().lr, 3e-3);
 }
 
 TEST(AdamDispatch, AutomaticPicksTheBestSupported) {

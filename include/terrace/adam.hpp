@@ -163,8 +163,10 @@ class adam_optimizer {
   void set_step_count(std::int64_t step);
   /// @brief Changes the learning rate (schedulers). @throws terrace::logic_error unless lr > 0.
   void set_lr(double lr);
-  /// @brief The options in force (isa resolved, threads counted).
-  const adam_options& options() const noexcept;
+  /// @brief The options in force (isa resolved, threads counted), copied under the optimizer's
+  /// lock: set_lr() may run on another thread (a reference would be read unlocked beside it).
+  /// Waits for a step in progress.
+  adam_options options() const;
 
  private:
   struct impl;
