@@ -296,7 +296,12 @@ class tensor_store_impl {
 
   void erase(const std::string& id) {
     std::lock_guard lock(mutex_);
-    drop(find(id));
+    auto it = find(id);
+    // A failed put left its id absent (contains() says so): erasing it is erasing an unknown id.
+    // Its extent goes all the same, rather than waiting for a get or checkpoint to settle it.
+    const bool failed = !present(it->second);
+    drop(it);
+    if (failed) throw io_error("terrace: tensor store " + dir_ + " has no tensor '" + id + "': its put failed", ENOENT);
   }
 
   std::uint64_t checkpoint() {

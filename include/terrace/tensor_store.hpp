@@ -121,7 +121,8 @@ class tensor_store {
 
   /// @brief Forgets `id`. Its space is reused once no transfer of it is in flight and, if the
   /// committed checkpoint references it, after the next checkpoint() commits.
-  /// @throws io_error when `id` is unknown.
+  /// @throws io_error (ENOENT) when `id` is unknown, a failed put's id included (its space is let
+  /// go all the same).
   void erase(const std::string& id);
 
   /// @brief Waits for all transfers, makes the data durable (fdatasync) and commits a new index
