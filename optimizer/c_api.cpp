@@ -136,7 +136,11 @@ TERRACE_API int terrace_adam_set_lr(terrace_adam* adam, double lr) {
 
 TERRACE_API const char* terrace_adam_isa(const terrace_adam* adam) {
   if (adam == nullptr) return "";
-  return terrace::to_string(adam->optimizer.options().isa).data();
+  try {  // options() takes the optimizer's lock, which may throw (std::system_error)
+    return terrace::to_string(adam->optimizer.options().isa).data();
+  } catch (...) {
+    return "";
+  }
 }
 
 
