@@ -878,6 +878,15 @@ class carried_block_program {
   terrace::caching_allocator& allocator() { return *a_; }
   const terrace::device_backend& device() const { return *dev_; }
 
+  /// Three iterations, then a 4 MiB block that the fourth frees early: at the boundary the
+  /// carried block (3 MiB), it and the 2.3 MiB arena are more than the device's 8, so the plan is
+  /// installed with its arena mapped page by page.
+  void install_lazily() {
+    for (int it = 0; it < 3; ++it) iteration();
+    void* transient = a_->allocate(4 * kUnit);
+    iteration([&] { a_->deallocate(transient); });
+  }
+
   /// One iteration; `before_the_slots` runs after the carried block is freed, with the first
   /// short block (a slot) live.
   void iteration(const std::function<void()>& before_the_slots = {}) {
@@ -902,18 +911,15 @@ class carried_block_program {
   void* carry_ = nullptr;
 };
 
-// A block from before the recording (freed early in the first planned iteration) leaves no room
-// to reserve the arena whole at the boundary; the device has virtual memory, so the arena is an
-// address range whose pages are mapped as its slots reach them, and the plan serves every
-// iteration from the first on, in no more memory than when reserved whole.
+// A block live at the boundary (freed early in the first planned iteration) leaves no room to
+// reserve the arena whole; the device has virtual memory, so the arena is an address range whose
+// pages are mapped as its slots reach them, and the plan serves every iteration from the first
+// on, in no more memory than when reserved whole.
 TEST(PlannedPolicy, AnArenaTheDeviceCannotHoldWholeAtInstallationIsMappedPageByPage) {
   constexpr std::size_t kUnit = carried_block_program::kUnit;
   carried_block_program program(3 * kUnit);
   auto& a = program.allocator();
-  for (int it = 0; it < 3; ++it) program.iteration();
-  // 3 MiB carried + 4 MiB + the 2.3 MiB arena: more than the device's 8.
-  void* transient = a.allocate(4 * kUnit);
-  program.iteration([&] { a.deallocate(std::exchange(transient, nullptr)); });
+  program.install_lazily();
   auto s = a.plan_stats();
   ASSERT_EQ(s.lazy_arenas, 1);
   EXPECT_EQ(s.iterations, 1);
@@ -928,16 +934,14 @@ TEST(PlannedPolicy, AnArenaTheDeviceCannotHoldWholeAtInstallationIsMappedPageByP
   EXPECT_LE(program.device().used_bytes(), 3 * kUnit + static_cast<std::size_t>(s.arena_reserved_bytes));
 }
 
-// Out of the plan's step (a deviating iteration), a request the device cannot hold beside the
-// lazily mapped arena takes back its pages that hold no live block; the slots map them again in
-// the iterations that follow the plan.
+// A request outside the plan that the device cannot hold beside the lazily mapped arena: the
+// iteration leaves the plan (as at a refused installation), and the arena's pages that hold no
+// live block go back for the request; the slots map them again in the iterations that follow.
 TEST(PlannedPolicy, UnderMemoryPressureALazilyMappedArenaGivesBackItsIdlePages) {
   constexpr std::size_t kUnit = carried_block_program::kUnit;
   carried_block_program program(3 * kUnit);
   auto& a = program.allocator();
-  for (int it = 0; it < 3; ++it) program.iteration();
-  void* transient = a.allocate(4 * kUnit);
-  program.iteration([&] { a.deallocate(std::exchange(transient, nullptr)); });
+  program.install_lazily();
   ASSERT_EQ(a.plan_stats().lazy_arenas, 1);
   // 6 MiB beside the first slot's 1 MiB: only with the arena's other pages given back.
   program.iteration([&] { a.deallocate(a.allocate(6 * kUnit)); });
