@@ -43,7 +43,17 @@ void io_handle::wait() const {
   if (!state_) return;
   std::unique_lock lock(state_->mutex);
   state_->cv.wait(lock, [&] { return state_->done.load(std::memory_order_acquire); });
-  if (state_->error) std::rethrow_exception(state_->error);
+  if (!state_->error) return;
+  // Each waiter gets an exception object of its own: rethrowing the stored one would share it
+  // (and its message) between threads that wait on the same transfer, whose last holder frees it
+  // through reference counts that ThreadSanitizer cannot see (libstdc++'s own, not instrumented).
+  try {
+    std::rethrow_exception(state_->error);
+  } catch (const checksum_error& e) {
+    throw checksum_error(std::string(e.what()), e.code());
+  } catch (const io_error& e) {
+    throw io_error(std::string(e.what()), e.code());
+  }
 }
 
 namespace detail {
