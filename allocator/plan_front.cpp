@@ -791,17 +791,7 @@ bool plan_front::unmap_under_pressure() {
   if (!any) return false;
   // Blocks freed in stream order: work queued before their frees may still use the pages.
   device_.synchronize_device();
-  for (std::size_t p = 0; p < busy.size();) {  // one unmap per run of idle mapped pages
-    if (!arena_mapped_[p] || busy[p]) {
-      ++p;
-      continue;
-    }
-    std::size_t q = p;
-    while (q < busy.size() && arena_mapped_[q] && !busy[q]) arena_mapped_[q++] = false;
-    device_.unmap(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
-    arena_mapped_bytes_ -= (q - p) * arena_page_;
-    p = q;
-  }
+  unmap_arena_pages(busy);
   ++stats_.pressure_unmaps;
   stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_mapped_bytes_);
   return true;
@@ -935,19 +925,28 @@ void plan_front::give_arena_back() noexcept {
     device_.release(arena_, arena_bytes_);
     return;
   }
-  const auto base = reinterpret_cast<std::uintptr_t>(arena_);
-  for (std::size_t p = 0; p < arena_mapped_.size();) {  // one unmap per run of mapped pages
-    std::size_t q = p;
-    while (q < arena_mapped_.size() && arena_mapped_[q]) ++q;
-    if (q > p) {
-      device_.unmap(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
-    }
-    p = q + 1;
-  }
+  unmap_arena_pages(std::vector<bool>(arena_mapped_.size(), false));
   device_.release_address_range(arena_, arena_range_bytes_);
   arena_lazy_ = false;
   arena_mapped_.clear();
   arena_mapped_bytes_ = arena_range_bytes_ = 0;
+}
+
+// Unmaps the mapped pages of a lazily mapped arena that `keep` does not name, one unmap per run.
+// REQUIRES: no queued work uses them.
+void plan_front::unmap_arena_pages(const std::vector<bool>& keep) noexcept {
+  const auto base = reinterpret_cast<std::uintptr_t>(arena_);
+  for (std::size_t p = 0; p < arena_mapped_.size();) {
+    if (!arena_mapped_[p] || keep[p]) {
+      ++p;
+      continue;
+    }
+    std::size_t q = p;
+    while (q < arena_mapped_.size() && arena_mapped_[q] && !keep[q]) arena_mapped_[q++] = false;
+    device_.unmap(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
+    arena_mapped_bytes_ -= (q - p) * arena_page_;
+    p = q;
+  }
 }
 
 // Backs [at, at + size) of a lazily mapped arena with memory, page by page. When the device is

@@ -229,6 +229,7 @@ class plan_front {
   std::size_t arena_resident_bytes() const noexcept;
   bool arena_adoptable() const noexcept;
   void give_arena_back() noexcept;
+  void unmap_arena_pages(const std::vector<bool>& keep) noexcept;
 
   device_backend& device_;
   allocator_config config_;

@@ -442,13 +442,7 @@ struct offload_adam::impl {
       } catch (...) {
         failure = std::current_exception();
       }
-      for (io_handle& h : reads) {
-        try {
-          h.wait();
-        } catch (...) {
-          if (!failure) failure = std::current_exception();
-        }
-      }
+      wait_all(reads, failure);
       if (failure) {
         for (chunk& c : g.chunks) {
           pool.deallocate(c.host);

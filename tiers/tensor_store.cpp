@@ -56,6 +56,16 @@ void io_handle::wait() const {
   }
 }
 
+void wait_all(std::span<const io_handle> handles, std::exception_ptr& first_failure) noexcept {
+  for (const io_handle& h : handles) {
+    try {
+      h.wait();
+    } catch (...) {
+      if (!first_failure) first_failure = std::current_exception();
+    }
+  }
+}
+
 namespace detail {
 namespace {
 

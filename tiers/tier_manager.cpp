@@ -986,13 +986,7 @@ struct tier_manager::impl {
     } catch (...) {
       failure = std::current_exception();
     }
-    for (io_handle& h : writes) {
-      try {
-        h.wait();
-      } catch (...) {
-        if (!failure) failure = std::current_exception();
-      }
-    }
+    wait_all(writes, failure);
     if (failure) std::rethrow_exception(failure);
     for (tensor& t : tensors) {
       if (t.host != nullptr && t.host_written) t.nvme_current = true;

@@ -13,7 +13,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <exception>
 #include <memory>
+#include <span>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,6 +44,10 @@ class io_handle {
  private:
   std::shared_ptr<detail::io_completion> state_;
 };
+
+/// @brief Waits for every handle, even after one has failed (a transfer left running would go on
+/// using its buffer); the first failure goes to `first_failure` unless that already holds one.
+void wait_all(std::span<const io_handle> handles, std::exception_ptr& first_failure) noexcept;
 
 /// @brief A failure the engine fakes, for tests of the error paths (a seam, not a feature).
 struct io_fault {
