@@ -955,7 +955,11 @@ void plan_front::unmap_arena_pages(const std::vector<bool>& keep) noexcept {
 // the caller serves the request elsewhere, and the pages mapped so far stay for the next slot.
 bool plan_front::map_arena(std::uintptr_t at, std::size_t size) {
   const auto base = reinterpret_cast<std::uintptr_t>(arena_);
-  if (!arena_lazy_ || at < base || at >= base + arena_range_bytes_) return true;  // a claimed hole
+  // Not lazy, every page mapped (the steady state: the hot path stops here), or a claimed hole.
+  if (!arena_lazy_ || arena_mapped_bytes_ == arena_range_bytes_ || at < base ||
+      at >= base + arena_range_bytes_) {
+    return true;
+  }
   const std::size_t first = (at - base) / arena_page_;
   const std::size_t end = (at - base + size + arena_page_ - 1) / arena_page_;
   bool emptied = false;
