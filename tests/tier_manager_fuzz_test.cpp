@@ -22,7 +22,9 @@
 //     while other tensors push through the budget;
 //   - the device and host budgets (stats, peaks included) are never exceeded; check_invariants
 //     passes after every operation;
-//   - out_of_memory only when the pinned tensors really leave no room; misuse is logic_error;
+//   - out_of_memory only when the pinned tensors really leave no room; misuse is logic_error; in
+//     a third of the NVMe seeds the pinned pool holds fewer home copies than the host budget
+//     allows, and its refusal reaches the caller only when acquired tensors hold all its slots;
 //   - an io_error only after a fault was injected (a failed transfer or checkpoint sync); after
 //     it, nothing committed is lost and the manager goes on working: once the faults are
 //     disarmed, each tensor reads back after at most one more error (a read already in flight);
@@ -191,6 +193,7 @@ class fuzz_run {
   int io_errors() const { return io_errors_; }
   int restarts() const { return restarts_; }
   int reader_windows() const { return reader_windows_; }
+  std::int64_t pool_refusals() const { return pool_refusals_; }
   bool with_nvme() const { return nvme_; }
 
  private:
@@ -267,6 +270,14 @@ class fuzz_run {
     memory_ = std::make_unique<caching_allocator>(*dev_);
     pinned_pool_options po;
     po.region_size = 4 << 20;
+    if (nvme_ && chance(33)) {
+      // A pool that holds fewer home copies than the host budget allows (each takes 256 KiB): it
+      // refuses buffers the budget has room for, and the manager must make room for its sake.
+      po.region_size = 2 << 20;
+      po.capacity = 2 << 20;
+      po.alignment = 256 << 10;
+      pool_slots_ = 8;  // every tensor (< 64 KB) takes one slot
+    }
     host_ = std::make_unique<pinned_host_pool>(*dev_, po);
     tier_manager_options& to = options_;
     to.device_budget = budget_;
@@ -450,7 +461,7 @@ class fuzz_run {
       p = static_cast<unsigned char*>(tm_->acquire(id, stream_[s], mode));
     } catch (const out_of_memory& e) {
       note("  out_of_memory");
-      if (fits) {
+      if (fits && !pool_refusal_allowed(id, e)) {
         fail("acquire of t" + std::to_string(id) + " (" + std::to_string(size_[id]) +
              " bytes) threw out_of_memory with " + std::to_string(pinned_bytes()) +
              " bytes pinned in a budget of " + std::to_string(budget_) + ": " + e.what());
@@ -502,6 +513,18 @@ class fuzz_run {
       }
       fail("a failed acquire left t" + std::to_string(id) + " pinned");
     }
+  }
+
+  // The pinned pool may refuse `id` a home buffer only when each of its slots holds the home of
+  // another acquired tensor: any other home can move to NVMe (a device copy's after the copy is
+  // evicted) to make room.
+  bool pool_refusal_allowed(tensor_id id, const out_of_memory& e) {
+    if (pool_slots_ == 0 || std::string(e.what()).find("pinned host pool") == std::string::npos) return false;
+    std::set<tensor_id> acquired;
+    for (const held_pin& h : held_) {
+      if (h.id != id) acquired.insert(h.id);
+    }
+    return acquired.size() >= pool_slots_;
   }
 
   void io_error_allowed(const std::string& call, const io_error& e) {
@@ -577,7 +600,9 @@ class fuzz_run {
       io_error_allowed("host write of t" + std::to_string(id), e);
       return;
     } catch (const out_of_memory& e) {
-      fail(std::string("host_data for writing threw out_of_memory: ") + e.what());
+      if (!pool_refusal_allowed(id, e)) fail(std::string("host_data for writing threw out_of_memory: ") + e.what());
+      note("  out_of_memory (the pinned pool)");
+      return;
     }
     if (whole) {
       want_[id] = fresh(size_[id]);
@@ -909,6 +934,7 @@ class fuzz_run {
     order_event_.clear();
     store_.reset();
     dir_.reset();
+    if (host_) pool_refusals_ = host_->stats().num_ooms;
     host_.reset();
     memory_.reset();
     dev_.reset();
@@ -921,6 +947,7 @@ class fuzz_run {
   std::deque<std::string> history_;  // the latest calls, for the failure message
   std::string variant_;
   bool bandwidth_ = false, nvme_ = false;
+  std::size_t pool_slots_ = 0;  // home copies the pinned pool holds, when fewer than the budget's
   std::size_t budget_ = 0, host_budget_ = 0;
   int streams_ = 0;
 
@@ -958,6 +985,7 @@ class fuzz_run {
   std::thread reader_;
   std::atomic<bool> stop_reader_{false};
   int reader_ops_left_ = 0;
+  std::int64_t pool_refusals_ = 0;
   std::string reader_failure_;
   std::string reader_io_error_;
 };
@@ -967,6 +995,7 @@ TEST(TierManagerFuzz, RandomWorkloadsKeepEveryByteAcrossTiersStreamsAndFaults) {
   if (!seeds) return;
   tier_stats total;
   int io_errors = 0, restarts = 0, reader_windows = 0;
+  std::int64_t pool_refusals = 0;
   for (std::uint64_t seed = seeds->first; seed < seeds->end(); ++seed) {
     fuzz_run run(seed);
     if (const std::optional<std::string> failure = run.run()) {
@@ -977,16 +1006,19 @@ TEST(TierManagerFuzz, RandomWorkloadsKeepEveryByteAcrossTiersStreamsAndFaults) {
     io_errors += run.io_errors();
     restarts += run.restarts();
     reader_windows += run.reader_windows();
+    pool_refusals += run.pool_refusals();
   }
   std::printf("[          ] evictions %lld (to NVMe %lld, ahead %lld), prefetches %lld (hits %lld, "
               "from NVMe %lld), fence waits %lld, schedule misses %lld, copies down %lld, "
-              "failed puts %lld, io errors surfaced %d, restarts %d, optimizer thread windows %d\n",
+              "failed puts %lld, io errors surfaced %d, restarts %d, optimizer thread windows %d, "
+              "pinned pool refusals %lld\n",
               static_cast<long long>(total.evictions), static_cast<long long>(total.host_evictions),
               static_cast<long long>(total.host_evictions_ahead), static_cast<long long>(total.prefetches),
               static_cast<long long>(total.prefetch_hits), static_cast<long long>(total.nvme_prefetches),
               static_cast<long long>(total.fence_waits), static_cast<long long>(total.schedule_misses),
               static_cast<long long>(total.device_to_host_copies),
-              static_cast<long long>(total.failed_puts), io_errors, restarts, reader_windows);
+              static_cast<long long>(total.failed_puts), io_errors, restarts, reader_windows,
+              static_cast<long long>(pool_refusals));
   // The default range must reach what it is for (a narrower one, from the environment, need not).
   if (seeds->count >= 8) {
     EXPECT_GT(total.evictions, 0);

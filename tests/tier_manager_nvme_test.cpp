@@ -45,14 +45,15 @@ tensor_store_options store_options() {
 struct rig3 {
   std::unique_ptr<device_backend> dev = make_device("sim", {});
   caching_allocator memory{*dev};
-  pinned_host_pool host{*dev};
+  pinned_host_pool host;
   std::unique_ptr<tier_manager> tm;
   stream_ref compute = dev->create_stream();
 
-  explicit rig3(tensor_store& store) {
+  explicit rig3(tensor_store& store, std::size_t host_tensors = 3, pinned_pool_options pool = {})
+      : host(*dev, pool) {
     tier_manager_options o;
     o.device_budget = 2 * kBytes;
-    o.host_budget = 3 * kBytes;
+    o.host_budget = host_tensors * kBytes;
     tm = std::make_unique<tier_manager>(*dev, memory, host, o, &store);
   }
   ~rig3() {
@@ -523,6 +524,53 @@ TEST(TierManagerNvme, ACheckpointRefusedForAnAcquiredTensorStartsNoPut) {
   EXPECT_TRUE(store.contains("x0"));
   EXPECT_TRUE(store.contains("x1"));
   r.tm->check_invariants();
+}
+
+}  // namespace
+}  // namespace terrace
+
+namespace terrace {
+namespace {
+
+// The pinned pool can refuse a buffer although the host budget has room for it (its alignment
+// rounding, the memlock limit, regions too fragmented for the size). Before, an NVMe read started ahead of
+// use that met such a refusal failed the acquire of another tensor, and a demand for a home copy
+// failed outright although home copies could have moved to NVMe. Now a refused read ahead just
+// stops reading ahead, and a demand moves home copies out (Belady) until the pool serves it.
+TEST(TierManagerNvme, APinnedPoolSmallerThanTheHostBudgetFailsNoAcquire) {
+  testing::scratch_dir dir("tm-pool-refuses");
+  auto store = tensor_store::create(dir.path(), store_options());
+  pinned_pool_options pool;
+  pool.region_size = 2 * MiB;
+  pool.capacity = 4 * MiB;
+  pool.alignment = 512 * KiB;  // each home copy of kBytes takes 512 KiB: 8 fit, for a budget of 12
+  rig3 r(store, /*host_tensors=*/12, pool);
+  // Past the 8th, adding a tensor moves an earlier home copy to NVMe for the pool's sake.
+  const std::vector<tensor_id> ids = add_patterned(r, "t", 16);
+  std::vector<int> done(ids.size(), 0);
+  for (int it = 0; it < 4; ++it) ASSERT_EQ(run_iteration(r, ids, done), 0) << "iteration " << it;
+  expect_homes_hold(r, ids, done);
+  const auto s = r.tm->stats();
+  EXPECT_GT(s.nvme_prefetches, 0);
+  EXPECT_GT(r.host.stats().num_ooms, 0) << "the pool never refused: the test does not test";
+}
+
+TEST(TierManagerNvme, AHostBudgetBeyondThePinnedPoolsCapacityIsAClearError) {
+  testing::scratch_dir dir("tm-pool-small");
+  auto store = tensor_store::create(dir.path(), store_options());
+  auto dev = make_device("sim", {});
+  caching_allocator memory(*dev);
+  pinned_pool_options pool;
+  pool.capacity = 2 * MiB;
+  pinned_host_pool host(*dev, pool);
+  tier_manager_options o;
+  o.host_budget = 3 * MiB;
+  try {
+    tier_manager tm(*dev, memory, host, o, &store);
+    ADD_FAILURE() << "a host budget the pool cannot hold was accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("exceeds the pinned pool's capacity"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

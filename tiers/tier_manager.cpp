@@ -122,6 +122,10 @@ struct tier_manager::impl {
       : device(d), memory(m), host(h), nvme(store), options(o) {
     TERRACE_EXPECTS(options.host_budget == 0 || nvme != nullptr,
                     "tier manager: a host budget needs an NVMe store to put the rest in");
+    const std::size_t pinned = host.options().capacity;
+    TERRACE_EXPECTS(pinned == 0 || options.host_budget <= pinned,
+                    "tier manager host budget " + detail::describe_bytes(options.host_budget) +
+                        " exceeds the pinned pool's capacity (" + detail::describe_bytes(pinned) + ")");
     const std::size_t capacity = device.properties().capacity;
     if (options.device_budget == 0) options.device_budget = capacity;
     TERRACE_EXPECTS(options.device_budget <= capacity,
@@ -677,6 +681,44 @@ struct tier_manager::impl {
     return {std::move(chosen), true};
   }
 
+  // A home buffer for `id`, which needs one now (its data is wanted, or it is being added): room
+  // in the host budget first; then, since the pinned pool can refuse although the budget has room
+  // (its alignment rounding, the memlock limit, regions too fragmented for the size), home copies
+  // move to NVMe one at a time (Belady) until the pool serves it. A home copy under a device copy
+  // cannot leave, so when no other can, an unpinned device copy is evicted (Belady) and its home
+  // leaves next; only the homes of acquired tensors make the pool's refusal final.
+  void take_home_buffer_on_demand(tensor_id id) {
+    tensor& t = tensors[id];
+    if (!make_host_room(t.bytes, id, kNever)) {
+      throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
+                          detail::describe_bytes(t.bytes) + ") in the host budget of " +
+                          detail::describe_bytes(options.host_budget) +
+                          ": every home copy there is in use on the device");
+    }
+    for (bool landed = false;;) {
+      try {
+        take_host_buffer(t);
+        return;
+      } catch (const out_of_memory&) {
+        if (!host_limited()) throw;  // without NVMe no home copy can leave
+        if (!landed) {
+          landed = true;  // buffers of puts and reads in flight first
+          land_leaving(/*wait=*/true);
+          land_reads();
+          continue;
+        }
+        const tensor_id home = host_victim(id, kNever, {});
+        if (home != static_cast<tensor_id>(-1)) {
+          evict_hosts({home});
+          continue;
+        }
+        const tensor_id on_device = victim(id, kNever);
+        if (on_device == static_cast<tensor_id>(-1)) throw;
+        evict(on_device);
+      }
+    }
+  }
+
   void take_host_buffer(tensor& t) {
     t.host = host.allocate(t.bytes);
     host_bytes += t.bytes;
@@ -705,13 +747,7 @@ struct tier_manager::impl {
     tensor& t = tensors[id];
     stay_home(t);
     if (t.host == nullptr) {
-      if (!make_host_room(t.bytes, id, kNever)) {
-        throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
-                            detail::describe_bytes(t.bytes) + ") in the host budget of " +
-                            detail::describe_bytes(options.host_budget) +
-                            ": every home copy there is in use on the device");
-      }
-      take_host_buffer(t);
+      take_home_buffer_on_demand(id);
       if (t.nvme_current && need_data) {
         t.nvme_io = nvme->get(t.name, t.host, t.bytes);
         t.nvme_reading = true;
@@ -742,8 +778,23 @@ struct tier_manager::impl {
         start_leaving(t.bytes, id, k);
         return;
       }
-      take_host_buffer(t);
-      t.nvme_io = nvme->get(t.name, t.host, t.bytes);
+      // A read ahead is never worth failing the call at hand: a pool that refuses the buffer (it
+      // can although the budget has room) or a store that refuses the read ends reading ahead;
+      // the tensor's own use asks again and reports.
+      try {
+        take_host_buffer(t);
+      } catch (const out_of_memory&) {
+        // Room in the budget but not in the pool: home copies needed later leave as they would
+        // for the budget (forced past it by the bytes the pool lacks), and a later call reads.
+        start_leaving(options.host_budget - host_bytes + t.bytes, id, k);
+        return;
+      }
+      try {
+        t.nvme_io = nvme->get(t.name, t.host, t.bytes);
+      } catch (...) {
+        give_back_home_buffer(t);
+        return;
+      }
       t.nvme_reading = true;
       counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
       ++counters.nvme_prefetches;
@@ -1056,10 +1107,7 @@ tensor_id tier_manager::add(std::string name, std::size_t bytes, const void* ini
       t.nvme_current = true;  // resumed: its contents are on NVMe until first used
       return id;
     }
-    if (!m.make_host_room(bytes, id, kNever)) {
-      throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' in the host budget");
-    }
-    m.take_host_buffer(t);
+    m.take_home_buffer_on_demand(id);
   } catch (...) {
     m.tensors.pop_back();
     throw;

@@ -61,7 +61,9 @@ struct tier_manager_options {
   std::size_t prefetch_window = 0;
   /// How far ahead in the schedule an unexpected acquire looks for where the iteration went on.
   std::size_t resync_distance = 64;
-  /// With an NVMe store: bytes of home copies kept in pinned host memory (0: all of them).
+  /// With an NVMe store: bytes of home copies kept in pinned host memory (0: all of them). At most
+  /// the pinned pool's capacity. When the pool refuses a buffer the budget has room for (its
+  /// rounding, other users of the pool, the memlock limit), home copies move to NVMe for it.
   std::size_t host_budget = 0;
   /// Whether prefetch (device and NVMe) runs past the end of the schedule into the next
   /// iteration's first tensors. Set it to false when something between iterations replaces those
