@@ -109,6 +109,31 @@ std::uint64_t plan_front::range_hash(std::size_t lo, std::size_t hi) const noexc
   return h >= sub ? h - sub : h + kMod - sub;
 }
 
+// Each stream's own tokens of [lo, hi), hashed in that stream's order, then combined in stream
+// order: equal for two iterations whose streams did the same things each, however the host's
+// calls for the different streams interleaved. The plan needs no more: streams never share an
+// address, so a slot's space is reused only in its own stream's order (the lanes replay it so).
+std::uint64_t plan_front::streams_hash(std::size_t lo, std::size_t hi) const {
+  struct stream_sum {
+    std::uintptr_t stream;
+    std::uint64_t hash;
+    std::size_t count;
+  };
+  std::vector<stream_sum> sums;
+  for (std::size_t i = lo; i < hi; ++i) {
+    auto it = std::find_if(sums.begin(), sums.end(),
+                           [&](const stream_sum& x) { return x.stream == token_stream_[i]; });
+    if (it == sums.end()) it = sums.insert(sums.end(), {token_stream_[i], 0, 0});
+    it->hash = (mulmod(it->hash, kBase) + (tokens_[i] % (kMod - 1)) + 1) % kMod;
+    ++it->count;
+  }
+  std::sort(sums.begin(), sums.end(),
+            [](const stream_sum& a, const stream_sum& b) { return a.stream < b.stream; });
+  std::uint64_t h = 0;
+  for (const stream_sum& x : sums) h = mix(h ^ mix(x.stream + 1) ^ mix(x.hash + x.count));
+  return h;
+}
+
 void plan_front::reset_recording() {
   prefix_hash_.assign(1, 0);
   pow_.assign(1, 1);
@@ -290,7 +315,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
-  plan_hash_ = range_hash(lo, hi);
+  plan_hash_ = explicit_ ? streams_hash(lo, hi) : range_hash(lo, hi);
   plan_period_ = hi - lo;
   // The anchor: the lead stream's last tokens before the boundary (its own order; the other
   // streams may interleave with it differently from one step to the next).
@@ -1474,11 +1499,12 @@ void plan_front::end_iteration() {
   if (explicit_begin_ == SIZE_MAX) return;  // the recording does not cover a whole iteration
   const std::size_t lo = explicit_begin_, hi = tokens_.size();
   if (hi == lo) return;
-  const std::uint64_t h = range_hash(lo, hi);
-  // Repeated: the same as one of the last few iterations, not only the one before. A training
-  // step's streams interleave in a few ways that depend on timing (a copy stream's fetch before
-  // or after the compute stream's frees); when they alternate, two equal steps in a row may take
-  // long to come, while each way recurs within a few steps.
+  // Iterations are compared stream by stream: a training step's streams interleave in ways that
+  // depend on timing (a copy stream's fetch before or after the compute stream's frees), which
+  // the plan does not depend on. Repeated: the same as one of the last few iterations, not only
+  // the one before; a stream's own order can vary too (a prefetch the window held back one call
+  // longer), and then each way recurs within a few steps.
+  const std::uint64_t h = streams_hash(lo, hi);
   const auto seen = std::find(recent_iterations_.begin(), recent_iterations_.end(),
                               std::make_pair(h, hi - lo));
   const bool repeated = seen != recent_iterations_.end();

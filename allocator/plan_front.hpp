@@ -186,6 +186,7 @@ class plan_front {
   static std::uint64_t window_hash(const std::uint64_t* ring, std::size_t n,
                                    std::size_t first) noexcept;
   std::uint64_t range_hash(std::size_t lo, std::size_t hi) const noexcept;
+  std::uint64_t streams_hash(std::size_t lo, std::size_t hi) const;
   void reset_recording();
   void detect_steady_state();
   void make_plan(std::size_t lo, std::size_t hi);
@@ -277,7 +278,7 @@ class plan_front {
   std::size_t max_slot_size_ = 0;
   // Guest blocks (lend_arena_space), sorted by address: (addr, rounded size).
   std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
-  std::uint64_t plan_hash_ = 0;          // hash of the planned iteration's tokens
+  std::uint64_t plan_hash_ = 0;  // hash of the planned iteration's tokens (marked: streams_hash)
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
   // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).
   static constexpr std::size_t kAnchorTokens = 16;

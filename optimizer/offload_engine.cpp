@@ -856,6 +856,11 @@ struct offload_engine::impl {
     s.skipped = u.skipped;
     s.optimizer_seconds = u.seconds;
     s.optimizer_io_wait_seconds = u.io_wait;
+    // One iteration of the device allocator ends here (the planned policy plans a repeated one):
+    // before the next step's first params are fetched, so that those fetches fall in the step
+    // that frees them.
+    memory.end_iteration();
+    memory.begin_iteration();
     // The params' home copies are final: the next forward's first params start coming up now,
     // while the caller gets its next batch.
     tm->begin_iteration();

@@ -1000,6 +1000,42 @@ TEST(PlannedPolicy, AlternatingMarkedIterationsArePlanned) {
   EXPECT_GE(s.planned_hits, 9 * 12);
 }
 
+// Marked iterations whose two streams interleave differently every time: the copy stream's three
+// fetches come at another point of the compute stream's requests in each iteration (never the
+// same within four), while each stream on its own does the same. Compared as one sequence, no
+// iteration equalled one of the last four and nothing was planned; stream by stream they are one
+// iteration, and the lanes replay it whatever the interleaving.
+TEST(PlannedPolicy, MarkedIterationsAreComparedStreamByStream) {
+  auto dev = terrace::make_device("null");
+  const terrace::stream_ref copy = dev->create_stream(), compute = dev->create_stream();
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
+      "policy:planned,plan_min_period:16,min_large_alloc:1,large_round:4096"));
+  held_blocks live(a);
+  auto iteration = [&](int it) {
+    const int shift = it * 5 % 12;
+    a.begin_iteration();
+    std::vector<void*> params;
+    for (int k = 0; k < 12; ++k) {
+      if (k == shift) {
+        for (int j = 0; j < 3; ++j) params.push_back(live.get(std::size_t{2} << 20, copy, ""));
+      }
+      void* act = live.get((std::size_t{256} + 64 * static_cast<std::size_t>(k)) << 10, compute, "");
+      live.give(act, compute);
+    }
+    for (void* p : params) live.give(p, copy);
+    a.end_iteration();
+    ASSERT_NO_THROW(a.check_invariants());
+  };
+  for (int it = 0; it < 3; ++it) iteration(it);
+  EXPECT_EQ(a.plan_stats().plans, 1) << "the second iteration equals the first stream by stream";
+  for (int it = 3; it < 24; ++it) iteration(it);
+  const auto s = a.plan_stats();
+  EXPECT_EQ(s.plans, 1);
+  EXPECT_EQ(s.lost_iterations, 0);
+  EXPECT_EQ(s.deviations, 0);
+  EXPECT_GE(s.planned_hits, 20 * 15);
+}
+
 // Iterations that keep leaving the plan (here: each begins with requests of random sizes) run on
 // the fallback beside the arena and reinstall the plan every time; after three in a row the plan
 // is set aside for 8 iterations (then 16, ...), the caching allocator alone serving them, and it

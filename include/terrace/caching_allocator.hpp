@@ -94,8 +94,9 @@ class caching_allocator {
   /// repeating iteration itself; once called, only these marks delimit iterations. A no-op unless
   /// the policy is `planned` or plan_counterfactual is on. Never throws except device_error.
   void begin_iteration();
-  /// @brief Marks the end of a training iteration (see begin_iteration). Two equal iterations in a
-  /// row are planned. @throws terrace::device_error if reserving the arena fails otherwise than OOM.
+  /// @brief Marks the end of a training iteration (see begin_iteration). An iteration equal to one
+  /// of the last four is planned; equal means each stream made the same requests and frees in
+  /// the same order, however the streams interleaved. @throws terrace::device_error if reserving the arena fails otherwise than OOM.
   void end_iteration();
   /// @brief What the planner did (enabled = false when it is off).
   planner_stats plan_stats() const;
