@@ -505,6 +505,9 @@ struct offload_engine::impl {
     to.device_budget = tensor_budget;
     to.prefetch_window = options.prefetch_window;
     to.host_budget = options.host_budget;
+    // A budget above the pinned limit never binds (check_pinned_limit: the home copies it would
+    // admit fit under the limit); the tier manager takes at most its pool's capacity.
+    if (options.pinned_limit != 0) to.host_budget = std::min(to.host_budget, options.pinned_limit);
     // The optimizer step replaces every bf16 param's home copy (host_data(param, access::write)
     // drops its device copy): a prefetch that wrapped from the end of backward into the next
     // forward's params would copy up what is thrown away. step() restarts prefetch right after the

@@ -335,6 +335,20 @@ TEST(OffloadEngineBadInput, PinnedMemoryRefused) {
   EXPECT_TRUE(std::isfinite(engine->step(batch.data()).loss));
 }
 
+// A host budget above the pinned limit is no error: the limit binds first (the engine's check
+// says whether the home copies fit it), and the tier manager is given the smaller of the two.
+TEST(OffloadEngine, AHostBudgetAboveThePinnedLimitTrains) {
+  testing::scratch_dir dir("engine-budget-above-limit");
+  engine_fixture f(16u << 20);
+  offload_engine_options o;
+  o.nvme_dir = dir.path();
+  o.host_budget = 256u << 20;
+  o.pinned_limit = 128u << 20;
+  auto engine = f.make(o);
+  const auto batch = tools::sample_batch(std::vector<std::uint8_t>(1000, 'a'), small_model(), 1, 0);
+  EXPECT_TRUE(std::isfinite(engine->step(batch.data()).loss));
+}
+
 // ----------------------------------------------------------------------------- overlap
 
 // With a copy engine far faster than the step needs, the host hardly waits on copies: the
