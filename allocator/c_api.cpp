@@ -288,9 +288,9 @@ std::string stats_json_for(int device) {
       g_bad_frees[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
   // The planner's figures (policy planned or plan_counterfactual) join as "plan.*" keys.
   if (s != nullptr && s->allocator->plan_stats().enabled) {
-    for (auto& [k, v] : nlohmann::json::parse(terrace::to_json(s->allocator->plan_stats())).items()) {
-      j[k] = v;
-    }
+    // Named: a range-for over items() of the temporary parse() returns would outlive it.
+    const nlohmann::json plan = nlohmann::json::parse(terrace::to_json(s->allocator->plan_stats()));
+    for (const auto& [k, v] : plan.items()) j[k] = v;
   }
   return j.dump();
 }

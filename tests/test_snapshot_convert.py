@@ -10,6 +10,7 @@ import io
 import json
 import os
 import pickle
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -269,6 +270,32 @@ class EndToEndThroughLibterrace(unittest.TestCase):
         self.assertEqual(self.tt.stats()["allocated_bytes.all.current"], 0)
         self.tt.empty_cache()
         self.assertEqual(self.tt.stats()["reserved_bytes.all.current"], 0)
+
+    def test_marked_steps_are_planned_through_the_wrappers(self):
+        # The policy is fixed at the first allocation, once per process: a process of its own.
+        tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools")
+        script = (
+            "import json, sys\n"
+            f"sys.path.insert(0, {tools!r})\n"
+            "import terrace_torch as tt\n"
+            f"lib = tt.load({LIBRARY!r})\n"
+            "lib.configure('device:sim,device_capacity:64MiB,policy:planned,plan_min_period:16')\n"
+            "for step in range(6):\n"
+            "    tt.begin_iteration()\n"
+            "    ptrs = [lib.malloc((k + 1) << 20) for k in range(8)]\n"
+            "    for p in reversed(ptrs):\n"
+            "        lib.free(p)\n"
+            "    tt.end_iteration()\n"
+            "print(json.dumps(tt.stats()))\n")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        stats = json.loads(done.stdout)
+        self.assertEqual(stats["plan.plans"], 1)
+        self.assertGreaterEqual(stats["plan.hits"], 4 * 8)  # steps 3-6
+        with self.assertRaises(self.tt.TerraceError) as cm:
+            self.tt.begin_iteration(device=99)
+        self.assertIn("out of range", cm.exception.message)
 
     def test_errors_become_exceptions_with_the_last_error(self):
         TerraceError = self.tt.TerraceError

@@ -68,6 +68,8 @@ def main():
         torch.nn.GELU(), torch.nn.Linear(1024, 10)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
+        # Step marks for the planned policy (TERRACE_ALLOC_CONF=policy:planned); no-ops otherwise.
+        tt.begin_iteration()
         batch = 64 + 32 * (step % 4)  # varying shapes exercise the cache as real data does
         x = torch.randn(batch, 1024, device=device)
         y = torch.randint(0, 10, (batch,), device=device)
@@ -75,6 +77,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        tt.end_iteration()
         if step % 5 == 0 or step == args.steps - 1:
             print(f"step {step:3d} loss {loss.item():.4f}")
     torch.cuda.synchronize()

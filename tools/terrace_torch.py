@@ -75,6 +75,8 @@ class Library:
             "terrace_stats_json": (c.c_int, [c.c_int, c.c_char_p, c.c_size_t,
                                              c.POINTER(c.c_size_t)]),
             "terrace_reset_peak_stats": (c.c_int, [c.c_int]),
+            "terrace_begin_iteration": (c.c_int, [c.c_int]),
+            "terrace_end_iteration": (c.c_int, [c.c_int]),
             "terrace_record_trace": (c.c_int, [c.c_int]),
             "terrace_dump_snapshot": (c.c_int, [c.c_int, c.c_char_p]),
             "terrace_dump_trace": (c.c_int, [c.c_int, c.c_char_p]),
@@ -120,6 +122,14 @@ class Library:
 
     def record_trace(self, on=True):
         self.check(self.lib.terrace_record_trace(1 if on else 0))
+
+    def begin_iteration(self, device=0):
+        """Marks the start of a training step for the planned policy (a no-op under the others)."""
+        self.check(self.lib.terrace_begin_iteration(device))
+
+    def end_iteration(self, device=0):
+        """Marks its end: a step equal to one of the last four is planned."""
+        self.check(self.lib.terrace_end_iteration(device))
 
     def dump_snapshot(self, path, device=0):
         self.check(self.lib.terrace_dump_snapshot(device, os.fsencode(path)))
@@ -194,6 +204,14 @@ def reset_peak_stats(device=0):
 
 def record_trace(on=True):
     load().record_trace(on)
+
+
+def begin_iteration(device=0):
+    load().begin_iteration(device)
+
+
+def end_iteration(device=0):
+    load().end_iteration(device)
 
 
 def dump_snapshot(path, device=0):
