@@ -743,24 +743,42 @@ TEST(OffloadAdam, AGroupListedTwiceInOneStepIsSteppedOnce) {
   expect_same(r, ref, "after the step");
 }
 
+// A step over three groups on NVMe (several chunks each) taken in two parts: the reference
+// steps it whole, the rig its first part (layer2, step_first_part); `second` is the rest, layer1
+// then layer0.
+struct two_part_step {
+  config c = [] {
+    config x;
+    x.sizes = {10000, 8193, 12345};
+    x.copy = true;
+    return x;
+  }();
+  offload_rig r{c};
+  reference ref{c};
+  adam_step_options so = [this] {
+    adam_step_options o = step_options_for(c);
+    o.grads_known_finite = true;
+    return o;
+  }();
+  std::vector<std::vector<std::byte>> grads = gradients(c, 0);
+  offload_group_step first{r.ids[2], grads[2].data(), r.copy[2].data()};
+  std::vector<offload_group_step> second = [this] {
+    std::vector<offload_group_step> rest;
+    for (std::size_t g = 2; g-- > 0;) rest.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+    return rest;
+  }();
+
+  bool step_first_part() { return ref.step(grads, so, true) && r.opt->step_part({&first, 1}, so); }
+};
+
 // An EIO in the second part of a step: the first part's groups keep their update, the failed part
 // is retried with the same gradients, and the step ends bitwise as without the error.
 TEST(OffloadAdam, AFailedPartIsRetriedAndTheStepEndsBitwise) {
   for (bool reads : {true, false}) {
     SCOPED_TRACE(reads ? "read fault" : "write fault");
-    config c;
-    c.sizes = {10000, 8193, 12345};  // all on NVMe, several chunks each
-    c.copy = true;
-    offload_rig r(c);
-    reference ref(c);
-    adam_step_options so = step_options_for(c);
-    so.grads_known_finite = true;
-    const auto grads = gradients(c, 0);
-    ASSERT_TRUE(ref.step(grads, so, true));
-    const offload_group_step first{r.ids[2], grads[2].data(), r.copy[2].data()};
-    ASSERT_TRUE(r.opt->step_part({&first, 1}, so));
-    std::vector<offload_group_step> second;
-    for (std::size_t g = 2; g-- > 0;) second.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+    two_part_step t;
+    ASSERT_TRUE(t.step_first_part());
+    auto& [c, r, ref, so, grads, first, second] = t;
     r.store->inject_fault(fault(io_fault::kind::eio, reads, !reads, 2));
     EXPECT_THROW(r.opt->step_part(second, so), io_error);
     EXPECT_EQ(r.opt->step_count(), 0);
@@ -840,19 +858,9 @@ TEST(OffloadAdam, ARetryThatListsOtherGroupsIsRefusedAndTheRightOneFinishesTheSt
 TEST(OffloadAdam, FinishStepRefusesWhileAFailedPartIsNotRetried) {
   for (int skip : {0, 2}) {  // the failed part left nothing updated / updated a chunk
     SCOPED_TRACE("skip " + std::to_string(skip));
-    config c;
-    c.sizes = {10000, 8193, 12345};
-    c.copy = true;
-    offload_rig r(c);
-    reference ref(c);
-    adam_step_options so = step_options_for(c);
-    so.grads_known_finite = true;
-    const auto grads = gradients(c, 0);
-    ASSERT_TRUE(ref.step(grads, so, true));
-    const offload_group_step first{r.ids[2], grads[2].data(), r.copy[2].data()};
-    ASSERT_TRUE(r.opt->step_part({&first, 1}, so));
-    std::vector<offload_group_step> second;
-    for (std::size_t g = 2; g-- > 0;) second.push_back({r.ids[g], grads[g].data(), r.copy[g].data()});
+    two_part_step t;
+    ASSERT_TRUE(t.step_first_part());
+    auto& [c, r, ref, so, grads, first, second] = t;
     r.store->inject_fault(fault(io_fault::kind::eio, false, true, skip));
     EXPECT_THROW(r.opt->step_part(second, so), io_error);
     try {

@@ -338,12 +338,6 @@ TEST(TierManagerNvme, MisuseIsAClearError) {
   EXPECT_THROW(tm.add("x", 4096), logic_error);
 }
 
-}  // namespace
-}  // namespace terrace
-
-namespace terrace {
-namespace {
-
 // Found in review: a write acquire takes a home buffer without reading the data in; when the
 // device block then failed, the empty buffer stayed and later reads returned its garbage.
 TEST(TierManagerNvme, AFailedWriteAcquireLeavesNoEmptyHomeBufferStandingForTheData) {
@@ -419,12 +413,6 @@ TEST(TierManagerNvme, AnAcquireThatFailsInAnotherTensorsPrefetchLeavesNothingPin
   r.tm->check_invariants();
 }
 
-}  // namespace
-}  // namespace terrace
-
-namespace terrace {
-namespace {
-
 // Found by tier_manager_fuzz_test (seed 14): an NVMe read started ahead of use holds its room in
 // the host budget, and a read in flight was never a victim; with the device's home copies pinned,
 // a demand for room failed with out_of_memory although the prefetched copy, once landed, could
@@ -459,12 +447,6 @@ TEST(TierManagerNvme, ADemandForHostRoomTakesItFromAnNvmeReadStartedAheadOfUse) 
   EXPECT_EQ(out, std::vector<unsigned char>(kBytes, 0x3c));
   r.tm->check_invariants();
 }
-
-}  // namespace
-}  // namespace terrace
-
-namespace terrace {
-namespace {
 
 // Found by tier_manager_fuzz_test (seed 491): a read started from NVMe ahead of use that failed
 // was reported by whichever call finished it next -- here a write acquire of another tensor,
@@ -525,12 +507,6 @@ TEST(TierManagerNvme, ACheckpointRefusedForAnAcquiredTensorStartsNoPut) {
   EXPECT_TRUE(store.contains("x1"));
   r.tm->check_invariants();
 }
-
-}  // namespace
-}  // namespace terrace
-
-namespace terrace {
-namespace {
 
 // The pinned pool can refuse a buffer although the host budget has room for it (its alignment
 // rounding, the memlock limit, regions too fragmented for the size). Before, an NVMe read started ahead of
