@@ -65,6 +65,12 @@ std::uint64_t mulmod(std::uint64_t a, std::uint64_t b) noexcept {
   return r;
 }
 
+// The polynomial hash of a token sequence, extended by one token (range_hash's prefix hashes and
+// streams_hash's per-stream ones).
+std::uint64_t extend_hash(std::uint64_t h, std::uint64_t token) noexcept {
+  return (mulmod(h, kBase) + (token % (kMod - 1)) + 1) % kMod;
+}
+
 std::uint64_t mix(std::uint64_t x) noexcept {
   x ^= x >> 33;
   x *= 0xff51afd7ed558ccdull;
@@ -124,7 +130,7 @@ std::uint64_t plan_front::streams_hash(std::size_t lo, std::size_t hi) const {
     auto it = std::find_if(sums.begin(), sums.end(),
                            [&](const stream_sum& x) { return x.stream == token_stream_[i]; });
     if (it == sums.end()) it = sums.insert(sums.end(), {token_stream_[i], 0, 0});
-    it->hash = (mulmod(it->hash, kBase) + (tokens_[i] % (kMod - 1)) + 1) % kMod;
+    it->hash = extend_hash(it->hash, tokens_[i]);
     ++it->count;
   }
   std::sort(sums.begin(), sums.end(),
@@ -157,7 +163,7 @@ void plan_front::push_token(std::uint64_t token, std::int64_t delta, std::uintpt
   if (!lanes_.empty() && stream == lanes_.front().stream) {
     lead_window_[lead_seen_++ % kLeadRing] = token;
   }
-  prefix_hash_.push_back((mulmod(prefix_hash_.back(), kBase) + (token % (kMod - 1)) + 1) % kMod);
+  prefix_hash_.push_back(extend_hash(prefix_hash_.back(), token));
   pow_.push_back(mulmod(pow_.back(), kBase));
   prefix_bytes_.push_back(prefix_bytes_.back() + delta);
 }

@@ -521,6 +521,13 @@ struct offload_adam::impl {
     return std::all_of(g.chunks.begin(), g.chunks.end(), [](const chunk& c) { return c.updated; });
   }
 
+  static std::vector<group_id> sorted_groups(std::span<const offload_group_step> list) {
+    std::vector<group_id> ids;
+    for (const offload_group_step& s : list) ids.push_back(s.group);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  }
+
   std::string names_of(const std::vector<group_id>& ids) const {
     std::string out;
     for (group_id id : ids) out += (out.empty() ? "'" : ", '") + groups[id].name + "'";
@@ -542,9 +549,7 @@ struct offload_adam::impl {
                         so.grad_scale == open_options.grad_scale && so.clip_coef == open_options.clip_coef,
                     unfinished(t) + "a failed call, or step_part() calls) was made with other step options "
                     "(grad and copy dtypes, grad_scale, clip_coef): continue it with the same ones");
-    std::vector<group_id> listed;
-    for (const offload_group_step& s : list) listed.push_back(s.group);
-    std::sort(listed.begin(), listed.end());
+    const std::vector<group_id> listed = sorted_groups(list);
     if (failed_step_groups) {
       TERRACE_EXPECTS(finish, unfinished(t) + "step() failed part way): finish it with step() and the same "
                               "groups, not with step_part()");
@@ -656,12 +661,7 @@ struct offload_adam::impl {
       });
       if (open) {
         for (const offload_group_step& s : list) groups[s.group].owed = true;
-        if (finish) {
-          std::vector<group_id> listed;
-          for (const offload_group_step& s : list) listed.push_back(s.group);
-          std::sort(listed.begin(), listed.end());
-          failed_step_groups = std::move(listed);
-        }
+        if (finish) failed_step_groups = sorted_groups(list);
       }
       try {
         std::rethrow_exception(failure);
