@@ -9,9 +9,10 @@
 // Each seed draws tensors of odd sizes, a device budget that holds two or three of them (so
 // evictions to host, and under a host budget on to NVMe, happen all the time), 2-3 compute
 // streams, and a workload: a repeating access sequence (recorded by begin_iteration or given by
-// set_schedule) followed with deviations, plus pins held across other operations, flushes, host
-// reads and writes, synchronizations, checkpoints, restarts from the last checkpoint, an
-// optimizer thread reading home copies beside the training loop, and injected NVMe faults. A
+// set_schedule) followed with deviations, plus pins held across other operations, flushes and
+// offloads, host reads and writes, synchronizations, checkpoints, restarts from the last
+// checkpoint, an optimizer thread reading home copies beside the training loop, and injected NVMe
+// faults. A
 // reference model (tensor -> expected bytes) is the only judge:
 //   - every use on the device checks the bytes in stream order (a host function on the stream
 //     stands in for a kernel) and writes fresh random bytes (write: all of them; update: a random
@@ -621,9 +622,16 @@ class fuzz_run {
     }
   }
 
+  // flush, or offload (flush and give the device block back: offload_engine's gradients).
   void flush_one() {
     const auto id = static_cast<tensor_id>(draw(size_.size()));
     if (held(id)) return;
+    if (chance(50)) {
+      note("offload t" + std::to_string(id));
+      tm_->offload(id);
+      if (tm_->on_device(id)) fail("offloaded t" + std::to_string(id) + " is still on the device");
+      return;
+    }
     note("flush t" + std::to_string(id));
     tm_->flush(id);
   }
@@ -683,7 +691,7 @@ class fuzz_run {
     }
     if (!held_.empty()) {
       const held_pin& h = held_[draw(held_.size())];
-      const std::uint64_t k = draw(5);
+      const std::uint64_t k = draw(6);
       bytes_t out(size_[h.id]);
       try {
         if (k == 0) tm_->host_data(h.id, access::read);
@@ -691,6 +699,7 @@ class fuzz_run {
         if (k == 2) tm_->flush(h.id);
         if (k == 3) tm_->host_modified(h.id);
         if (k == 4) tm_->read_home(h.id, out.data());
+        if (k == 5) tm_->offload(h.id);
       } catch (const logic_error&) {
         return;
       }

@@ -515,6 +515,59 @@ TEST(TierManagerBlockReuse, AnAcquireWithoutCopyUpWaitsForTheFlushOfTheBlocksLas
   }
 }
 
+// offload() gives the block back while its copy down still waits its turn on the copy stream:
+// a tensor acquired without a copy up gets that block at once, and its kernel waits for the copy
+// (the same fence as an eviction's), so the offloaded tensor's home copy gets its own bytes.
+TEST(TierManagerBlockReuse, AnOffloadedBlockIsWrittenOnlyAfterItsCopyDown) {
+  rig r(2 * kReuseBytes, kSlowBandwidth);  // room for two tensors
+  const tensor_id offloaded = r.tm->add("offloaded", kReuseBytes);
+  const tensor_id slow = r.tm->add("slow", kReuseBytes);
+  const tensor_id reuser = r.tm->add("new", kReuseBytes);
+  const auto old_bytes = pattern(kReuseBytes, 1), new_bytes = pattern(kReuseBytes, 2);
+
+  unsigned char* od = write_on_device(r, offloaded, old_bytes);
+  occupy_copy_stream(r, slow);  // ~21 ms ahead of the next copy
+  r.dev->synchronize(r.compute);  // the block's compute work is done: reusable once freed
+  r.tm->offload(offloaded);     // its copy down queued behind slow's, its block given back
+  EXPECT_FALSE(r.tm->on_device(offloaded));
+  EXPECT_EQ(r.tm->stats().device_to_host_copies, 2);
+  EXPECT_EQ(r.tm->stats().evictions, 0);  // not to make room
+  EXPECT_EQ(r.tm->stats().device_bytes, static_cast<std::int64_t>(kReuseBytes));  // slow's
+
+  auto* nd = static_cast<unsigned char*>(r.tm->acquire(reuser, r.compute, access::write));
+  ASSERT_EQ(nd, od) << "the scenario needs the allocator to reuse the offloaded block";
+  EXPECT_TRUE(r.tm->on_device(slow)) << "nothing was evicted: the offload made the room";
+  EXPECT_EQ(r.tm->stats().fence_waits, 1);
+  r.launch([nd, &new_bytes] { std::memcpy(nd, new_bytes.data(), kReuseBytes); });
+  r.tm->release(reuser, r.compute);
+  r.dev->synchronize_device();
+  const auto* old_home = static_cast<const unsigned char*>(r.tm->host_data(offloaded, access::read));
+  EXPECT_EQ(std::memcmp(old_home, old_bytes.data(), kReuseBytes), 0)
+      << "the kernel of 'new' wrote the offloaded block before its copy down read it";
+  r.tm->check_invariants();
+}
+
+// offload() of a tensor not on the device does nothing; of an acquired one, or of an unknown id,
+// it is a clear error that changes nothing. A clean device copy goes without a copy down.
+TEST(TierManager, OffloadOfAnAcquiredOrUnknownTensorIsAnErrorAndOfAHomeOneANoOp) {
+  rig r(4 * MiB);
+  const tensor_id t = r.tm->add("t", 1 * MiB, pattern(1 * MiB, 3).data());
+  r.tm->offload(t);  // at home only
+  EXPECT_FALSE(r.tm->on_device(t));
+  r.tm->acquire(t, r.compute, access::read);
+  EXPECT_THROW(r.tm->offload(t), logic_error);
+  EXPECT_TRUE(r.tm->on_device(t));
+  EXPECT_THROW(r.tm->offload(t + 1), logic_error);
+  r.tm->release(t, r.compute);
+  r.tm->offload(t);  // read only: the home copy is current, nothing to copy down
+  EXPECT_FALSE(r.tm->on_device(t));
+  EXPECT_EQ(r.tm->stats().device_to_host_copies, 0);
+  EXPECT_EQ(r.tm->stats().device_bytes, 0);
+  const auto* h = static_cast<const unsigned char*>(r.tm->host_data(t, access::read));
+  EXPECT_EQ(std::memcmp(h, pattern(1 * MiB, 3).data(), 1 * MiB), 0);
+  r.tm->check_invariants();
+}
+
 // Two flushed tensors whose blocks are neighbours are evicted in the other order than their
 // flushes were queued, and one block spanning both goes to a tensor acquired for writing. Its
 // kernel must wait for the later of the two copies down: the fence given back last is the one of

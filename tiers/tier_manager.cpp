@@ -974,17 +974,20 @@ struct tier_manager::impl {
     return t.host;
   }
 
-  void flush(tensor_id id) {
+  // flush(), and with `drop` offload(): the device block goes back once the copy is queued.
+  void flush(tensor_id id, bool drop) {
     std::lock_guard lock(mutex);
-    tensor& t = at(id, "flush");
+    const char* what = drop ? "offload" : "flush";
+    tensor& t = at(id, what);
     if (t.pins > 0) {
-      throw logic_error("terrace: tier manager: flush of '" + t.name +
+      throw logic_error(std::string("terrace: tier manager: ") + what + " of '" + t.name +
                         "' while it is acquired on the device (release it first)");
     }
-    if (t.dev == nullptr || !t.dev_newer) return;  // the home copy is current
+    if (t.dev == nullptr) return;
     // A tensor on the device always has its home buffer (host eviction skips them), and no NVMe
     // read into it is in flight (acquire finished it or never started one).
-    copy_down(t);  // after t.done, the events recorded at release: never blocks the host
+    if (t.dev_newer) copy_down(t);  // after t.done, the events recorded at release: never blocks
+    if (drop) drop_device_copy(id);  // fenced: the block's next owner waits for the copy down
   }
 
   void host_modified(tensor_id id) {
@@ -1133,7 +1136,8 @@ void tier_manager::release(tensor_id id, stream_ref stream) { impl_->release(id,
 void* tier_manager::host_data(tensor_id id) { return impl_->host_data(id, access::update); }
 void* tier_manager::host_data(tensor_id id, access mode) { return impl_->host_data(id, mode); }
 void tier_manager::read_home(tensor_id id, void* out) { impl_->read_home(id, out); }
-void tier_manager::flush(tensor_id id) { impl_->flush(id); }
+void tier_manager::flush(tensor_id id) { impl_->flush(id, /*drop=*/false); }
+void tier_manager::offload(tensor_id id) { impl_->flush(id, /*drop=*/true); }
 void tier_manager::host_modified(tensor_id id) { impl_->host_modified(id); }
 
 void tier_manager::begin_iteration() {

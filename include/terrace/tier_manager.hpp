@@ -164,6 +164,14 @@ class tier_manager {
   /// gradients, offloaded as backward produces them.
   /// @throws logic_error for an unknown id or a tensor that is acquired.
   void flush(tensor_id id);
+  /// @brief flush(), then gives the device block back at once (its memory is handed out again only
+  /// after the copy down has read it): the tensor lives at home until acquired again. For
+  /// gradients, whose device copy is never read again (the next backward overwrites it): kept
+  /// cached, it would hold device memory until an eviction, often in the next iteration, where a
+  /// planned device allocator sees a block that outlives its step. Not counted as an eviction.
+  /// No-op when the tensor is not on the device.
+  /// @throws logic_error for an unknown id or a tensor that is acquired.
+  void offload(tensor_id id);
   /// @brief Says the home copy was changed on the host: the device copy is dropped.
   void host_modified(tensor_id id);
 
