@@ -812,7 +812,9 @@ struct offload_engine::impl {
       model->backward(i, p, g);
       tm->release(layers[i].param, compute);
       tm->release(layers[i].grad, compute);
-      tm->flush(layers[i].grad);  // home while the layers below run their backward
+      // Home while the layers below run their backward; its device block is free at once, since
+      // the next backward overwrites the gradient (cached, it would outlive the step).
+      tm->offload(layers[i].grad);
     }
     s.forward_backward_seconds = seconds_since(forward_start) - s.optimizer_wait_seconds;
     s.exposed_transfer_seconds = model->wait_seconds() - wait_before;

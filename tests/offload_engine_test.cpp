@@ -110,6 +110,22 @@ TEST(OffloadEngine, OffloadedLossesEqualResidentBitwise) {
   EXPECT_LT(a.back(), a.front() - 0.5f);
 }
 
+// Backward hands each gradient's device block back as soon as its copy home is queued
+// (tier_manager::offload): the next backward overwrites it, so nothing on the device outlives its
+// step. The planned policy then places every block of a step in its arena; before, the last
+// layers' gradients stayed cached until the next forward evicted them, and the device allocator
+// had to keep them outside the plan, in memory of their own.
+TEST(OffloadEngine, NoDeviceBlockOutlivesItsStep) {
+  testing::scratch_dir dir("engine-planned");
+  train_options o = offloaded(dir.path(), 12);
+  o.alloc_conf = "policy:planned";
+  const train_result r = tools::run_train(o);
+  EXPECT_GT(r.plan.iterations, 0);
+  EXPECT_EQ(r.plan.lost_iterations, 0);
+  EXPECT_EQ(r.plan.unplanned_allocs, 0);
+  EXPECT_EQ(r.plan.planned_slots, r.plan.period_allocs);
+}
+
 // ----------------------------------------------------------------------------- kill and resume
 
 // A child trains with a checkpoint every 3 steps and tells the parent through a pipe when one is

@@ -150,7 +150,10 @@ TEST(TrainCli, ThePlannedPolicyTrainsExactlyAsCachingDoes) {
 // stream's blocks interleave. Before, when it was learnt from that interleaving, half the runs on
 // a loaded machine (eight at once on two cores) saw no two equal periods in 16 steps, and the
 // test allowed three runs; measured since, 24 runs of 24 in the same conditions installed it.
-TEST(TrainCli, OnTheDefaultDeviceThePlanIsInstalledPageByPage) {
+// No device block outlives its step (gradients leave the device as backward makes them), so the
+// arena is reserved whole at the boundary: before, the last layers' gradients were still cached
+// there and it had to be mapped page by page.
+TEST(TrainCli, OnTheDefaultDeviceThePlanIsInstalled) {
   scratch_dir dir("cli-planned-default");
   const auto run = [&](const std::string& name, const std::string& conf) {
     const std::filesystem::path log = dir.path() / (name + ".log");
@@ -173,8 +176,7 @@ TEST(TrainCli, OnTheDefaultDeviceThePlanIsInstalledPageByPage) {
             std::string::npos) << planned_out;
   EXPECT_EQ(planned_out.find(" over 0 iterations"), std::string::npos) << planned_out;
   EXPECT_NE(planned_out.find("(0 lost)"), std::string::npos) << planned_out;
-  EXPECT_NE(planned_out.find("mapped page by page 1 time(s), 0 request(s) found no page"),
-            std::string::npos) << planned_out;
+  EXPECT_EQ(planned_out.find("mapped page by page"), std::string::npos) << planned_out;
 }
 
 // --recompute (activation checkpointing of the blocks) changes what is held, not what is computed.

@@ -9,7 +9,8 @@
 ///   forward   for each layer: acquire its bf16 params (prefetched ahead by the tier manager's
 ///             recorded schedule), run the layer on the compute stream, release;
 ///   backward  for each layer, last first: acquire params and the gradient (write), run, release,
-///             and start copying the gradient home at once (tier_manager::flush);
+///             and start copying the gradient home at once, giving its device block back
+///             (tier_manager::offload: the next backward overwrites it);
 ///   optimizer global grad norm (clipping, optional), then the CPU Adam over every layer,
 ///             chunk-pipelined with NVMe; it writes the updated bf16 params straight into their
 ///             home copies (host_data(param, access::write)), from where the next forward's
