@@ -1076,7 +1076,8 @@ bool plan_front::space_free(std::size_t j) const noexcept {
 // The slot of lane l to serve a request with `key` from, or -1 (then `blocked` names a slot with
 // that key whose space is not free yet, or -1). In order: a slot skipped earlier in this iteration
 // (its request comes late: the oldest first), the cursor's, then one at most kLookahead ahead (the
-// slots in between are skipped: requests that did not come, or that come later).
+// slots in between are skipped: requests that did not come, or that come later), then one at most
+// kLookahead behind that was freed early in this iteration.
 std::int64_t plan_front::match_slot(const lane& l, std::uint64_t key, std::int64_t& blocked) const {
   blocked = -1;
   for (std::uint32_t p : l.skipped) {
@@ -1093,6 +1094,18 @@ std::int64_t plan_front::match_slot(const lane& l, std::uint64_t key, std::int64
     blocked = static_cast<std::int64_t>(j);
     return -1;
   }
+  // A slot of this iteration whose block was freed early and is requested again (a tensor
+  // dropped and fetched again before its planned free: a delayed update's params, published over
+  // the copies prefetched for the next forward): its space is its own until its planned free,
+  // which no slot handed out so far follows (space_free), so it is served there again.
+  const std::size_t back = l.cursor > kLookahead ? l.cursor - kLookahead : 0;
+  for (std::size_t p = l.cursor; p-- > back;) {
+    const std::uint32_t j = l.slots[p];
+    if (slots_[j].key == key && slots_[j].planned && slot_taken(j) && !slot_held(j) &&
+        space_free(j)) {
+      return static_cast<std::int64_t>(j);
+    }
+  }
   return -1;
 }
 
@@ -1102,9 +1115,12 @@ std::int64_t plan_front::match_slot(const lane& l, std::uint64_t key, std::int64
 void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
   const slot& s = slots_[j];
   lane& l = lanes_[s.lane];
+  const bool again = taken_gen_[j] == l.gen;  // freed early and served again (match_slot)
   taken_gen_[j] = l.gen;
   if (served_elsewhere) {
     freed_gen_[j] = l.gen;  // nothing of it is live in the arena
+  } else if (again) {
+    freed_gen_[j] = l.gen - 1;  // held again; the due lists up to it were checked the first time
   } else if (s.planned) {
     // space_free(j) checked the due lists up to j. Not for a slot the fallback serves (its
     // space_free checks nothing): moving past it would leave a late free unchecked, and the next

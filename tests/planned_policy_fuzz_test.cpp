@@ -414,12 +414,12 @@ fuzz_setup::variant_t variant_of(std::uint64_t seed) {
 }
 
 // Perturbs one iteration's ops in place: the deviations a real training loop shows (a changed
-// size, a skipped or extra tensor, reordering, a cache flush or stats reset mid-iteration, frees
-// delayed to the end).
+// size, a skipped or extra tensor, a tensor freed early and allocated again, reordering, a cache
+// flush or stats reset mid-iteration, frees delayed to the end).
 void deviate(std::mt19937_64& rng, const fuzz_setup& setup, std::vector<op>& ops) {
   const int count = 1 + static_cast<int>(rng() % 3);
   for (int d = 0; d < count && !ops.empty(); ++d) {
-    const int kind = static_cast<int>(rng() % 9);
+    const int kind = static_cast<int>(rng() % 10);
     const std::size_t i = rng() % ops.size();
     const auto at = [&](std::size_t k) { return ops.begin() + static_cast<std::ptrdiff_t>(k); };
     if (kind == 0 && ops[i].kind == op::alloc) {
@@ -445,6 +445,16 @@ void deviate(std::mt19937_64& rng, const fuzz_setup& setup, std::vector<op>& ops
     } else if (kind == 6 && setup.nstreams > 1 && ops[i].kind == op::alloc) {
       const int other = static_cast<int>(rng() % setup.nstreams);
       ops.insert(at(i + 1), op{op::record_stream, ops[i].id, 0, other});
+    } else if (kind == 9 && ops[i].kind == op::alloc) {
+      // A block freed early and allocated again, a few ops later (a tensor dropped and fetched
+      // again before its planned free); its own free stays where it was.
+      const op again = ops[i];
+      const std::size_t j = i + 1 + rng() % 4;
+      if (j <= ops.size() &&
+          std::none_of(at(i + 1), at(j), [&](const op& o) { return o.id == again.id; })) {
+        ops.insert(at(j), again);
+        ops.insert(at(j), op{op::free, again.id});
+      }
     } else if (kind == 7 || kind == 8) {  // one op moved by up to 10 places either way
       const op moved = ops[i];
       ops.erase(at(i));
