@@ -41,6 +41,11 @@ std::vector<plan_interval> random_intervals(std::uint64_t seed, std::size_t n) {
   return v;
 }
 
+// The planned policy over exact-size segments and (almost) no small pool, as the engine's settings,
+// so that sizes add up; short iterations are planned.
+constexpr const char* kPlannedExactConf =
+    "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096";
+
 // The blocks a test holds from a planned allocator; every allocation is checked against them for
 // overlap (the safety property of the planned policy).
 class held_blocks {
@@ -619,8 +624,7 @@ TEST(PlannedPolicy, RecordedTrainingTraceStaysPlannedAndBeatsCaching) {
 // arena; the plan keeps its hits and no block overlaps another.
 TEST(PlannedPolicy, AnOccasionalExtraRequestBorrowsFreeArenaSpace) {
   auto dev = terrace::make_device("null");
-  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
-      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
   held_blocks live(a);
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   auto iteration = [&](bool extra) {
@@ -653,8 +657,7 @@ TEST(PlannedPolicy, AnOccasionalExtraRequestBorrowsFreeArenaSpace) {
 // caching allocator, which serves that iteration from it instead of reserving beside it.
 TEST(PlannedPolicy, ADeviatingIterationIsServedFromTheArenasMemory) {
   auto dev = terrace::make_device("null");
-  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
-      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   auto iteration = [&](std::size_t unit) {
     a.begin_iteration();
@@ -810,8 +813,7 @@ TEST(PlannedPolicy, TheRecordedTrainingTraceStaysPlannedOnItsDevice) {
 // missed the plan every iteration, and the fallback held a segment for it beside the arena.
 TEST(PlannedPolicy, ABlockFreedEarlyAndRequestedAgainGetsItsSlotAgain) {
   auto dev = terrace::make_device("null");
-  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
-      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   held_blocks live(a);
   auto iteration = [&](bool refetch) {
@@ -852,8 +854,7 @@ TEST(PlannedPolicy, UnderMemoryPressureThePlanLendsItsFreeSpace) {
   terrace::device_options d;
   d.capacity = 7 * kUnit;
   auto dev = terrace::make_device("null", d);
-  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
-      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
   held_blocks live(a);
   auto iteration = [&](bool extra) {
     a.begin_iteration();
@@ -888,9 +889,7 @@ TEST(PlannedPolicy, UnderMemoryPressureAnIdleArenaIsGivenBack) {
   terrace::device_options d;
   d.capacity = std::size_t{8} << 20;
   auto dev = terrace::make_device("null", d);
-  // Exact-size segments and no small pool (as the engine's settings), so that sizes add up.
-  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
-      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   void* carry = nullptr;  // lives across the boundary: the fallback's, beside the arena
   auto iteration = [&](std::size_t extra_at_start) {
@@ -944,9 +943,7 @@ class carried_block_program {
     d.capacity = 8 * kUnit;
     d.map_granularity = std::size_t{64} << 10;
     dev_ = terrace::make_device("null", d);
-    // Exact-size segments and no small pool (as the engine's settings), so that sizes add up.
-    a_ = std::make_unique<terrace::caching_allocator>(*dev_, terrace::parse_alloc_conf(
-        "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+      a_ = std::make_unique<terrace::caching_allocator>(*dev_, terrace::parse_alloc_conf(kPlannedExactConf));
   }
   ~carried_block_program() {
     if (carry_ != nullptr) a_->deallocate(carry_);
@@ -1052,8 +1049,7 @@ TEST(PlannedPolicy, ALazilyMappedArenaThatNeverFitsIsSetAsideWithoutFailingARequ
 // only an iteration equal to the one just before it was planned: never, here).
 TEST(PlannedPolicy, AlternatingMarkedIterationsArePlanned) {
   auto dev = terrace::make_device("null");
-  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(
-      "policy:planned,plan_min_period:16,small_size:4096,min_large_alloc:1,large_round:4096"));
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   held_blocks live(a);
   auto iteration = [&](bool extra) {
