@@ -275,6 +275,12 @@ struct engine_fixture {
   std::unique_ptr<device_backend> device;
 };
 
+// The loss of one step on a fixed batch: an engine that was made trains.
+float one_step_loss(offload_engine& engine) {
+  const auto batch = tools::sample_batch(std::vector<std::uint8_t>(1000, 'a'), small_model(), 1, 0);
+  return engine.step(batch.data()).loss;
+}
+
 template <class F>
 std::string oom_message(F&& f) {
   try {
@@ -347,8 +353,7 @@ TEST(OffloadEngineBadInput, PinnedMemoryRefused) {
   EXPECT_NE(what.find("cannot place"), std::string::npos) << what;
   // The device is fine afterwards: the same configuration trains.
   auto engine = f.make(plain);
-  const auto batch = tools::sample_batch(std::vector<std::uint8_t>(1000, 'a'), small_model(), 1, 0);
-  EXPECT_TRUE(std::isfinite(engine->step(batch.data()).loss));
+  EXPECT_TRUE(std::isfinite(one_step_loss(*engine)));
 }
 
 // A host budget above the pinned limit is no error: the limit binds first (the engine's check
@@ -361,8 +366,7 @@ TEST(OffloadEngine, AHostBudgetAboveThePinnedLimitTrains) {
   o.host_budget = 256u << 20;
   o.pinned_limit = 128u << 20;
   auto engine = f.make(o);
-  const auto batch = tools::sample_batch(std::vector<std::uint8_t>(1000, 'a'), small_model(), 1, 0);
-  EXPECT_TRUE(std::isfinite(engine->step(batch.data()).loss));
+  EXPECT_TRUE(std::isfinite(one_step_loss(*engine)));
 }
 
 // ----------------------------------------------------------------------------- overlap
