@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Every input format, from fixtures written here from generated traces: the importers agree with
+// Every input format, from fixtures written from generated traces (trace_fixtures.hpp): the importers agree with
 // the source trace, refuse malformed input with file and line (or byte), and the restricted
 // unpickler refuses code. The CLI's compare and report run end to end.
 #include <gtest/gtest.h>
@@ -15,7 +15,7 @@
 
 #include "run_command.hpp"
 #include "terrace/error.hpp"
-#include "trace_generator.hpp"
+#include "trace_fixtures.hpp"
 #include "tools/html_report.hpp"
 #include "tools/pickle_reader.hpp"
 #include "tools/replay.hpp"
@@ -28,52 +28,12 @@ using namespace std::string_literals;
 using terrace::trace_action;
 using terrace::trace_event;
 
-std::vector<trace_event> small_trace() {
-  terrace::tracegen::training_trace_options o;
-  o.layers = 2;
-  o.hidden = 128;
-  o.seq_len = 64;
-  o.vocab = 1024;
-  o.iterations = 3;
-  return terrace::tracegen::generate_training_trace(o);
-}
+using terrace::fixtures::small_trace;
+using terrace::fixtures::to_kineto;
+using terrace::fixtures::to_rmm;
 
 std::size_t count(const std::vector<trace_event>& ev, trace_action a) {
   return static_cast<std::size_t>(std::count_if(ev.begin(), ev.end(), [&](const trace_event& e) { return e.action == a; }));
-}
-
-// ---- fixtures: the same trace in each foreign format
-
-std::string to_kineto(const std::vector<trace_event>& ev) {
-  nlohmann::json events = nlohmann::json::array();
-  events.push_back({{"name", "aten::mm"}, {"ph", "X"}, {"ts", 0}});  // not a memory event
-  std::int64_t reserved = 0, live = 0;
-  for (std::size_t i = 0; i < ev.size(); ++i) {
-    const auto& e = ev[i];
-    if (e.action != trace_action::alloc && e.action != trace_action::free_requested) continue;
-    const auto bytes = static_cast<std::int64_t>(e.size);
-    live += e.action == trace_action::alloc ? bytes : -bytes;
-    reserved = std::max(reserved, live);
-    events.push_back({{"name", "[memory]"}, {"ph", "i"}, {"ts", static_cast<double>(i)},
-                      {"args", {{"Device Type", 1}, {"Device Id", 0}, {"Addr", e.addr},
-                                {"Bytes", e.action == trace_action::alloc ? bytes : -bytes},
-                                {"Total Reserved", reserved}}}});
-  }
-  return nlohmann::json{{"traceEvents", events}}.dump();
-}
-
-std::string to_rmm(const std::vector<trace_event>& ev) {
-  std::string s = "Thread,Time,Action,Pointer,Size,Stream\n";
-  char buf[160];
-  for (const auto& e : ev) {
-    if (e.action != trace_action::alloc && e.action != trace_action::free_requested) continue;
-    std::snprintf(buf, sizeof buf, "140001,10:00:00:%06zu,%s,0x%lx,%lu,0x%lx\n", s.size() % 1000000,
-                  e.action == trace_action::alloc ? "allocate" : "free",
-                  static_cast<unsigned long>(e.addr), static_cast<unsigned long>(e.size),
-                  static_cast<unsigned long>(e.stream));
-    s += buf;
-  }
-  return s;
 }
 
 std::string temp_path(const std::string& name) {
@@ -169,7 +129,6 @@ TEST(Import, NegativeFractionalAndOutOfRangeNumbersAreRefused) {
   }
   EXPECT_THROW(tr::parse_torch_snapshot_json(R"({"segments": [{"total_size": -2097152}]})", "s.json"),
                terrace::logic_error);
-
   const std::string header = "Thread,Time,Action,Pointer,Size,Stream\n";
   for (const char* bad : {"-1", "+1", "1.5", "0x", "18446744073709551615"}) {
     EXPECT_THROW(tr::parse_rmm_csv(header + "1,0,allocate,0x1000," + bad + ",0\n", "r.csv"),
@@ -373,18 +332,8 @@ TEST(Pickle, PythonPicklerSnapshotsRead) {
     GTEST_SKIP() << "no /usr/bin/python3 to write a reference pickle";
   }
   const auto ev = small_trace();
-  nlohmann::json trace = nlohmann::json::array();
-  std::int64_t seg = 0;
-  for (const auto& e : ev) {
-    if (e.action != trace_action::alloc && e.action != trace_action::free_requested) continue;
-    trace.push_back({{"action", std::string(terrace::to_string(e.action))}, {"addr", e.addr},
-                     {"size", e.size}, {"stream", e.stream}, {"time_us", e.time_ns / 1000},
-                     {"frames", {{{"filename", "train.py"}, {"line", 42}, {"name", e.tag}}}}});
-    seg += 0;
-  }
   const std::string src = temp_path("snap.json");
-  write(src, nlohmann::json{{"segments", {{{"total_size", 1 << 20}, {"address", 0}, {"blocks", nlohmann::json::array()}}}},
-                            {"device_traces", {trace}}}.dump());
+  write(src, terrace::fixtures::to_snapshot(ev).dump());
   for (int proto : {2, 3, 4, 5}) {
     const std::string out = temp_path("snap" + std::to_string(proto) + ".pickle");
     const std::string cmd = "/usr/bin/python3 -c \"import json,pickle,sys; d=json.load(open(sys.argv[1])); "
@@ -400,6 +349,34 @@ TEST(Pickle, PythonPicklerSnapshotsRead) {
     std::filesystem::remove(out);
   }
   std::filesystem::remove(src);
+}
+
+// The fixtures' own pickle writer (the importer fuzzer's seed) writes what the JSON snapshot says,
+// memoised strings and integers past 32 bits included. (The reader's integers are 64-bit signed:
+// 2^63 is refused, which no device address reaches.)
+TEST(Pickle, TheFixturePicklerWritesWhatTheJsonSays) {
+  nlohmann::json snap = terrace::fixtures::to_snapshot(small_trace());
+  snap["device_traces"][0][0]["addr"] = std::uint64_t{1} << 62;
+  snap["device_traces"][0][1]["addr"] = std::uint64_t{1} << 40;
+  const std::string bytes = terrace::fixtures::to_pickle(snap);
+  EXPECT_EQ(tr::read_pickle(bytes, "fixture.pickle"), snap);
+  const auto from_pickle = tr::parse_torch_snapshot_pickle(bytes, "fixture.pickle");
+  const auto from_json = tr::parse_torch_snapshot_json(snap.dump(), "fixture.json");
+  ASSERT_EQ(from_pickle.events.size(), from_json.events.size());
+  for (std::size_t i = 0; i < from_json.events.size(); ++i) {
+    EXPECT_EQ(from_pickle.events[i].addr, from_json.events[i].addr) << i;
+    EXPECT_EQ(from_pickle.events[i].size, from_json.events[i].size) << i;
+    EXPECT_EQ(from_pickle.events[i].tag, from_json.events[i].tag) << i;
+  }
+  EXPECT_NE(bytes.find("\x8a\x08"), std::string::npos);  // LONG1 of 8 bytes
+  snap["device_traces"][0][0]["addr"] = std::uint64_t{1} << 63;
+  try {
+    tr::read_pickle(terrace::fixtures::to_pickle(snap), "wide.pickle");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("wide.pickle: pickle byte"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("wider than 64 bits"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Replay, PreexistingBlocksAreAccountedAtTheStart) {
