@@ -90,7 +90,7 @@ std::vector<trace_event> read_trace_jsonl(std::istream& in) {
     json j;
     try {
       j = json::parse(text);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large
       bad_line(line, std::string("malformed JSON: ") + e.what());
     }
     if (!j.is_object()) bad_line(line, "expected a JSON object, got " + dump(j));

@@ -129,6 +129,26 @@ TEST(Import, NegativeFractionalAndOutOfRangeNumbersAreRefused) {
   }
   EXPECT_THROW(tr::parse_torch_snapshot_json(R"({"segments": [{"total_size": -2097152}]})", "s.json"),
                terrace::logic_error);
+  // A number past double's range is an out_of_range from the JSON parser, not a parse_error: it
+  // escaped as that (found by trace_import_fuzz_test).
+  for (const std::string& text : {R"({"segments": [{"total_size": 1e999}]})"s,
+                                  R"({"traceEvents": [{"name": "[memory]", "ts": 1e999}]})"s}) {
+    try {
+      text.find("traceEvents") == std::string::npos ? tr::parse_torch_snapshot_json(text, "big.json")
+                                                    : tr::parse_kineto_json(text, "big.json");
+      FAIL() << text;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("big.json: malformed JSON"), std::string::npos) << e.what();
+    }
+  }
+  std::istringstream big_line(R"({"action":"alloc","time_ns":1e999,"stream":0,"addr":1,"size":512})");
+  try {
+    terrace::read_trace_jsonl(big_line);
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 1"), std::string::npos) << e.what();
+  }
+
   const std::string header = "Thread,Time,Action,Pointer,Size,Stream\n";
   for (const char* bad : {"-1", "+1", "1.5", "0x", "18446744073709551615"}) {
     EXPECT_THROW(tr::parse_rmm_csv(header + "1,0,allocate,0x1000," + bad + ",0\n", "r.csv"),

@@ -234,7 +234,7 @@ imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::st
 json parse_json(std::string_view text, const std::string& source) {
   try {
     return json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large
     throw logic_error(source + ": malformed JSON: " + e.what());
   }
 }
