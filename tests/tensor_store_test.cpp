@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <string>
@@ -24,6 +25,7 @@
 #include "scratch_dir.hpp"
 #include "terrace/error.hpp"
 #include "terrace/tensor_store.hpp"
+#include "tiers/store_index.hpp"
 
 namespace terrace {
 namespace {
@@ -421,6 +423,66 @@ TEST(TensorStore, TruncatedOrCorruptIndexIsAClearError) {
   flip_byte(index, size - 6);
   auto s = tensor_store::open(dir.path(), small());  // restored: fine again
   expect_tensor(s, "a", v);
+}
+
+// An index whose checksums are good but whose contents are impossible: a bug in another writer, or
+// an edited file. Built with the store's own encoder, so that only the open's checks stand between
+// it and the store. (A tensor size near 2^64 wraps the block count to 0, which an empty checksum
+// list matches: the extent's saturating size is what refuses it.) Each is refused naming the
+// store's directory; the store is then intact for the true index.
+TEST(TensorStore, AnIndexWithGoodChecksumsButImpossibleContentsIsRefused) {
+  using terrace::detail::store_index;
+  scratch_dir dir("crafted");
+  const auto a = pattern(100 * KiB + 7, 1), b = pattern(3 * KiB, 2);
+  {
+    auto s = tensor_store::create(dir.path(), small(MiB, 64 * KiB));
+    s.put("a", a.data(), a.size()).wait();
+    s.put("b", b.data(), b.size()).wait();
+    s.checkpoint();
+  }
+  const store_index good = [&] {
+    const int fd = ::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY);
+    store_index i = terrace::detail::read_index(fd, dir.path().string());
+    ::close(fd);
+    return i;
+  }();
+  ASSERT_EQ(good.entries.size(), 2u);
+  auto write_index = [&](const store_index& i) {
+    const auto bytes = terrace::detail::encode_index(i);
+    std::ofstream(dir.path() / "index", std::ios::binary | std::ios::trunc)
+        .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  };
+  const std::size_t ia = good.entries[0].id == "a" ? 0 : 1;
+  const std::vector<std::pair<std::string, std::function<void(store_index&)>>> damage{
+      {"a size near 2^64", [&](store_index& i) { i.entries[ia].size = UINT64_MAX; i.entries[ia].crcs.clear(); }},
+      {"a size past the capacity", [&](store_index& i) { i.entries[ia].size = 4 * MiB; i.entries[ia].crcs.assign(64, 0); }},
+      {"an offset past the end", [&](store_index& i) { i.entries[ia].offset = UINT64_MAX - 4095; }},
+      {"an unaligned offset", [&](store_index& i) { i.entries[ia].offset += 512; }},
+      {"two entries overlapping", [&](store_index& i) { i.entries[1 - ia].offset = i.entries[ia].offset; }},
+      {"an id twice", [&](store_index& i) { i.entries[1 - ia].id = "a"; }},
+      {"too few block checksums", [&](store_index& i) { i.entries[ia].crcs.pop_back(); }},
+      {"too many block checksums", [&](store_index& i) { i.entries[ia].crcs.push_back(0); }},
+      {"a block size that is no multiple of 4 KiB", [&](store_index& i) { i.block_size = 6000; }},
+      {"a block size beyond 256 MiB", [&](store_index& i) { i.block_size = std::uint64_t{1} << 40; i.file_size = i.block_size; }},
+      {"no files", [&](store_index& i) { i.files = 0; }},
+      {"more files than a store has", [&](store_index& i) { i.files = 100000; }},
+      {"a file size that is no multiple of the block", [&](store_index& i) { i.file_size += 4096; }},
+  };
+  for (const auto& [what, change] : damage) {
+    store_index bad = good;
+    change(bad);
+    write_index(bad);
+    try {
+      tensor_store::open(dir.path(), small(MiB, 64 * KiB));
+      ADD_FAILURE() << what << ": opened";
+    } catch (const io_error& e) {
+      EXPECT_NE(std::string(e.what()).find(dir.path().string()), std::string::npos) << what << ": " << e.what();
+    }
+  }
+  write_index(good);
+  auto s = tensor_store::open(dir.path(), small(MiB, 64 * KiB));
+  expect_tensor(s, "a", a);
+  expect_tensor(s, "b", b);
 }
 
 TEST(TensorStore, StripesAcrossSeveralFiles) {
