@@ -3,12 +3,17 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "terrace/caching_allocator.hpp"
 #include "terrace/config.hpp"
+#include "terrace/device.hpp"
 #include "terrace/error.hpp"
 
 namespace terrace {
@@ -300,6 +305,73 @@ TEST(AllocConfErrors, TheFirstBadItemIsReportedAndTheBaseIsUntouched) {
     EXPECT_NE(std::string(e.what()).find("'nope:1'"), std::string::npos) << e.what();
   }
   EXPECT_EQ(base.small_size, 4 * KiB);
+}
+
+// Damaged configurations, at random: parsing gives a configuration or a logic_error, never another
+// exception; what parses builds an allocator over the null device (or is refused there with a
+// logic_error), and that allocator serves or refuses a few requests cleanly. A user's typo in
+// TERRACE_ALLOC_CONF must never reach the allocator as an unchecked value.
+TEST(AllocConfErrors, DamagedTextParsesOrIsRefusedAndWhatParsesBuildsAWorkingAllocator) {
+  const std::vector<std::string> items{
+      "device_capacity:1GiB", "small_size:512KiB", "small_segment_size:4MiB", "large_segment_size:32MiB",
+      "min_large_alloc:16MiB", "large_round:4MiB", "max_split_size_mb:256", "roundup_power2_divisions:4",
+      "garbage_collection_threshold:0.75", "expandable_segments:true", "memory_fraction:0.5",
+      "record_trace:1", "trace_max_events:1000", "policy:planned", "plan_min_period:64"};
+  const std::vector<std::string> values{"0", "-1", "1.5", "1e308", "nan", "inf", "18446744073709551615",
+                                        "18446744073709551616", "1K", "1EiB", "0x10", "", " ", "true"};
+  std::mt19937_64 rng(1);
+  auto below = [&](std::size_t n) { return std::uniform_int_distribution<std::size_t>(0, n - 1)(rng); };
+  std::size_t parsed = 0, refused = 0;
+  for (int round = 0; round < 3000; ++round) {
+    // A few items, then one or two changes: with every key at once, nearly every change is refused.
+    std::string text;
+    for (std::size_t k = 0, n = 1 + below(4); k < n; ++k) text += (k ? "," : "") + items[below(items.size())];
+    for (int k = 0, n = 1 + static_cast<int>(below(2)); k < n && !text.empty(); ++k) {
+      const std::size_t at = below(text.size());
+      switch (below(4)) {
+        case 0: text.erase(at, 1 + below(6)); break;
+        case 1: text.insert(at, 1, ",:.-+eEKMGiB0123456789 _"[below(24)]); break;
+        case 2: {  // one value replaced by an extreme one
+          const std::size_t colon = text.rfind(':', at);
+          if (colon == std::string::npos) break;
+          const std::size_t end = std::min(text.find(',', colon), text.size());
+          text.replace(colon + 1, end - colon - 1, values[below(values.size())]);
+          break;
+        }
+        case 3: text[at] = static_cast<char>(below(256)); break;
+      }
+    }
+    SCOPED_TRACE(text);
+    allocator_config c;
+    try {
+      c = parse_alloc_conf(text);
+    } catch (const logic_error&) {
+      ++refused;
+      continue;
+    } catch (const std::exception& e) {
+      FAIL() << "parse threw something other than logic_error: " << e.what();
+    }
+    ++parsed;
+    c.device_capacity = std::min<std::size_t>(c.device_capacity == 0 ? GiB : c.device_capacity, GiB);
+    auto device = make_device("null", {.capacity = c.device_capacity});
+    try {
+      caching_allocator alloc(*device, c);
+      for (std::size_t bytes : {std::size_t{1}, 700 * KiB, 5 * MiB, 40 * MiB, 2 * GiB}) {
+        try {
+          alloc.deallocate(alloc.allocate(bytes));
+        } catch (const out_of_memory&) {
+        }
+      }
+      alloc.check_invariants();
+    } catch (const logic_error&) {
+      // A combination of keys the allocator refuses (its message names them).
+    } catch (const std::exception& e) {
+      FAIL() << "the allocator threw something other than logic_error: " << e.what();
+    }
+  }
+  EXPECT_GT(parsed, 100u);
+  EXPECT_GT(refused, 100u);
+  std::printf("[          ] %zu damaged configurations parsed, %zu refused\n", parsed, refused);
 }
 
 // ------------------------------------------------------------------------------------- sizes
