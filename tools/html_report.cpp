@@ -8,6 +8,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "terrace/config.hpp"
 #include "tools/replay_format.hpp"
 
 namespace terrace::tools {
@@ -123,6 +124,28 @@ std::string segment_map(const memory_snapshot& snap) {
 }
 
 }  // namespace
+
+report_input make_report_input(const std::vector<trace_event>& events, const replay_options& base,
+                               std::string trace_path, std::string format,
+                               std::optional<std::int64_t> torch_reserved_peak) {
+  report_input in;
+  in.trace_path = std::move(trace_path);
+  in.format = std::move(format);
+  in.torch_reserved_peak = torch_reserved_peak;
+  replay_options timelines = base;
+  timelines.timeline_points = 400;
+  in.runs = replay_policies(events, timelines);
+  const replay_result& caching = in.runs.front().second;
+  // The segment map: the caching policy replayed up to just after its peak-live event.
+  replay_options at_peak = base;
+  at_peak.config = parse_alloc_conf("policy:caching", base.config);
+  at_peak.timeline_points = 0;
+  at_peak.stop_after_event = caching.peak_live_event + 1;
+  replay_result stopped = replay(events, at_peak);
+  if (stopped.snapshot_at_stop) in.segments_at_peak = std::move(*stopped.snapshot_at_stop);
+  in.holders = largest_holders(events, caching.peak_live_event, 20);
+  return in;
+}
 
 std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t event,
                                     std::size_t n) {

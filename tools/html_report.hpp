@@ -37,6 +37,14 @@ struct report_input {
 std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t event,
                                     std::size_t n);
 
+/// @brief Everything the page shows for `events`: replay_policies over `base` with 400-point
+/// timelines, the caching policy's segments just after its peak of live bytes, and the 20
+/// largest blocks live then. `trace_path`, `format` and `torch_reserved_peak` label the page.
+/// @throws as replay().
+report_input make_report_input(const std::vector<trace_event>& events, const replay_options& base,
+                               std::string trace_path, std::string format,
+                               std::optional<std::int64_t> torch_reserved_peak = std::nullopt);
+
 /// @brief The whole page.
 std::string render_html_report(const report_input& in);
 

@@ -15,6 +15,7 @@
 #include <unordered_set>
 
 #include "terrace/caching_allocator.hpp"
+#include "terrace/config.hpp"
 #include "terrace/device.hpp"
 #include "terrace/error.hpp"
 
@@ -329,6 +330,25 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
     r.steady_fragmentation = r.fragmentation;
   }
   return r;
+}
+
+std::vector<std::pair<std::string, replay_result>> replay_policies(const std::vector<trace_event>& events,
+                                                                   const replay_options& base) {
+  auto with_policy = [&](alloc_policy policy) {
+    replay_options o = base;
+    o.config = parse_alloc_conf("policy:" + std::string(to_string(policy)), base.config);
+    return o;
+  };
+  replay_result planned = replay(events, with_policy(alloc_policy::planned));
+  const std::size_t steady = planned.steady_from_event < events.size() ? planned.steady_from_event : 0;
+  std::vector<std::pair<std::string, replay_result>> runs;
+  for (alloc_policy p : {alloc_policy::caching, alloc_policy::expandable}) {
+    replay_options o = with_policy(p);
+    o.steady_from_event = steady;
+    runs.emplace_back(std::string(to_string(p)), replay(events, o));
+  }
+  runs.emplace_back("planned", std::move(planned));
+  return runs;
 }
 
 std::vector<trace_event> load_trace(const std::string& path) {

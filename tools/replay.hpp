@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "terrace/config.hpp"
@@ -108,6 +109,15 @@ struct replay_result {
 /// event it contradicts; for more than 1024 streams; or for an invalid config / unknown backend.
 /// @throws terrace::device_error when the backend fails for a reason other than out of memory.
 replay_result replay(const std::vector<trace_event>& events, const replay_options& options = {});
+
+/// @brief `events` replayed under each policy over `base` (its device and config; the policy, and
+/// with it expandable segments, set as TERRACE_ALLOC_CONF's `policy:` key sets them), returned as
+/// (name, result) in the order caching, expandable, planned. Planned runs first: its first planned
+/// iteration marks the steady state, over which the other two are measured too, so that the
+/// steady-state figures compare the same window (`terrace compare`, `terrace report`).
+/// @throws as replay().
+std::vector<std::pair<std::string, replay_result>> replay_policies(const std::vector<trace_event>& events,
+                                                                   const replay_options& base);
 
 /// @brief Reads a JSON-lines trace from `path`.
 /// @throws terrace::logic_error naming the file when it cannot be opened, and the file and line

@@ -82,10 +82,11 @@ CLI::App* setup_replay(CLI::App& app, replay_args& args) {
   return cmd;
 }
 
-terrace::tools::replay_options options_for(const std::string& conf, const std::string& policy) {
+// compare and report: --conf for every policy (replay_policies sets each policy), on the null
+// backend unless --conf names a device.
+terrace::tools::replay_options compare_options(const std::string& conf) {
   terrace::tools::replay_options o;
-  o.config = terrace::parse_alloc_conf(conf.empty() ? "" : conf);
-  if (!policy.empty()) o.config = terrace::parse_alloc_conf("policy:" + policy, o.config);
+  o.config = terrace::parse_alloc_conf(conf);
   o.device = o.config.device == "auto" ? "null" : o.config.device;
   return o;
 }
@@ -154,26 +155,6 @@ void add_common(CLI::App* cmd, compare_args& args) {
       ->capture_default_str();
 }
 
-// Planned first: its first planned iteration marks the steady state, which the other policies
-// are then measured over too, so the steady-state columns compare the same window.
-std::vector<std::pair<std::string, terrace::tools::replay_result>> run_policies(
-    const std::vector<terrace::trace_event>& events, const std::string& conf,
-    std::size_t timeline_points) {
-  std::vector<std::pair<std::string, terrace::tools::replay_result>> runs;
-  auto planned = options_for(conf, "planned");
-  planned.timeline_points = timeline_points;
-  auto rp = terrace::tools::replay(events, planned);
-  const std::size_t steady = rp.steady_from_event < events.size() ? rp.steady_from_event : 0;
-  for (const char* p : {"caching", "expandable"}) {
-    auto o = options_for(conf, p);
-    o.timeline_points = timeline_points;
-    o.steady_from_event = steady;
-    runs.emplace_back(p, terrace::tools::replay(events, o));
-  }
-  runs.emplace_back("planned", std::move(rp));
-  return runs;
-}
-
 CLI::App* setup_compare(CLI::App& app, compare_args& args) {
   CLI::App* cmd = app.add_subcommand(
       "compare",
@@ -187,7 +168,7 @@ CLI::App* setup_compare(CLI::App& app, compare_args& args) {
 
 int run_compare(const compare_args& args) {
   const auto imported = import("terrace compare", args.trace, args.format);
-  const auto runs = run_policies(imported.events, args.conf, 0);
+  const auto runs = terrace::tools::replay_policies(imported.events, compare_options(args.conf));
   using terrace::tools::format_bytes;
   if (args.json) {
     // Built as JSON, not pasted: the path may hold quotes, backslashes or invalid UTF-8.
@@ -264,18 +245,8 @@ CLI::App* setup_report(CLI::App& app, compare_args& args) {
 
 int run_report(const compare_args& args) {
   const auto imported = import("terrace report", args.trace, args.format);
-  terrace::tools::report_input in;
-  in.trace_path = args.trace;
-  in.format = imported.format;
-  in.torch_reserved_peak = imported.torch_reserved_peak;
-  in.runs = run_policies(imported.events, args.conf, 400);
-  const auto& caching = in.runs.front().second;
-  // The segment map: the caching policy replayed up to just after its peak-live event.
-  auto o = options_for(args.conf, "caching");
-  o.stop_after_event = caching.peak_live_event + 1;
-  auto at_peak = terrace::tools::replay(imported.events, o);
-  if (at_peak.snapshot_at_stop) in.segments_at_peak = std::move(*at_peak.snapshot_at_stop);
-  in.holders = terrace::tools::largest_holders(imported.events, caching.peak_live_event, 20);
+  const auto in = terrace::tools::make_report_input(imported.events, compare_options(args.conf), args.trace,
+                                                    imported.format, imported.torch_reserved_peak);
   std::ofstream out(args.output, std::ios::binary);
   if (!out) throw std::runtime_error("cannot write '" + args.output + "'");
   out << terrace::tools::render_html_report(in);
