@@ -5,9 +5,10 @@
 // and repeated ranges, numbers replaced by extreme ones, lines swapped and pickle length fields
 // overwritten. The only acceptable outcomes:
 //   - the importer refuses it with terrace::logic_error, naming the input;
-//   - or it reads, and the replay of what it read, under every policy, succeeds or refuses the
-//     trace with terrace::logic_error (an inconsistent trace), with the allocator's invariants
-//     checked along the way.
+//   - or it reads, and what `terrace compare` and `terrace report` make of it (the replay under
+//     every policy, with the allocator's invariants checked along the way, the HTML page, each
+//     run's text and JSON) succeeds or refuses the trace with terrace::logic_error (an
+//     inconsistent trace).
 // Anything else (another exception, a crash, a sanitizer report, a hang) is a defect: a user's
 // damaged trace must get a clear error. One in four inputs also goes through import_trace from a
 // file without an extension, so that format detection sees the damage too.
@@ -28,10 +29,11 @@
 #include <vector>
 
 #include "fuzz_support.hpp"
-#include "terrace/config.hpp"
 #include "terrace/error.hpp"
 #include "terrace/trace.hpp"
+#include "tools/html_report.hpp"
 #include "tools/replay.hpp"
+#include "tools/replay_format.hpp"
 #include "tools/trace_import.hpp"
 #include "trace_fixtures.hpp"
 
@@ -173,20 +175,28 @@ std::string describe(std::uint64_t seed, const std::string& format, const std::s
          " bytes, starting: " + shown + ")";
 }
 
-void replay_every_policy(const std::vector<trace_event>& events, const std::string& where) {
-  for (const char* conf : {"policy:caching", "policy:expandable", "policy:planned"}) {
-    tr::replay_options o;
-    o.config = terrace::parse_alloc_conf(conf);
-    o.check_invariants_every = 16;
-    try {
-      tr::replay(events, o);
-    } catch (const terrace::logic_error& e) {
-      if (std::string_view(e.what()).find("trace") == std::string_view::npos) {
-        fail(where + ": " + conf + ": a refusal that does not say it is the trace's fault: " + e.what());
+// What `terrace compare` and `terrace report` do with a trace that reads: every policy replayed
+// (with the allocator's invariants checked along the way), the HTML page and its summary, and each
+// run's text and JSON.
+void report_on(const std::vector<trace_event>& events, const std::string& where) {
+  tr::replay_options base;
+  base.check_invariants_every = 16;
+  try {
+    const tr::report_input in = tr::make_report_input(events, base, where, "fuzz");
+    if (tr::render_html_report(in).find("</html>") == std::string::npos) fail(where + ": the page is cut short");
+    tr::report_summary(in);
+    for (const auto& [name, r] : in.runs) {
+      tr::format_replay_text(r, {where, name == "expandable", ""});
+      if (!nlohmann::json::parse(tr::format_replay_json(r, {where, name == "expandable", ""})).is_object()) {
+        fail(where + ": " + name + ": the JSON output is not one object");
       }
-    } catch (const std::exception& e) {
-      fail(where + ": " + conf + ": replay threw something other than logic_error: " + e.what());
     }
+  } catch (const terrace::logic_error& e) {
+    if (std::string_view(e.what()).find("trace") == std::string_view::npos) {
+      fail(where + ": a refusal that does not say it is the trace's fault: " + e.what());
+    }
+  } catch (const std::exception& e) {
+    fail(where + ": compare/report threw something other than logic_error: " + e.what());
   }
 }
 
@@ -214,7 +224,7 @@ bool check_one(const format_case& f, const std::string& input, bool via_file, co
   } catch (const std::exception& e) {
     fail(where + ": the importer threw something other than logic_error: " + e.what());
   }
-  replay_every_policy(t.events, where);
+  report_on(t.events, where);
   return true;
 }
 
