@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The trace importers and the replay against malformed input: each seed mutates a valid trace of
-// every format (terrace JSON lines, a PyTorch snapshot as JSON and as a pickle, Kineto JSON, RMM
-// CSV) a few times over, with byte flips, bytes that matter to the format, truncation, deleted
-// and repeated ranges, numbers replaced by extreme ones, lines swapped and pickle length fields
-// overwritten. The only acceptable outcomes:
+// every format (terrace JSON lines; a PyTorch snapshot as JSON and as a pickle, generated and
+// recorded; Kineto JSON; RMM CSV) a few times over, with byte flips, bytes that matter to the
+// format, truncation, deleted and repeated ranges, numbers replaced by extreme ones, lines swapped
+// and pickle length fields overwritten. The only acceptable outcomes:
 //   - the importer refuses it with terrace::logic_error, naming the input;
 //   - or it reads, and what `terrace compare` and `terrace report` make of it (the replay under
 //     every policy, with the allocator's invariants checked along the way, the HTML page, each
@@ -69,10 +69,19 @@ const std::vector<format_case>& formats() {
     std::ostringstream jsonl;
     terrace::write_trace_jsonl(jsonl, ev);
     const nlohmann::json snapshot = terrace::fixtures::to_snapshot(ev);
+    // A recorded snapshot's shape too (tests/data, from an H100: segments with their blocks, and
+    // segment events in the trace): its first segments and trace events.
+    nlohmann::json recorded;
+    std::ifstream(std::string(TERRACE_TEST_DATA_DIR) + "/h100_mlp_training_snapshot.json") >> recorded;
+    recorded["segments"].erase(recorded["segments"].begin() + 4, recorded["segments"].end());
+    auto& trace = recorded["device_traces"][0];
+    trace.erase(trace.begin() + 150, trace.end());
     return std::vector<format_case>{
         {"jsonl", jsonl.str(), false, parse_jsonl},
         {"snapshot.json", snapshot.dump(1), false, tr::parse_torch_snapshot_json},
         {"pickle", terrace::fixtures::to_pickle(snapshot), true, tr::parse_torch_snapshot_pickle},
+        {"recorded.json", recorded.dump(1), false, tr::parse_torch_snapshot_json},
+        {"recorded.pickle", terrace::fixtures::to_pickle(recorded), true, tr::parse_torch_snapshot_pickle},
         {"kineto.json", terrace::fixtures::to_kineto(ev), false, tr::parse_kineto_json},
         {"csv", terrace::fixtures::to_rmm(ev), false, tr::parse_rmm_csv},
     };
