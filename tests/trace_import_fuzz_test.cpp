@@ -17,7 +17,6 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <fstream>
@@ -26,6 +25,8 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 #include "fuzz_support.hpp"
@@ -213,12 +214,19 @@ void report_on(const std::vector<trace_event>& events, const std::string& where)
 // when the importer refused it.
 bool check_one(const format_case& f, const std::string& input, bool via_file, const std::string& where) {
   const std::string source = "fuzz." + f.name;
-  std::string path;
+  struct removed_on_return {
+    std::string path;
+    ~removed_on_return() {
+      std::error_code ignored;
+      if (!path.empty()) std::filesystem::remove(path, ignored);
+    }
+  } file;
+  const std::string& path = file.path;
   tr::imported_trace t;
   try {
     if (via_file) {
-      path = (std::filesystem::temp_directory_path() /
-              ("terrace-import-fuzz-" + std::to_string(::getpid()))).string();
+      file.path = (std::filesystem::temp_directory_path() /
+                   ("terrace-import-fuzz-" + std::to_string(::getpid()))).string();
       std::ofstream(path, std::ios::binary | std::ios::trunc) << input;
       t = tr::import_trace(path);
     } else {
