@@ -66,7 +66,7 @@ std::uint64_t mulmod(std::uint64_t a, std::uint64_t b) noexcept {
 }
 
 // The polynomial hash of a token sequence, extended by one token (range_hash's prefix hashes and
-// streams_hash's per-stream ones).
+// streams_shape's per-stream ones).
 std::uint64_t extend_hash(std::uint64_t h, std::uint64_t token) noexcept {
   return (mulmod(h, kBase) + (token % (kMod - 1)) + 1) % kMod;
 }
@@ -119,25 +119,33 @@ std::uint64_t plan_front::range_hash(std::size_t lo, std::size_t hi) const noexc
 // order: equal for two iterations whose streams did the same things each, however the host's
 // calls for the different streams interleaved. The plan needs no more: streams never share an
 // address, so a slot's space is reused only in its own stream's order (the lanes replay it so).
-std::uint64_t plan_front::streams_hash(std::size_t lo, std::size_t hi) const {
+// Beside it, the same tokens summed (a multiset hash): equal for two iterations that made the same
+// requests and frees on each stream, in whatever order.
+plan_front::iteration_shape plan_front::streams_shape(std::size_t lo, std::size_t hi) const {
   struct stream_sum {
     std::uintptr_t stream;
-    std::uint64_t hash;
+    std::uint64_t order;
+    std::uint64_t requests;
     std::size_t count;
   };
   std::vector<stream_sum> sums;
   for (std::size_t i = lo; i < hi; ++i) {
     auto it = std::find_if(sums.begin(), sums.end(),
                            [&](const stream_sum& x) { return x.stream == token_stream_[i]; });
-    if (it == sums.end()) it = sums.insert(sums.end(), {token_stream_[i], 0, 0});
-    it->hash = extend_hash(it->hash, tokens_[i]);
+    if (it == sums.end()) it = sums.insert(sums.end(), {token_stream_[i], 0, 0, 0});
+    it->order = extend_hash(it->order, tokens_[i]);
+    it->requests += mix(tokens_[i] + 1);
     ++it->count;
   }
   std::sort(sums.begin(), sums.end(),
             [](const stream_sum& a, const stream_sum& b) { return a.stream < b.stream; });
-  std::uint64_t h = 0;
-  for (const stream_sum& x : sums) h = mix(h ^ mix(x.stream + 1) ^ mix(x.hash + x.count));
-  return h;
+  iteration_shape shape;
+  shape.tokens = hi - lo;
+  for (const stream_sum& x : sums) {
+    shape.order = mix(shape.order ^ mix(x.stream + 1) ^ mix(x.order + x.count));
+    shape.requests = mix(shape.requests ^ mix(x.stream + 1) ^ mix(x.requests + x.count));
+  }
+  return shape;
 }
 
 void plan_front::reset_recording() {
@@ -321,7 +329,13 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
-  plan_hash_ = explicit_ ? streams_hash(lo, hi) : range_hash(lo, hi);
+  if (explicit_) {
+    const iteration_shape shape = streams_shape(lo, hi);
+    plan_hash_ = shape.order;
+    plan_requests_ = shape.requests;
+  } else {
+    plan_hash_ = range_hash(lo, hi);
+  }
   plan_period_ = hi - lo;
   // The anchor: the lead stream's last tokens before the boundary (its own order; the other
   // streams may interleave with it differently from one step to the next).
@@ -708,6 +722,7 @@ void plan_front::count_iteration() {
 void plan_front::start_lane(lane& l) {
   l.cursor = 0;
   l.checked_upto = 0;
+  l.late.clear();  // still held, they are among the old blocks
   l.skipped.clear();
   l.misses_in_row = 0;
   l.misses = 0;
@@ -1038,8 +1053,15 @@ bool plan_front::slot_held(std::size_t j) const noexcept {
   return taken_gen_[j] == gen && freed_gen_[j] != gen;
 }
 
+bool plan_front::slots_overlap(std::size_t a, std::size_t b) const noexcept {
+  const std::uintptr_t pa = slot_pos(a), pb = slot_pos(b);
+  return pa < pb + slots_[b].size && pb < pa + slots_[a].size;
+}
+
 // Whether slot j's space is free now. Only its lane's slots can share its space. Every one the
-// plan frees before j is allocated must be free (due lists). A slot handed out behind the cursor
+// plan frees before j is allocated must be free (due lists), or lie elsewhere: a free that comes
+// later than planned (timing reorders a training step's fetches and evictions) holds up only the
+// slots planned over its block, not every one after it. A slot handed out behind the cursor
 // (its request came late) must also overlap, in the plan, every slot handed out after it, which the
 // planner has kept apart from it in space: those are the slots before the cursor, so its planned
 // free must come after the cursor's alloc. Slots at or ahead of the cursor have not been handed
@@ -1064,11 +1086,12 @@ bool plan_front::space_free(std::size_t j) const noexcept {
   }
   // Every slot whose planned free precedes j, i.e. due before any slot up to j: those due before
   // checked_upto were found free when a slot was handed out and stay so (a slot is taken once
-  // per iteration, and one behind the cursor only if it is due at or after the cursor).
+  // per iteration, and one behind the cursor only if it is due at or after the cursor), or were
+  // still held then (late).
+  const auto in_the_way = [&](std::uint32_t d) { return slot_held(d) && slots_overlap(d, j); };
+  if (std::any_of(l.late.begin(), l.late.end(), in_the_way)) return false;
   for (std::size_t k = l.checked_upto; k <= s.pos; ++k) {
-    for (std::uint32_t d : l.due[k]) {
-      if (slot_held(d)) return false;  // a block the plan freed by now is still live
-    }
+    if (std::any_of(l.due[k].begin(), l.due[k].end(), in_the_way)) return false;
   }
   return s.pos >= l.cursor || s.due_at >= l.cursor;
 }
@@ -1122,9 +1145,16 @@ void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
   } else if (again) {
     freed_gen_[j] = l.gen - 1;  // held again; the due lists up to it were checked the first time
   } else if (s.planned) {
-    // space_free(j) checked the due lists up to j. Not for a slot the fallback serves (its
-    // space_free checks nothing): moving past it would leave a late free unchecked, and the next
-    // slot would be handed out over a block that is still live.
+    // space_free(j) checked the due lists up to j; the slots in them still held (elsewhere than
+    // j) are late, and the slots after j are checked against them. Not for a slot the fallback
+    // serves (its space_free checks nothing): moving past it would leave a late free unchecked,
+    // and the next slot would be handed out over a block that is still live.
+    for (std::size_t k = l.checked_upto; k <= s.pos; ++k) {
+      for (std::uint32_t d : l.due[k]) {
+        if (slot_held(d)) l.late.push_back(d);
+      }
+    }
+    std::erase_if(l.late, [&](std::uint32_t d) { return !slot_held(d); });
     l.checked_upto = std::max<std::size_t>(l.checked_upto, s.pos + 1);
   }
   if (s.pos >= l.cursor) {
@@ -1525,14 +1555,24 @@ void plan_front::end_iteration() {
   // depend on timing (a copy stream's fetch before or after the compute stream's frees), which
   // the plan does not depend on. Repeated: the same as one of the last few iterations, not only
   // the one before; a stream's own order can vary too (a prefetch the window held back one call
-  // longer), and then each way recurs within a few steps.
-  const std::uint64_t h = streams_hash(lo, hi);
-  const auto seen = std::find(recent_iterations_.begin(), recent_iterations_.end(),
-                              std::make_pair(h, hi - lo));
-  const bool repeated = seen != recent_iterations_.end();
-  recent_iterations_[recent_iteration_next_] = {h, hi - lo};
+  // longer), and then each way recurs within a few steps -- usually. Where timing reorders a
+  // stream's requests and frees differently every step (a loaded host, a sanitizer: no order came
+  // back twice in twelve steps of the offload engine), the iteration whose requests are those of
+  // each of the last few is planned as it is: the lanes replay it whatever the order, a request
+  // whose slot is still held by a late free going to the fallback.
+  const iteration_shape shape = streams_shape(lo, hi);
+  bool repeated = false, same_requests = true;
+  for (const iteration_shape& r : recent_iterations_) {
+    repeated = repeated || (r.tokens == shape.tokens && r.order == shape.order);
+    same_requests = same_requests && r.tokens == shape.tokens && r.requests == shape.requests;
+  }
+  recent_iterations_[recent_iteration_next_] = shape;
   recent_iteration_next_ = (recent_iteration_next_ + 1) % recent_iterations_.size();
-  if (!repeated || (!slots_.empty() && h == plan_hash_)) return;
+  if (!repeated && !same_requests) return;
+  if (!slots_.empty() &&
+      (shape.order == plan_hash_ || (!repeated && shape.requests == plan_requests_))) {
+    return;  // the plan made for these requests serves them (set aside, it comes back)
+  }
   replan_pending_ = true;
   replan_lo_ = lo;
   replan_hi_ = hi;

@@ -157,7 +157,8 @@ class plan_front {
                                                      // whose planned free precedes its alloc
     std::uint32_t cursor = 0;                        // lane index of the next slot expected
     std::uint32_t gen = 0;                           // the lane's current iteration
-    std::size_t checked_upto = 0;                    // due lists below this were found free
+    std::size_t checked_upto = 0;                    // due lists below this were checked:
+    std::vector<std::uint32_t> late;                 // their slots still held then (maybe now)
     std::vector<std::uint32_t> skipped;              // lane indices jumped over, still takeable
     std::uint32_t misses_in_row = 0;                 // requests in a row that matched no slot
     std::uint32_t misses = 0;                        // requests outside the plan, this iteration
@@ -186,7 +187,14 @@ class plan_front {
   static std::uint64_t window_hash(const std::uint64_t* ring, std::size_t n,
                                    std::size_t first) noexcept;
   std::uint64_t range_hash(std::size_t lo, std::size_t hi) const noexcept;
-  std::uint64_t streams_hash(std::size_t lo, std::size_t hi) const;
+  // What a marked iteration did, stream by stream: `order` (each stream's tokens in its order)
+  // and `requests` (the same tokens as a multiset: equal whatever the order within a stream).
+  struct iteration_shape {
+    std::uint64_t order = 0;
+    std::uint64_t requests = 0;
+    std::size_t tokens = 0;  // 0: no iteration
+  };
+  iteration_shape streams_shape(std::size_t lo, std::size_t hi) const;
   void reset_recording();
   void detect_steady_state();
   void make_plan(std::size_t lo, std::size_t hi);
@@ -209,6 +217,7 @@ class plan_front {
   bool slot_held(std::size_t j) const noexcept;
   bool slot_taken(std::size_t j) const noexcept;
   std::uintptr_t slot_pos(std::size_t j) const noexcept;
+  bool slots_overlap(std::size_t a, std::size_t b) const noexcept;  // in the arena
   bool space_free(std::size_t j) const noexcept;
   std::int64_t match_slot(const lane& l, std::uint64_t key, std::int64_t& blocked) const;
   void take_slot(std::size_t j, bool served_elsewhere = false);
@@ -252,8 +261,8 @@ class plan_front {
   std::vector<std::uintptr_t> token_stream_;  // the stream of each token (a free: its block's)
   std::unordered_map<std::uint64_t, std::uint32_t> window_seen_;
   std::size_t explicit_begin_ = 0;             // token position of begin_iteration()
-  // The last explicitly marked iterations (hash, token count), a ring; length 0: none yet.
-  std::array<std::pair<std::uint64_t, std::size_t>, 4> recent_iterations_{};
+  // The last explicitly marked iterations, a ring.
+  std::array<iteration_shape, 4> recent_iterations_{};
   std::size_t recent_iteration_next_ = 0;
 
   // --- the plan
@@ -278,7 +287,8 @@ class plan_front {
   std::size_t max_slot_size_ = 0;
   // Guest blocks (lend_arena_space), sorted by address: (addr, rounded size).
   std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
-  std::uint64_t plan_hash_ = 0;  // hash of the planned iteration's tokens (marked: streams_hash)
+  std::uint64_t plan_hash_ = 0;  // hash of the planned iteration's tokens (marked: shape's order)
+  std::uint64_t plan_requests_ = 0;  // marked: the planned iteration's shape's requests
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
   // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).
   static constexpr std::size_t kAnchorTokens = 16;
