@@ -66,7 +66,7 @@ std::uint64_t mulmod(std::uint64_t a, std::uint64_t b) noexcept {
 }
 
 // The polynomial hash of a token sequence, extended by one token (range_hash's prefix hashes and
-// streams_shape's per-stream ones).
+// streams_hash's per-stream ones).
 std::uint64_t extend_hash(std::uint64_t h, std::uint64_t token) noexcept {
   return (mulmod(h, kBase) + (token % (kMod - 1)) + 1) % kMod;
 }
@@ -119,33 +119,25 @@ std::uint64_t plan_front::range_hash(std::size_t lo, std::size_t hi) const noexc
 // order: equal for two iterations whose streams did the same things each, however the host's
 // calls for the different streams interleaved. The plan needs no more: streams never share an
 // address, so a slot's space is reused only in its own stream's order (the lanes replay it so).
-// Beside it, the same tokens summed (a multiset hash): equal for two iterations that made the same
-// requests and frees on each stream, in whatever order.
-plan_front::iteration_shape plan_front::streams_shape(std::size_t lo, std::size_t hi) const {
+std::uint64_t plan_front::streams_hash(std::size_t lo, std::size_t hi) const {
   struct stream_sum {
     std::uintptr_t stream;
-    std::uint64_t order;
-    std::uint64_t requests;
+    std::uint64_t hash;
     std::size_t count;
   };
   std::vector<stream_sum> sums;
   for (std::size_t i = lo; i < hi; ++i) {
     auto it = std::find_if(sums.begin(), sums.end(),
                            [&](const stream_sum& x) { return x.stream == token_stream_[i]; });
-    if (it == sums.end()) it = sums.insert(sums.end(), {token_stream_[i], 0, 0, 0});
-    it->order = extend_hash(it->order, tokens_[i]);
-    it->requests += mix(tokens_[i] + 1);
+    if (it == sums.end()) it = sums.insert(sums.end(), {token_stream_[i], 0, 0});
+    it->hash = extend_hash(it->hash, tokens_[i]);
     ++it->count;
   }
   std::sort(sums.begin(), sums.end(),
             [](const stream_sum& a, const stream_sum& b) { return a.stream < b.stream; });
-  iteration_shape shape;
-  shape.tokens = hi - lo;
-  for (const stream_sum& x : sums) {
-    shape.order = mix(shape.order ^ mix(x.stream + 1) ^ mix(x.order + x.count));
-    shape.requests = mix(shape.requests ^ mix(x.stream + 1) ^ mix(x.requests + x.count));
-  }
-  return shape;
+  std::uint64_t h = 0;
+  for (const stream_sum& x : sums) h = mix(h ^ mix(x.stream + 1) ^ mix(x.hash + x.count));
+  return h;
 }
 
 void plan_front::reset_recording() {
@@ -329,13 +321,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
-  if (explicit_) {
-    const iteration_shape shape = streams_shape(lo, hi);
-    plan_hash_ = shape.order;
-    plan_requests_ = shape.requests;
-  } else {
-    plan_hash_ = range_hash(lo, hi);
-  }
+  plan_hash_ = explicit_ ? streams_hash(lo, hi) : range_hash(lo, hi);
   plan_period_ = hi - lo;
   // The anchor: the lead stream's last tokens before the boundary (its own order; the other
   // streams may interleave with it differently from one step to the next).
@@ -1555,24 +1541,17 @@ void plan_front::end_iteration() {
   // depend on timing (a copy stream's fetch before or after the compute stream's frees), which
   // the plan does not depend on. Repeated: the same as one of the last few iterations, not only
   // the one before; a stream's own order can vary too (a prefetch the window held back one call
-  // longer), and then each way recurs within a few steps -- usually. Where timing reorders a
-  // stream's requests and frees differently every step (a loaded host, a sanitizer: no order came
-  // back twice in twelve steps of the offload engine), the iteration whose requests are those of
-  // each of the last few is planned as it is: the lanes replay it whatever the order, a request
-  // whose slot is still held by a late free going to the fallback.
-  const iteration_shape shape = streams_shape(lo, hi);
-  bool repeated = false, same_requests = true;
-  for (const iteration_shape& r : recent_iterations_) {
-    repeated = repeated || (r.tokens == shape.tokens && r.order == shape.order);
-    same_requests = same_requests && r.tokens == shape.tokens && r.requests == shape.requests;
-  }
-  recent_iterations_[recent_iteration_next_] = shape;
+  // longer), and then each way recurs within a few steps. (Planning an iteration whose requests
+  // equal the last few ones' although no order recurred was tried and dropped: a plan made from
+  // one order and replayed in others sends the requests whose slots late frees hold to the
+  // fallback, whose memory beside the arena then costs more than the plan saves; planning.md.)
+  const std::uint64_t h = streams_hash(lo, hi);
+  const auto seen = std::find(recent_iterations_.begin(), recent_iterations_.end(),
+                              std::make_pair(h, hi - lo));
+  const bool repeated = seen != recent_iterations_.end();
+  recent_iterations_[recent_iteration_next_] = {h, hi - lo};
   recent_iteration_next_ = (recent_iteration_next_ + 1) % recent_iterations_.size();
-  if (!repeated && !same_requests) return;
-  if (!slots_.empty() &&
-      (shape.order == plan_hash_ || (!repeated && shape.requests == plan_requests_))) {
-    return;  // the plan made for these requests serves them (set aside, it comes back)
-  }
+  if (!repeated || (!slots_.empty() && h == plan_hash_)) return;
   replan_pending_ = true;
   replan_lo_ = lo;
   replan_hi_ = hi;

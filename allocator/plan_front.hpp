@@ -187,14 +187,7 @@ class plan_front {
   static std::uint64_t window_hash(const std::uint64_t* ring, std::size_t n,
                                    std::size_t first) noexcept;
   std::uint64_t range_hash(std::size_t lo, std::size_t hi) const noexcept;
-  // What a marked iteration did, stream by stream: `order` (each stream's tokens in its order)
-  // and `requests` (the same tokens as a multiset: equal whatever the order within a stream).
-  struct iteration_shape {
-    std::uint64_t order = 0;
-    std::uint64_t requests = 0;
-    std::size_t tokens = 0;  // 0: no iteration
-  };
-  iteration_shape streams_shape(std::size_t lo, std::size_t hi) const;
+  std::uint64_t streams_hash(std::size_t lo, std::size_t hi) const;
   void reset_recording();
   void detect_steady_state();
   void make_plan(std::size_t lo, std::size_t hi);
@@ -261,8 +254,8 @@ class plan_front {
   std::vector<std::uintptr_t> token_stream_;  // the stream of each token (a free: its block's)
   std::unordered_map<std::uint64_t, std::uint32_t> window_seen_;
   std::size_t explicit_begin_ = 0;             // token position of begin_iteration()
-  // The last explicitly marked iterations, a ring.
-  std::array<iteration_shape, 4> recent_iterations_{};
+  // The last explicitly marked iterations (hash, token count), a ring; length 0: none yet.
+  std::array<std::pair<std::uint64_t, std::size_t>, 4> recent_iterations_{};
   std::size_t recent_iteration_next_ = 0;
 
   // --- the plan
@@ -287,8 +280,7 @@ class plan_front {
   std::size_t max_slot_size_ = 0;
   // Guest blocks (lend_arena_space), sorted by address: (addr, rounded size).
   std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
-  std::uint64_t plan_hash_ = 0;  // hash of the planned iteration's tokens (marked: shape's order)
-  std::uint64_t plan_requests_ = 0;  // marked: the planned iteration's shape's requests
+  std::uint64_t plan_hash_ = 0;  // hash of the planned iteration's tokens (marked: streams_hash)
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
   // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).
   static constexpr std::size_t kAnchorTokens = 16;

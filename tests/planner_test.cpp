@@ -1145,50 +1145,40 @@ TEST(PlannedPolicy, ALateFreeHoldsUpOnlyTheSlotsOverItsSpace) {
 }
 
 // Marked iterations that make the same requests and frees, each in an order of its own: each
-// block is freed just before or just after the next one is requested, at random (a loaded host
-// reorders a training step's fetches and frees so; under a sanitizer, the offload engine's twelve
-// steps never repeated an order). No order recurs within four iterations, so before, nothing was
-// ever planned; now the fifth iteration of the same requests is, and the ones after it are
-// replayed from the plan, a request whose slot is still held by a late free going to the fallback.
-TEST(PlannedPolicy, ReorderedIterationsOfTheSameRequestsArePlanned) {
-  auto dev = terrace::make_device("null");
-  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
+// block is freed just before or just after the next one is requested, at random. No order recurs
+// within four, so nothing is planned and the caching allocator serves them, reserving what it
+// would alone. (Planning one of them by its requests was tried: replayed in the other orders, the
+// plan's slots held by late frees sent requests to the fallback, and the arena and the fallback
+// together reserved 31 MiB where caching alone reserves 22; docs/planning.md.)
+TEST(PlannedPolicy, IterationsReorderedEveryTimeStayWithTheCachingAllocator) {
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   constexpr int kBlocks = 16;
-  held_blocks live(a);
-  std::mt19937_64 rng(11);
-  std::set<std::uint64_t> orders;
-  auto iteration = [&] {
-    std::uint64_t order = 0;
-    a.begin_iteration();
-    void* last = nullptr;
-    for (int k = 0; k < kBlocks; ++k) {
-      const bool free_first = rng() % 2 == 0;
-      order = order << 1 | (free_first ? 1 : 0);
-      if (free_first && last != nullptr) live.give(last);
-      void* p = live.get(kUnit + static_cast<std::size_t>(k) * 4096);
-      if (!free_first && last != nullptr) live.give(last);
-      last = p;
+  const auto run = [&](const char* conf) {
+    auto dev = terrace::make_device("null");
+    terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(conf));
+    held_blocks live(a);
+    std::mt19937_64 rng(11);
+    for (int it = 0; it < 25; ++it) {
+      a.begin_iteration();
+      void* last = nullptr;
+      for (int k = 0; k < kBlocks; ++k) {
+        const bool free_first = rng() % 2 == 0;
+        if (free_first && last != nullptr) live.give(last);
+        void* p = live.get(kUnit * static_cast<std::size_t>(1 + k % 7) + static_cast<std::size_t>(k) * 4096);
+        if (!free_first && last != nullptr) live.give(last);
+        last = p;
+      }
+      live.give(last);
+      a.end_iteration();
+      EXPECT_NO_THROW(a.check_invariants());
     }
-    live.give(last);
-    a.end_iteration();
-    ASSERT_NO_THROW(a.check_invariants());
-    orders.insert(order >> 1);  // the first block's choice changes nothing
+    EXPECT_TRUE(live.empty());
+    return std::make_pair(a.plan_stats(), a.stats().reserved_bytes[0].peak);
   };
-  for (int it = 0; it < 4; ++it) iteration();
-  EXPECT_EQ(orders.size(), 4u) << "the seed repeats an order: pick another";
-  EXPECT_EQ(a.plan_stats().plans, 0) << "four iterations, none in the order of another";
-  iteration();
-  EXPECT_EQ(a.plan_stats().plans, 1) << "the fifth with the same requests is planned";
-  for (int it = 0; it < 20; ++it) iteration();
-  const auto s = a.plan_stats();
-  EXPECT_EQ(s.plans, 1);
-  EXPECT_EQ(s.lost_iterations, 0);
-  EXPECT_EQ(s.unplanned_allocs, 0);
-  EXPECT_GT(s.deviations, 0) << "some requests found their slot held by a late free";
-  EXPECT_GE(s.planned_hits, 20 * kBlocks / 2);
-  EXPECT_TRUE(live.empty());
-  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+  const auto [planned, planned_reserved] = run(kPlannedExactConf);
+  const auto [caching, caching_reserved] = run("small_size:4096,min_large_alloc:1,large_round:4096");
+  EXPECT_EQ(planned.plans, 0);
+  EXPECT_EQ(planned_reserved, caching_reserved);
 }
 
 // Iterations that keep leaving the plan (here: each begins with requests of random sizes) run on
