@@ -55,6 +55,11 @@ constexpr std::uint32_t kMaxMissLoans = 2;
 constexpr std::uint32_t kMaxLostInRow = 3;
 constexpr std::uint32_t kFirstSuspension = 8;
 constexpr std::uint32_t kMaxSuspension = 1024;
+// A plan that allows for every order of frees seen may need more memory than the order it was
+// recorded in: at most this much more (the sum of each stream's largest live bytes, in the
+// recorded order and with every free at its latest). Orders that vary more than that are not a
+// training step's timing jitter: they stay with the caching allocator, or with the plan as it is.
+constexpr double kMaxWidening = 1.10;
 constexpr std::uint64_t kMod = (std::uint64_t{1} << 61) - 1;
 constexpr std::uint64_t kBase = 0x2545f4914f6cdd1dull % kMod;
 
@@ -197,6 +202,7 @@ void plan_front::detect_steady_state() {
     if (p < plan_period_ / 2) return;
   }
   replan_pending_ = true;
+  replan_orders_.clear();
   replan_lo_ = m - p;
   replan_hi_ = m;
   if (arena_quiet()) make_plan(replan_lo_, replan_hi_);
@@ -231,58 +237,74 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
     l->slots.push_back(static_cast<std::uint32_t>(k));
     const std::uint32_t f = rec_free_pos_[i];
     s.planned = f != UINT32_MAX && f < hi;
-    if (!s.planned) continue;
-    items.push_back({s.size, rec_alloc_pos_[i] - lo, f - lo});
-    item_slot.push_back(static_cast<std::uint32_t>(k));
   }
   // Due lists, per lane: a planned slot's free happens before the first alloc of its lane that
-  // comes after it in the recording (other lanes' slots never share its space).
+  // comes after it in the recording (other lanes' slots never share its space), or, when other
+  // marked iterations with the same requests freed it later (replan_orders_, mapped onto this
+  // order by map_frees), before the first alloc after the latest of those frees; a slot one of
+  // them did not free inside the iteration is left to the fallback. The intervals are in half
+  // tokens, so that such a free can lie just after an alloc of the recording.
+  std::vector<std::pair<std::uint32_t, plan_interval>> planned;  // (slot, interval)
+  std::vector<plan_interval> recorded_items;  // the same in the recorded order (kMaxWidening)
+  std::vector<std::uint32_t> recorded_slot;
   for (lane& l : lanes) {
     l.due.assign(l.slots.size() + 1, {});
     std::vector<std::uint32_t> alloc_at;
-    for (std::uint32_t k : l.slots) alloc_at.push_back(rec_alloc_pos_[i0 + k]);
+    std::vector<std::uint64_t> keys;
     for (std::uint32_t k : l.slots) {
+      alloc_at.push_back(rec_alloc_pos_[i0 + k]);
+      keys.push_back(slots[k].key);
+    }
+    std::vector<std::uint32_t> latest(l.slots.size(), 0);
+    for (const iteration_shape& other : replan_orders_) {
+      for (const stream_order& order : other.streams) {
+        if (order.stream == l.stream) map_frees(order, keys, latest);
+      }
+    }
+    for (std::size_t p = 0; p < l.slots.size(); ++p) {
+      const std::uint32_t k = l.slots[p];
       slot& s = slots[k];
       if (!s.planned) continue;
       const auto next = std::upper_bound(alloc_at.begin(), alloc_at.end(), rec_free_pos_[i0 + k]);
       s.due_at = static_cast<std::uint32_t>(next - alloc_at.begin());
+      std::uint64_t end = 2 * std::uint64_t{rec_free_pos_[i0 + k] - lo};
+      recorded_items.push_back({s.size, 2 * std::uint64_t{rec_alloc_pos_[i0 + k] - lo}, end});
+      recorded_slot.push_back(k);
+      if (latest[p] > s.due_at) {
+        if (latest[p] == kOutlives) {
+          s.planned = false;
+          continue;
+        }
+        s.due_at = latest[p];
+        end = 2 * std::uint64_t{alloc_at[s.due_at - 1] - lo} + 1;
+      }
       l.due[s.due_at].push_back(k);
+      planned.push_back({k, {s.size, 2 * std::uint64_t{rec_alloc_pos_[i0 + k] - lo}, end}});
     }
   }
+  std::sort(planned.begin(), planned.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [k, item] : planned) {
+    items.push_back(item);
+    item_slot.push_back(k);
+  }
+  const std::size_t recorded_bound = per_stream_bound(recorded_items, recorded_slot, slots);
+  if (!replan_orders_.empty() &&
+      static_cast<double>(per_stream_bound(items, item_slot, slots)) >
+          kMaxWidening * static_cast<double>(recorded_bound)) {
+    // The orders seen vary too much to plan for all of them: plan the recorded order alone if it
+    // recurred, else nothing (the caching allocator serves these iterations).
+    replan_orders_.clear();
+    if (!replan_needs_widening_) return make_plan(lo, hi);
+    replan_pending_ = false;
+    return;
+  }
 
-  // One region per stream: an address is reused only in that stream's order.
-  std::vector<std::uintptr_t> streams;
-  for (std::uint32_t k : item_slot) streams.push_back(slots[k].stream);
-  std::sort(streams.begin(), streams.end());
-  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
-  placement_plan whole;
-  whole.offsets.assign(items.size(), 0);
   std::string heuristic;
   // Under the live policy the placement is made when the plan is installed, into the fallback's
   // holes of that moment (ensure_arena); planning twice would double the cost on large iterations.
   const bool deferred = live_mode_ && claim_holes_ && release_hole_;
-  if (deferred) {
-    streams.clear();
-    whole.offsets.clear();
-  }
-  for (std::uintptr_t st : streams) {
-    std::vector<plan_interval> group;
-    std::vector<std::size_t> index;
-    for (std::size_t j = 0; j < items.size(); ++j) {
-      if (slots[item_slot[j]].stream == st) {
-        group.push_back(items[j]);
-        index.push_back(j);
-      }
-    }
-    const placement_plan part = plan_placement(group, kRound);
-    for (std::size_t g = 0; g < group.size(); ++g) {
-      whole.offsets[index[g]] = whole.arena_bytes + part.offsets[g];
-    }
-    whole.arena_bytes += part.arena_bytes;
-    if (heuristic.find(part.heuristic) == std::string::npos) {
-      heuristic += heuristic.empty() ? part.heuristic : "+" + part.heuristic;
-    }
-  }
+  placement_plan whole = deferred ? placement_plan{} : place_by_stream(items, item_slot, slots, heuristic);
   whole.lower_bound = items.empty() ? 0 : max_live_bytes(items, kRound);
   // The fewest bytes the recorded iteration keeps live outside the arena at any moment (blocks
   // from before it, and those it allocates but frees after it): what a lazily mapped arena must
@@ -305,6 +327,10 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
     outside_floor_ = floor == INT64_MAX ? 0 : static_cast<std::size_t>(std::max<std::int64_t>(floor, 0));
   }
   for (std::size_t j = 0; j < whole.offsets.size(); ++j) slots[item_slot[j]].offset = whole.offsets[j];
+  observed_due_.assign(slots.size(), 0);
+  later_frees_ = false;
+  widening_refused_ = false;
+  base_bound_ = recorded_bound;
 
   // The old arena is empty here (plans are made only when no slot is live). The new one is
   // installed at the first planned iteration's start, when the fallback's transient blocks are free.
@@ -321,7 +347,8 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
-  plan_hash_ = explicit_ ? streams_hash(lo, hi) : range_hash(lo, hi);
+  plan_requests_ = explicit_ ? shape_of(lo, hi) : iteration_shape{};
+  replan_orders_.clear();
   plan_period_ = hi - lo;
   // The anchor: the lead stream's last tokens before the boundary (its own order; the other
   // streams may interleave with it differently from one step to the next).
@@ -345,6 +372,203 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   stats_.plan_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   note_totals(last_totals_);
+}
+
+// One region per stream: an address is reused only in that stream's order.
+placement_plan plan_front::place_by_stream(const std::vector<plan_interval>& items,
+                                           const std::vector<std::uint32_t>& item_slot,
+                                           const std::vector<slot>& slots,
+                                           std::string& heuristic) const {
+  std::vector<std::uintptr_t> streams;
+  for (std::uint32_t k : item_slot) streams.push_back(slots[k].stream);
+  std::sort(streams.begin(), streams.end());
+  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
+  placement_plan whole;
+  whole.offsets.assign(items.size(), 0);
+  for (std::uintptr_t st : streams) {
+    std::vector<plan_interval> group;
+    std::vector<std::size_t> index;
+    for (std::size_t j = 0; j < items.size(); ++j) {
+      if (slots[item_slot[j]].stream == st) {
+        group.push_back(items[j]);
+        index.push_back(j);
+      }
+    }
+    const placement_plan part = plan_placement(group, kRound);
+    for (std::size_t g = 0; g < group.size(); ++g) {
+      whole.offsets[index[g]] = whole.arena_bytes + part.offsets[g];
+    }
+    whole.arena_bytes += part.arena_bytes;
+    if (heuristic.find(part.heuristic) == std::string::npos) {
+      heuristic += heuristic.empty() ? part.heuristic : "+" + part.heuristic;
+    }
+  }
+  return whole;
+}
+
+std::size_t plan_front::per_stream_bound(const std::vector<plan_interval>& items,
+                                         const std::vector<std::uint32_t>& item_slot,
+                                         const std::vector<slot>& slots) const {
+  std::vector<std::uintptr_t> streams;
+  for (std::uint32_t k : item_slot) streams.push_back(slots[k].stream);
+  std::sort(streams.begin(), streams.end());
+  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
+  std::size_t bound = 0;
+  for (std::uintptr_t st : streams) {
+    std::vector<plan_interval> group;
+    for (std::size_t j = 0; j < items.size(); ++j) {
+      if (slots[item_slot[j]].stream == st) group.push_back(items[j]);
+    }
+    bound += max_live_bytes(group, kRound);
+  }
+  return bound;
+}
+
+// Iterations in sync freed some slots later than the plan allows (observed_due_; each such free
+// held up the slots over its space, which then went elsewhere). The same requests are laid out
+// again with those frees at their latest, from the plan alone (in sync nothing is recorded): a
+// slot's interval in its lane is [its index, its due index) in half steps. Requires no slot live.
+void plan_front::widen_plan() {
+  later_frees_ = false;
+  std::vector<plan_interval> items;
+  std::vector<std::uint32_t> item_slot;
+  for (std::size_t j = 0; j < slots_.size(); ++j) {
+    const slot& s = slots_[j];
+    if (!s.planned) continue;
+    const std::uint32_t due = std::max(s.due_at, observed_due_[j]);
+    items.push_back({s.size, 2 * std::uint64_t{s.pos}, 2 * std::uint64_t{due} - 1});
+    item_slot.push_back(static_cast<std::uint32_t>(j));
+  }
+  if (static_cast<double>(per_stream_bound(items, item_slot, slots_)) >
+      kMaxWidening * static_cast<double>(base_bound_)) {
+    widening_refused_ = true;  // the plan stays as it is; its late frees stay misses
+    return;
+  }
+  for (std::uint32_t j : item_slot) slots_[j].due_at = std::max(slots_[j].due_at, observed_due_[j]);
+  for (lane& l : lanes_) l.due.assign(l.slots.size() + 1, {});
+  for (std::uint32_t j : item_slot) lanes_[slots_[j].lane].due[slots_[j].due_at].push_back(j);
+  std::string heuristic;
+  const bool deferred = live_mode_ && claim_holes_ && release_hole_;
+  placement_plan whole = deferred ? placement_plan{} : place_by_stream(items, item_slot, slots_, heuristic);
+  whole.lower_bound = plan_.lower_bound;  // the recorded order's (intervals of lanes no longer mix)
+  for (std::size_t j = 0; j < whole.offsets.size(); ++j) slots_[item_slot[j]].offset = whole.offsets[j];
+  if (live_mode_) uninstall();
+  memo_.valid = false;
+  arena_bytes_ = live_mode_ ? 0 : whole.arena_bytes;
+  plan_items_ = std::move(items);
+  plan_item_slot_ = std::move(item_slot);
+  plan_ = std::move(whole);
+  ++stats_.widenings;
+  stats_.planned_slots = static_cast<std::int64_t>(plan_items_.size());
+  stats_.arena_bytes = static_cast<std::int64_t>(plan_.arena_bytes);
+  if (!heuristic.empty()) stats_.heuristic = heuristic;
+  note_totals(last_totals_);
+}
+
+plan_front::iteration_shape plan_front::shape_of(std::size_t lo, std::size_t hi) const {
+  const auto first = std::lower_bound(rec_alloc_pos_.begin(), rec_alloc_pos_.end(), lo);
+  const auto last = std::lower_bound(rec_alloc_pos_.begin(), rec_alloc_pos_.end(), hi);
+  iteration_shape shape;
+  shape.requests = static_cast<std::size_t>(last - first);
+  std::vector<std::vector<std::uint32_t>> alloc_at;
+  const auto order_of = [&](std::uintptr_t stream) {
+    auto x = std::find_if(shape.streams.begin(), shape.streams.end(),
+                          [&](const stream_order& o) { return o.stream == stream; });
+    if (x == shape.streams.end()) {
+      x = shape.streams.insert(shape.streams.end(), {stream, {}, {}});
+      alloc_at.emplace_back();
+    }
+    return static_cast<std::size_t>(x - shape.streams.begin());
+  };
+  for (auto it = first; it != last; ++it) {
+    const auto i = static_cast<std::size_t>(it - rec_alloc_pos_.begin());
+    const std::size_t x = order_of(rec_stream_[i]);
+    shape.streams[x].keys.push_back(rec_key_[i]);
+    alloc_at[x].push_back(rec_alloc_pos_[i]);
+  }
+  for (auto it = first; it != last; ++it) {
+    const auto i = static_cast<std::size_t>(it - rec_alloc_pos_.begin());
+    const std::size_t x = order_of(rec_stream_[i]);
+    const std::uint32_t f = rec_free_pos_[i];
+    shape.streams[x].frees.push_back(
+        f == UINT32_MAX || f >= hi
+            ? kOutlives
+            : static_cast<std::uint32_t>(std::upper_bound(alloc_at[x].begin(), alloc_at[x].end(), f) -
+                                         alloc_at[x].begin()));
+  }
+  std::sort(shape.streams.begin(), shape.streams.end(),
+            [](const stream_order& a, const stream_order& b) { return a.stream < b.stream; });
+  for (const stream_order& o : shape.streams) {
+    std::uint64_t sum = 0;  // a multiset's hash: the order of the requests does not enter it
+    for (std::uint64_t k : o.keys) sum += mix(k);
+    shape.requests_hash = mix(shape.requests_hash ^ mix(o.stream + 1) ^ mix(sum + o.keys.size()));
+  }
+  return shape;
+}
+
+// `order`'s frees in the positions of a lane whose requests are `keys` (the same multiset, in
+// another order; a request is the same one when it is the same occurrence of its key). A block
+// that `order` freed after its first d requests must be planned apart from each of them: in the
+// lane, until after the latest of their positions. `latest` keeps, per position, the largest such
+// due index; false (and `latest` untouched) when the requests differ.
+bool plan_front::map_frees(const stream_order& order, const std::vector<std::uint64_t>& keys,
+                           std::vector<std::uint32_t>& latest) {
+  const std::size_t n = keys.size();
+  if (order.keys.size() != n || order.frees.size() != n || latest.size() != n) return false;
+  std::unordered_map<std::uint64_t, std::vector<std::uint32_t>> where;
+  for (std::size_t p = n; p-- > 0;) where[keys[p]].push_back(static_cast<std::uint32_t>(p));
+  std::vector<std::uint32_t> position(n);  // order's request q is the lane's position[q]
+  std::vector<std::uint32_t> furthest(n);  // the largest position among its first q + 1
+  for (std::size_t q = 0; q < n; ++q) {
+    auto w = where.find(order.keys[q]);
+    if (w == where.end() || w->second.empty()) return false;
+    position[q] = w->second.back();  // occurrences in the lane's order
+    w->second.pop_back();
+    furthest[q] = std::max(position[q], q > 0 ? furthest[q - 1] : 0u);
+  }
+  for (std::size_t q = 0; q < n; ++q) {
+    const std::uint32_t d = order.frees[q];  // >= q + 1: freed after its own request
+    const std::uint32_t due = d == kOutlives ? kOutlives : furthest[d - 1] + 1;
+    latest[position[q]] = std::max(latest[position[q]], due);
+  }
+  return true;
+}
+
+// The installed plan as a shape: its slots' planned frees (those it leaves to the fallback as
+// outliving the iteration).
+plan_front::iteration_shape plan_front::plan_shape() const {
+  iteration_shape shape;
+  shape.requests_hash = plan_requests_.requests_hash;
+  shape.requests = plan_requests_.requests;
+  for (const lane& l : lanes_) {
+    stream_order o;
+    o.stream = l.stream;
+    for (std::uint32_t k : l.slots) {
+      o.keys.push_back(slots_[k].key);
+      o.frees.push_back(slots_[k].planned ? slots_[k].due_at : kOutlives);
+    }
+    shape.streams.push_back(std::move(o));
+  }
+  std::sort(shape.streams.begin(), shape.streams.end(),
+            [](const stream_order& a, const stream_order& b) { return a.stream < b.stream; });
+  return shape;
+}
+
+// True when every request of `shape` that the plan places was freed where the plan allows.
+bool plan_front::plan_allows(const iteration_shape& shape) const {
+  for (const lane& l : lanes_) {
+    const auto x = std::find_if(shape.streams.begin(), shape.streams.end(),
+                                [&](const stream_order& o) { return o.stream == l.stream; });
+    std::vector<std::uint64_t> keys;
+    for (std::uint32_t k : l.slots) keys.push_back(slots_[k].key);
+    std::vector<std::uint32_t> latest(keys.size(), 0);
+    if (x == shape.streams.end() || !map_frees(*x, keys, latest)) return false;
+    for (std::size_t p = 0; p < l.slots.size(); ++p) {
+      const slot& s = slots_[l.slots[p]];
+      if (s.planned && latest[p] > s.due_at) return false;
+    }
+  }
+  return true;
 }
 
 // n tokens of a ring of kLeadRing from `first` on (or of a plain array, with first 0).
@@ -1380,6 +1604,11 @@ bool plan_front::on_free(void* p, arena_free* freed) {
     if (e.gen == l.gen) {
       freed_gen_[j] = l.gen;
       --l.gen_live;
+      if (mode_ == mode::in_sync && explicit_ && !widening_refused_ && slots_[j].planned &&
+          l.cursor > slots_[j].due_at) {
+        observed_due_[j] = std::max(observed_due_[j], l.cursor);
+        later_frees_ = true;
+      }
     } else {
       const std::uintptr_t pos = slot_pos(j);
       const auto o = std::find_if(l.old_blocks.begin(), l.old_blocks.end(),
@@ -1513,6 +1742,7 @@ void plan_front::begin_iteration() {
   if (!slots_.empty() && !replan_pending_) {
     if (mode_ == mode::in_sync && !lanes_done()) deviate();
     if (slot_live_ == 0) {
+      if (later_frees_ && arena_quiet()) widen_plan();
       start_iteration();
       // In sync, start_iteration reset the recording; set aside (or with no room for the arena)
       // it did not, and this iteration is recorded from here.
@@ -1539,20 +1769,38 @@ void plan_front::end_iteration() {
   if (hi == lo) return;
   // Iterations are compared stream by stream: a training step's streams interleave in ways that
   // depend on timing (a copy stream's fetch before or after the compute stream's frees), which
-  // the plan does not depend on. Repeated: the same as one of the last few iterations, not only
-  // the one before; a stream's own order can vary too (a prefetch the window held back one call
-  // longer), and then each way recurs within a few steps. (Planning an iteration whose requests
-  // equal the last few ones' although no order recurred was tried and dropped: a plan made from
-  // one order and replayed in others sends the requests whose slots late frees hold to the
-  // fallback, whose memory beside the arena then costs more than the plan saves; planning.md.)
+  // the plan does not depend on. A stream's own order can vary too: with optimizer state on NVMe,
+  // when reads land and evictions leave decides where a free falls among the copy stream's
+  // requests, so that no order may ever recur. So an iteration is planned when its order equals
+  // one of the last few, or when its requests equal those of two of them; either way the plan
+  // allows for every order seen with those requests (each free at its latest), and a later
+  // iteration with a free later still widens it again. (Planning from one order and replaying it
+  // in others was tried and dropped: the requests whose slots late frees held went to the
+  // fallback, whose memory beside the arena cost more than the plan saved; planning.md.)
   const std::uint64_t h = streams_hash(lo, hi);
-  const auto seen = std::find(recent_iterations_.begin(), recent_iterations_.end(),
-                              std::make_pair(h, hi - lo));
-  const bool repeated = seen != recent_iterations_.end();
-  recent_iterations_[recent_iteration_next_] = {h, hi - lo};
+  iteration_shape shape = shape_of(lo, hi);
+  bool repeated = false;
+  std::vector<iteration_shape> orders;
+  for (const recent_iteration& r : recent_iterations_) {
+    if (r.tokens == 0 || !r.shape.same_requests(shape)) continue;
+    repeated = repeated || (r.order_hash == h && r.tokens == hi - lo);
+    orders.push_back(r.shape);
+  }
+  const std::size_t alike = orders.size();
+  orders.push_back(shape);
+  recent_iterations_[recent_iteration_next_] = {h, hi - lo, std::move(shape)};
+  const iteration_shape& current = recent_iterations_[recent_iteration_next_].shape;
   recent_iteration_next_ = (recent_iteration_next_ + 1) % recent_iterations_.size();
-  if (!repeated || (!slots_.empty() && h == plan_hash_)) return;
+  const bool plan_alike = !slots_.empty() && plan_requests_.same_requests(current);
+  if (plan_alike) {
+    if (plan_allows(current)) return;
+    orders.push_back(plan_shape());  // the plan's requests again, with a free later than it allows
+  } else if (!repeated && alike < 2) {
+    return;
+  }
   replan_pending_ = true;
+  replan_orders_ = std::move(orders);
+  replan_needs_widening_ = !repeated && !plan_alike;
   replan_lo_ = lo;
   replan_hi_ = hi;
   if (arena_quiet()) make_plan(lo, hi);

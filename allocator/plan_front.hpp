@@ -181,6 +181,32 @@ class plan_front {
     bool guest = false;           // lent out of the open arena under memory pressure
   };
   enum class mode { learning, in_sync, seeking };
+  // One marked iteration as a plan must allow for it, stream by stream: the stream's requests
+  // (keys, in its order) and, per request, the index of the stream's request before which it was
+  // freed (kOutlives: not freed inside the iteration). Iterations with the same requests whose
+  // order varies (timing decides where a free falls among the requests, or which of two fetches
+  // comes first) are planned for all the orders seen (make_plan, map_frees), so that a plan is
+  // safe for each of them, not only for the one it was recorded in.
+  static constexpr std::uint32_t kOutlives = UINT32_MAX;
+  struct stream_order {
+    std::uintptr_t stream = 0;
+    std::vector<std::uint64_t> keys;
+    std::vector<std::uint32_t> frees;
+  };
+  struct iteration_shape {
+    std::uint64_t requests_hash = 0;  // each stream's requests as a multiset
+    std::size_t requests = 0;
+    std::vector<stream_order> streams;  // by stream
+    bool same_requests(const iteration_shape& o) const noexcept {
+      return requests == o.requests && requests_hash == o.requests_hash &&
+             streams.size() == o.streams.size();
+    }
+  };
+  struct recent_iteration {
+    std::uint64_t order_hash = 0;  // streams_hash
+    std::size_t tokens = 0;        // 0: none recorded yet
+    iteration_shape shape;
+  };
 
   std::uint64_t key_of(std::size_t rounded, std::uintptr_t stream, std::string_view tag) const;
   void push_token(std::uint64_t token, std::int64_t delta, std::uintptr_t stream);
@@ -191,6 +217,18 @@ class plan_front {
   void reset_recording();
   void detect_steady_state();
   void make_plan(std::size_t lo, std::size_t hi);
+  placement_plan place_by_stream(const std::vector<plan_interval>& items,
+                                 const std::vector<std::uint32_t>& item_slot,
+                                 const std::vector<slot>& slots, std::string& heuristic) const;
+  std::size_t per_stream_bound(const std::vector<plan_interval>& items,
+                               const std::vector<std::uint32_t>& item_slot,
+                               const std::vector<slot>& slots) const;
+  void widen_plan();
+  iteration_shape shape_of(std::size_t lo, std::size_t hi) const;
+  static bool map_frees(const stream_order& order, const std::vector<std::uint64_t>& keys,
+                        std::vector<std::uint32_t>& latest);
+  iteration_shape plan_shape() const;
+  bool plan_allows(const iteration_shape& shape) const;
   void deviate();
   void note_deviation() noexcept;
   void note_lost_iteration();
@@ -254,9 +292,12 @@ class plan_front {
   std::vector<std::uintptr_t> token_stream_;  // the stream of each token (a free: its block's)
   std::unordered_map<std::uint64_t, std::uint32_t> window_seen_;
   std::size_t explicit_begin_ = 0;             // token position of begin_iteration()
-  // The last explicitly marked iterations (hash, token count), a ring; length 0: none yet.
-  std::array<std::pair<std::uint64_t, std::size_t>, 4> recent_iterations_{};
+  // The last explicitly marked iterations, a ring.
+  std::array<recent_iteration, 4> recent_iterations_{};
   std::size_t recent_iteration_next_ = 0;
+  // The marked iterations with the pending re-plan's requests whose orders it must allow for
+  // (empty for a steady state found in the token stream).
+  std::vector<iteration_shape> replan_orders_;
 
   // --- the plan
   std::vector<slot> slots_;
@@ -280,7 +321,14 @@ class plan_front {
   std::size_t max_slot_size_ = 0;
   // Guest blocks (lend_arena_space), sorted by address: (addr, rounded size).
   std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
-  std::uint64_t plan_hash_ = 0;  // hash of the planned iteration's tokens (marked: streams_hash)
+  iteration_shape plan_requests_;  // the recorded iteration the plan was made from (marked)
+  // Per slot: the latest lane index before which an iteration in sync freed it (0: never later
+  // than planned); later_frees_ when one did since the plan was laid out (widen_plan).
+  std::vector<std::uint32_t> observed_due_;
+  bool later_frees_ = false;
+  bool widening_refused_ = false;  // the frees seen would cost too much: no more widening
+  std::size_t base_bound_ = 0;     // the recorded order's per-stream bound (kMaxWidening)
+  bool replan_needs_widening_ = false;  // no order recurred: planned only if widening is cheap
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
   // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).
   static constexpr std::size_t kAnchorTokens = 16;

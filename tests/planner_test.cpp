@@ -1111,9 +1111,11 @@ TEST(PlannedPolicy, MarkedIterationsAreComparedStreamByStream) {
 
 // A block freed later than the plan says holds up only the slots planned over its space. Here
 // Y's space goes to V, allocated right after Y's planned free, and the ten Z blocks (alive beside
-// V) lie above it. In every other iteration Y is freed only after the Zs: V, whose slot is still
-// held, goes to the fallback; the Zs keep to the plan. Before, every slot due after Y's free
-// waited for it, and ten requests in a row outside the plan lost the iteration.
+// V) lie above it. In the first late iteration Y is freed only after the Zs: V, whose slot is
+// still held, goes to the fallback; the Zs keep to the plan. (Before, every slot due after Y's
+// free waited for it, and ten requests in a row outside the plan lost the iteration.) Then the
+// plan is laid out again with Y's free at its latest, and the late iterations after it keep to
+// it wholly.
 TEST(PlannedPolicy, ALateFreeHoldsUpOnlyTheSlotsOverItsSpace) {
   auto dev = terrace::make_device("null");
   terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
@@ -1138,19 +1140,23 @@ TEST(PlannedPolicy, ALateFreeHoldsUpOnlyTheSlotsOverItsSpace) {
   for (int it = 0; it < 8; ++it) iteration(it % 2 == 0);
   const auto s = a.plan_stats();
   EXPECT_EQ(s.lost_iterations, 0);
-  EXPECT_EQ(s.deviating_iterations - before.deviating_iterations, 4);
-  EXPECT_EQ(s.deviations - before.deviations, 4) << "V alone, once per late iteration";
-  EXPECT_EQ(s.planned_hits - before.planned_hits, 8 * 13 - 4);
+  EXPECT_EQ(s.deviating_iterations - before.deviating_iterations, 1);
+  EXPECT_EQ(s.deviations - before.deviations, 1) << "V alone, in the first late iteration";
+  EXPECT_EQ(s.planned_hits - before.planned_hits, 8 * 13 - 1);
+  EXPECT_EQ(s.widenings, 1);
+  EXPECT_EQ(s.plans, 1);
   EXPECT_TRUE(live.empty());
 }
 
-// Marked iterations that make the same requests and frees, each in an order of its own: each
-// block is freed just before or just after the next one is requested, at random. No order recurs
-// within four, so nothing is planned and the caching allocator serves them, reserving what it
-// would alone. (Planning one of them by its requests was tried: replayed in the other orders, the
-// plan's slots held by late frees sent requests to the fallback, and the arena and the fallback
-// together reserved 31 MiB where caching alone reserves 22; docs/planning.md.)
-TEST(PlannedPolicy, IterationsReorderedEveryTimeStayWithTheCachingAllocator) {
+// Marked iterations that make the same requests and frees, each in an order of its own, as
+// timing orders a stream's frees among its requests: each block is freed just before or just
+// after the next one is requested, at random. No order recurs, but the requests do: the plan
+// allows for every order seen (each free at its latest), is laid out again when an iteration
+// frees a block later still, and then serves them all. Reserved in the steady state: below what
+// the caching allocator holds. (Planning one order and replaying it in the others was tried
+// first: the slots that late frees held sent their requests to the fallback, and the arena and
+// the fallback together reserved 31 MiB where caching alone reserves 22; docs/planning.md.)
+TEST(PlannedPolicy, IterationsReorderedByTimingArePlannedForEveryOrderSeen) {
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   constexpr int kBlocks = 16;
   const auto run = [&](const char* conf) {
@@ -1159,6 +1165,7 @@ TEST(PlannedPolicy, IterationsReorderedEveryTimeStayWithTheCachingAllocator) {
     held_blocks live(a);
     std::mt19937_64 rng(11);
     for (int it = 0; it < 25; ++it) {
+      if (it == 10) a.reset_peak_stats();
       a.begin_iteration();
       void* last = nullptr;
       for (int k = 0; k < kBlocks; ++k) {
@@ -1169,6 +1176,50 @@ TEST(PlannedPolicy, IterationsReorderedEveryTimeStayWithTheCachingAllocator) {
         last = p;
       }
       live.give(last);
+      a.end_iteration();
+      EXPECT_NO_THROW(a.check_invariants());
+    }
+    EXPECT_TRUE(live.empty());
+    return std::make_pair(a.plan_stats(), a.stats().reserved_bytes[0].peak);
+  };
+  const auto [planned, planned_reserved] = run(kPlannedExactConf);
+  const auto [caching, caching_reserved] = run("small_size:4096,min_large_alloc:1,large_round:4096");
+  EXPECT_EQ(planned.plans, 1);
+  EXPECT_EQ(planned.lost_iterations, 0);
+  EXPECT_GE(planned.widenings, 1);
+  const std::int64_t under_plan = planned.iterations * kBlocks;
+  EXPECT_GE(planned.planned_hits, under_plan - 8) << "a miss per widening at most";
+  EXPECT_LT(planned_reserved, caching_reserved);
+  std::printf("steady reserved: planned %.2f MiB (widenings %lld, hits %lld of %lld), caching %.2f MiB\n",
+              static_cast<double>(planned_reserved) / kUnit, static_cast<long long>(planned.widenings),
+              static_cast<long long>(planned.planned_hits), static_cast<long long>(under_plan),
+              static_cast<double>(caching_reserved) / kUnit);
+}
+
+// Orders that vary far beyond timing jitter (each iteration frees random live blocks at random
+// moments): a plan that allowed for every order seen would keep nearly every block apart, more
+// than 10% above what the recorded order needs, so nothing is planned and the caching allocator
+// serves them, reserving what it would alone.
+TEST(PlannedPolicy, IterationsReorderedAtRandomStayWithTheCachingAllocator) {
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  const auto run = [&](const char* conf) {
+    auto dev = terrace::make_device("null");
+    terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(conf));
+    held_blocks live(a);
+    std::mt19937_64 rng(5);
+    for (int it = 0; it < 25; ++it) {
+      a.begin_iteration();
+      std::vector<void*> held;
+      for (int k = 0; k < 40; ++k) {
+        held.push_back(live.get(kUnit * static_cast<std::size_t>(1 + k % 7) + static_cast<std::size_t>(k) * 4096));
+        if (held.size() > 4 && rng() % 2 == 0) {
+          const std::size_t i = rng() % held.size();
+          live.give(held[i]);
+          held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+      }
+      std::shuffle(held.begin(), held.end(), rng);
+      for (void* p : held) live.give(p);
       a.end_iteration();
       EXPECT_NO_THROW(a.check_invariants());
     }

@@ -75,6 +75,10 @@ struct planner_stats {
   /// Times the plan was set aside (iterations kept leaving it): it then sits out 8, 16, 32, ...
   /// iterations, during which the caching allocator serves everything, before it is tried again.
   std::int64_t suspensions = 0;
+  /// Times marked iterations kept to the plan but freed some of its blocks later than it allowed,
+  /// and the plan was laid out again with those frees at their latest (the allocations are the
+  /// same; only the order of frees among them varied, with timing).
+  std::int64_t widenings = 0;
   std::int64_t allocs_under_plan = 0;     ///< allocations while a plan was active
   std::int64_t planned_hits = 0;          ///< of those, served (or, counterfactually, servable) by the plan
   std::int64_t unplanned_allocs = 0;      ///< outside the plan by design: cross-iteration / long-lived
