@@ -1148,6 +1148,32 @@ TEST(PlannedPolicy, ALateFreeHoldsUpOnlyTheSlotsOverItsSpace) {
   EXPECT_TRUE(live.empty());
 }
 
+namespace {
+
+// 25 marked iterations of `body(live, rng)` under `conf`, the peaks reset after the tenth: the
+// plan's statistics and the steady state's reserved peak.
+std::pair<terrace::planner_stats, std::int64_t> run_marked_iterations(
+    const char* conf, std::uint64_t seed,
+    const std::function<void(held_blocks&, std::mt19937_64&)>& body) {
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(conf));
+  held_blocks live(a);
+  std::mt19937_64 rng(seed);
+  for (int it = 0; it < 25; ++it) {
+    if (it == 10) a.reset_peak_stats();
+    a.begin_iteration();
+    body(live, rng);
+    a.end_iteration();
+    EXPECT_NO_THROW(a.check_invariants());
+  }
+  EXPECT_TRUE(live.empty());
+  return {a.plan_stats(), a.stats().reserved_bytes[0].peak};
+}
+
+constexpr const char* kCachingExactConf = "small_size:4096,min_large_alloc:1,large_round:4096";
+
+}  // namespace
+
 // Marked iterations that make the same requests and frees, each in an order of its own, as
 // timing orders a stream's frees among its requests: each block is freed just before or just
 // after the next one is requested, at random. No order recurs, but the requests do: the plan
@@ -1159,31 +1185,19 @@ TEST(PlannedPolicy, ALateFreeHoldsUpOnlyTheSlotsOverItsSpace) {
 TEST(PlannedPolicy, IterationsReorderedByTimingArePlannedForEveryOrderSeen) {
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   constexpr int kBlocks = 16;
-  const auto run = [&](const char* conf) {
-    auto dev = terrace::make_device("null");
-    terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(conf));
-    held_blocks live(a);
-    std::mt19937_64 rng(11);
-    for (int it = 0; it < 25; ++it) {
-      if (it == 10) a.reset_peak_stats();
-      a.begin_iteration();
-      void* last = nullptr;
-      for (int k = 0; k < kBlocks; ++k) {
-        const bool free_first = rng() % 2 == 0;
-        if (free_first && last != nullptr) live.give(last);
-        void* p = live.get(kUnit * static_cast<std::size_t>(1 + k % 7) + static_cast<std::size_t>(k) * 4096);
-        if (!free_first && last != nullptr) live.give(last);
-        last = p;
-      }
-      live.give(last);
-      a.end_iteration();
-      EXPECT_NO_THROW(a.check_invariants());
+  const auto body = [&](held_blocks& live, std::mt19937_64& rng) {
+    void* last = nullptr;
+    for (int k = 0; k < kBlocks; ++k) {
+      const bool free_first = rng() % 2 == 0;
+      if (free_first && last != nullptr) live.give(last);
+      void* p = live.get(kUnit * static_cast<std::size_t>(1 + k % 7) + static_cast<std::size_t>(k) * 4096);
+      if (!free_first && last != nullptr) live.give(last);
+      last = p;
     }
-    EXPECT_TRUE(live.empty());
-    return std::make_pair(a.plan_stats(), a.stats().reserved_bytes[0].peak);
+    live.give(last);
   };
-  const auto [planned, planned_reserved] = run(kPlannedExactConf);
-  const auto [caching, caching_reserved] = run("small_size:4096,min_large_alloc:1,large_round:4096");
+  const auto [planned, planned_reserved] = run_marked_iterations(kPlannedExactConf, 11, body);
+  const auto [caching, caching_reserved] = run_marked_iterations(kCachingExactConf, 11, body);
   EXPECT_EQ(planned.plans, 1);
   EXPECT_EQ(planned.lost_iterations, 0);
   EXPECT_GE(planned.widenings, 1);
@@ -1202,32 +1216,21 @@ TEST(PlannedPolicy, IterationsReorderedByTimingArePlannedForEveryOrderSeen) {
 // serves them, reserving what it would alone.
 TEST(PlannedPolicy, IterationsReorderedAtRandomStayWithTheCachingAllocator) {
   constexpr std::size_t kUnit = std::size_t{1} << 20;
-  const auto run = [&](const char* conf) {
-    auto dev = terrace::make_device("null");
-    terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(conf));
-    held_blocks live(a);
-    std::mt19937_64 rng(5);
-    for (int it = 0; it < 25; ++it) {
-      a.begin_iteration();
-      std::vector<void*> held;
-      for (int k = 0; k < 40; ++k) {
-        held.push_back(live.get(kUnit * static_cast<std::size_t>(1 + k % 7) + static_cast<std::size_t>(k) * 4096));
-        if (held.size() > 4 && rng() % 2 == 0) {
-          const std::size_t i = rng() % held.size();
-          live.give(held[i]);
-          held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
-        }
+  const auto body = [&](held_blocks& live, std::mt19937_64& rng) {
+    std::vector<void*> held;
+    for (int k = 0; k < 40; ++k) {
+      held.push_back(live.get(kUnit * static_cast<std::size_t>(1 + k % 7) + static_cast<std::size_t>(k) * 4096));
+      if (held.size() > 4 && rng() % 2 == 0) {
+        const std::size_t i = rng() % held.size();
+        live.give(held[i]);
+        held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
       }
-      std::shuffle(held.begin(), held.end(), rng);
-      for (void* p : held) live.give(p);
-      a.end_iteration();
-      EXPECT_NO_THROW(a.check_invariants());
     }
-    EXPECT_TRUE(live.empty());
-    return std::make_pair(a.plan_stats(), a.stats().reserved_bytes[0].peak);
+    std::shuffle(held.begin(), held.end(), rng);
+    for (void* p : held) live.give(p);
   };
-  const auto [planned, planned_reserved] = run(kPlannedExactConf);
-  const auto [caching, caching_reserved] = run("small_size:4096,min_large_alloc:1,large_round:4096");
+  const auto [planned, planned_reserved] = run_marked_iterations(kPlannedExactConf, 5, body);
+  const auto [caching, caching_reserved] = run_marked_iterations(kCachingExactConf, 5, body);
   EXPECT_EQ(planned.plans, 0);
   EXPECT_EQ(planned_reserved, caching_reserved);
 }
