@@ -293,7 +293,8 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
       static_cast<double>(per_stream_bound(items, item_slot, slots)) >
           kMaxWidening * static_cast<double>(recorded_bound)) {
     // The orders seen vary too much to plan for all of them: plan the recorded order alone if it
-    // recurred, else nothing (the caching allocator serves these iterations).
+    // recurred, else nothing (the caching allocator serves these iterations, or the plan there is
+    // goes on serving them as it did).
     replan_orders_.clear();
     if (!replan_needs_widening_) return make_plan(lo, hi);
     replan_pending_ = false;
@@ -1800,7 +1801,7 @@ void plan_front::end_iteration() {
   }
   replan_pending_ = true;
   replan_orders_ = std::move(orders);
-  replan_needs_widening_ = !repeated && !plan_alike;
+  replan_needs_widening_ = !repeated || plan_alike;
   replan_lo_ = lo;
   replan_hi_ = hi;
   if (arena_quiet()) make_plan(lo, hi);
