@@ -267,6 +267,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
       if (!s.planned) continue;
       const auto next = std::upper_bound(alloc_at.begin(), alloc_at.end(), rec_free_pos_[i0 + k]);
       s.due_at = static_cast<std::uint32_t>(next - alloc_at.begin());
+      s.recorded_due = s.due_at;
       std::uint64_t end = 2 * std::uint64_t{rec_free_pos_[i0 + k] - lo};
       recorded_items.push_back({s.size, 2 * std::uint64_t{rec_alloc_pos_[i0 + k] - lo}, end});
       recorded_slot.push_back(k);
@@ -427,25 +428,57 @@ std::size_t plan_front::per_stream_bound(const std::vector<plan_interval>& items
 
 // Iterations in sync freed some slots later than the plan allows (observed_due_; each such free
 // held up the slots over its space, which then went elsewhere). The same requests are laid out
-// again with those frees at their latest, from the plan alone (in sync nothing is recorded): a
-// slot's interval in its lane is [its index, its due index) in half steps. Requires no slot live.
+// again with those frees at their latest, unless that costs too much (kMaxWidening).
 void plan_front::widen_plan() {
   later_frees_ = false;
-  std::vector<plan_interval> items;
-  std::vector<std::uint32_t> item_slot;
+  std::vector<std::uint32_t> due(slots_.size(), 0);
   for (std::size_t j = 0; j < slots_.size(); ++j) {
-    const slot& s = slots_[j];
-    if (!s.planned) continue;
-    const std::uint32_t due = std::max(s.due_at, observed_due_[j]);
-    items.push_back({s.size, 2 * std::uint64_t{s.pos}, 2 * std::uint64_t{due} - 1});
-    item_slot.push_back(static_cast<std::uint32_t>(j));
+    if (slots_[j].planned) due[j] = std::max(slots_[j].due_at, observed_due_[j]);
   }
-  if (static_cast<double>(per_stream_bound(items, item_slot, slots_)) >
-      kMaxWidening * static_cast<double>(base_bound_)) {
+  const auto most = static_cast<std::size_t>(kMaxWidening * static_cast<double>(base_bound_));
+  if (!lay_out_again(due, most)) {
     widening_refused_ = true;  // the plan stays as it is; its late frees stay misses
     return;
   }
-  for (std::uint32_t j : item_slot) slots_[j].due_at = std::max(slots_[j].due_at, observed_due_[j]);
+  ++stats_.widenings;
+}
+
+// The plan, widened for other orders, has no room on the device (ensure_arena): it is laid out
+// again for the recorded order alone, which needs less, and is no longer widened. False when it
+// is not wider than that order.
+bool plan_front::narrow_plan() {
+  std::vector<std::uint32_t> due(slots_.size(), 0);
+  bool wider = false;
+  for (std::size_t j = 0; j < slots_.size(); ++j) {
+    due[j] = slots_[j].recorded_due;
+    wider = wider || due[j] != (slots_[j].planned ? slots_[j].due_at : 0);
+  }
+  if (!wider) return false;
+  widening_refused_ = true;
+  later_frees_ = false;
+  lay_out_again(due, SIZE_MAX);
+  ++stats_.narrowings;
+  return true;
+}
+
+// Lays the plan's slots out again from the plan alone (nothing of the recording is needed): slot
+// j is freed before its lane's due[j]-th request (0: not placed, the fallback serves it), so its
+// interval in its lane is [its index, its due index) in half steps. False, and the plan as it
+// was, when the sum of each stream's largest live bytes would exceed `most`. Requires no slot
+// live.
+bool plan_front::lay_out_again(const std::vector<std::uint32_t>& due, std::size_t most) {
+  std::vector<plan_interval> items;
+  std::vector<std::uint32_t> item_slot;
+  for (std::size_t j = 0; j < slots_.size(); ++j) {
+    if (due[j] == 0) continue;
+    items.push_back({slots_[j].size, 2 * std::uint64_t{slots_[j].pos}, 2 * std::uint64_t{due[j]} - 1});
+    item_slot.push_back(static_cast<std::uint32_t>(j));
+  }
+  if (per_stream_bound(items, item_slot, slots_) > most) return false;
+  for (std::size_t j = 0; j < slots_.size(); ++j) {
+    slots_[j].planned = due[j] != 0;
+    slots_[j].due_at = due[j];
+  }
   for (lane& l : lanes_) l.due.assign(l.slots.size() + 1, {});
   for (std::uint32_t j : item_slot) lanes_[slots_[j].lane].due[slots_[j].due_at].push_back(j);
   std::string heuristic;
@@ -459,11 +492,11 @@ void plan_front::widen_plan() {
   plan_items_ = std::move(items);
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
-  ++stats_.widenings;
   stats_.planned_slots = static_cast<std::int64_t>(plan_items_.size());
   stats_.arena_bytes = static_cast<std::int64_t>(plan_.arena_bytes);
   if (!heuristic.empty()) stats_.heuristic = heuristic;
   note_totals(last_totals_);
+  return true;
 }
 
 plan_front::iteration_shape plan_front::shape_of(std::size_t lo, std::size_t hi) const {
@@ -773,6 +806,8 @@ bool plan_front::ensure_arena() {
     if (arena == nullptr) {
       for (std::size_t h = 0; h < claimed.size(); ++h) give_back(h);
       if (fallback_totals_) last_totals_ = fallback_totals_();
+      // A plan widened for other orders may fit once it allows for the recorded one alone.
+      if (narrow_plan()) return ensure_arena();
       // No room: the caching allocator serves this iteration. Each try empties its cache, so a
       // plan that does not fit is tried less and less often (as one that loses its iterations).
       ++stats_.arena_refusals;
@@ -1794,7 +1829,8 @@ void plan_front::end_iteration() {
   recent_iteration_next_ = (recent_iteration_next_ + 1) % recent_iterations_.size();
   const bool plan_alike = !slots_.empty() && plan_requests_.same_requests(current);
   if (plan_alike) {
-    if (plan_allows(current)) return;
+    // (A plan narrowed for want of room is not widened again: it would not fit.)
+    if (widening_refused_ || plan_allows(current)) return;
     orders.push_back(plan_shape());  // the plan's requests again, with a free later than it allows
   } else if (!repeated && alike < 2) {
     return;

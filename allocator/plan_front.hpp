@@ -145,6 +145,7 @@ class plan_front {
     std::uint32_t lane = 0;     // its stream's lane (lanes_)
     std::uint32_t pos = 0;      // its index in the lane
     std::uint32_t due_at = 0;   // the lane index before whose alloc its planned free happens
+    std::uint32_t recorded_due = 0;  // the same in the recorded order alone (0: not placed)
   };
   // The replay of one stream's slots. Streams share no address in the plan (each has its own
   // region and its own part of every hole), so each stream keeps to the plan on its own: its own
@@ -224,6 +225,8 @@ class plan_front {
                                const std::vector<std::uint32_t>& item_slot,
                                const std::vector<slot>& slots) const;
   void widen_plan();
+  bool narrow_plan();
+  bool lay_out_again(const std::vector<std::uint32_t>& due, std::size_t most);
   iteration_shape shape_of(std::size_t lo, std::size_t hi) const;
   static bool map_frees(const stream_order& order, const std::vector<std::uint64_t>& keys,
                         std::vector<std::uint32_t>& latest);

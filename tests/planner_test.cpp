@@ -1150,12 +1150,15 @@ TEST(PlannedPolicy, ALateFreeHoldsUpOnlyTheSlotsOverItsSpace) {
 
 namespace {
 
-// 25 marked iterations of `body(live, rng)` under `conf`, the peaks reset after the tenth: the
-// plan's statistics and the steady state's reserved peak.
+// 25 marked iterations of `body(live, rng)` under `conf` on a device of `capacity` bytes (0: the
+// default), the peaks reset after the tenth: the plan's statistics and the steady state's
+// reserved peak.
 std::pair<terrace::planner_stats, std::int64_t> run_marked_iterations(
     const char* conf, std::uint64_t seed,
-    const std::function<void(held_blocks&, std::mt19937_64&)>& body) {
-  auto dev = terrace::make_device("null");
+    const std::function<void(held_blocks&, std::mt19937_64&)>& body, std::size_t capacity = 0) {
+  terrace::device_options d;
+  d.capacity = capacity;
+  auto dev = terrace::make_device("null", d);
   terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(conf));
   held_blocks live(a);
   std::mt19937_64 rng(seed);
@@ -1433,3 +1436,43 @@ TEST(PlannedPolicyConcurrent, ThreadsShareOnePlannedAllocator) {
 }
 
 }  // namespace
+
+// A plan allowed for every order seen may need more memory than the device has where the order
+// it was recorded in fits. Here iterations alternate which of b0 and b1 is freed after b2 is
+// requested: the recorded order needs 11 MiB, the widened plan 11.5. On an 11.5 MiB device the
+// widened arena has no room (the caching allocator's cache aside), so the plan is laid out again
+// for the recorded order alone: every iteration keeps to it, and in the others b2 goes to the
+// fallback (lent the arena's free space). Before, the widened arena was refused at every boundary
+// and no iteration was planned.
+TEST(PlannedPolicy, AWidenedPlanWithNoRoomIsPlannedForTheRecordedOrderAlone) {
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  int it = 0;
+  const auto body = [&](held_blocks& live, std::mt19937_64&) {
+    void* whole_step = live.get(10 * kUnit);
+    void* b0 = live.get(kUnit / 2 + 8192);
+    void* b1 = live.get(kUnit / 2 + 4096);
+    live.give(it % 2 == 0 ? b1 : b0);
+    void* b2 = live.get(kUnit / 2);
+    live.give(it % 2 == 0 ? b0 : b1);
+    live.give(b2);
+    live.give(whole_step);
+    ++it;
+  };
+  const auto [roomy, roomy_reserved] = run_marked_iterations(kPlannedExactConf, 1, body);
+  EXPECT_EQ(roomy.plans, 1);
+  EXPECT_EQ(roomy.narrowings, 0);
+  EXPECT_EQ(roomy.planned_hits, roomy.iterations * 4) << "the widened plan serves every order";
+  EXPECT_GT(roomy_reserved, static_cast<std::int64_t>(11 * kUnit + kUnit / 4));
+
+  it = 0;
+  const auto [narrow, narrow_reserved] =
+      run_marked_iterations(kPlannedExactConf, 1, body, 11 * kUnit + kUnit / 2);
+  EXPECT_EQ(narrow.plans, 1);
+  EXPECT_EQ(narrow.narrowings, 1);
+  EXPECT_EQ(narrow.lost_iterations, 0);
+  EXPECT_EQ(narrow.arena_refusals, 0);
+  EXPECT_GE(narrow.iterations, 20);
+  EXPECT_GE(narrow.planned_hits, narrow.iterations * 4 - (narrow.iterations + 1) / 2)
+      << "b2 misses in every other iteration, nothing else";
+  EXPECT_LT(narrow_reserved, static_cast<std::int64_t>(11 * kUnit + kUnit / 4));
+}
