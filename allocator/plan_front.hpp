@@ -329,7 +329,9 @@ class plan_front {
   // than planned); later_frees_ when one did since the plan was laid out (widen_plan).
   std::vector<std::uint32_t> observed_due_;
   bool later_frees_ = false;
-  bool widening_refused_ = false;  // the frees seen would cost too much: no more widening
+  // The frees seen would cost too much, or the device had no room for the wider plan (narrow_plan):
+  // no more widening.
+  bool widening_refused_ = false;
   std::size_t base_bound_ = 0;     // the recorded order's per-stream bound (kMaxWidening)
   // The re-plan is made only if widening costs little: no order recurred, or the plan there is
   // has these requests (it stays as it is otherwise).
