@@ -267,7 +267,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
       if (!s.planned) continue;
       const auto next = std::upper_bound(alloc_at.begin(), alloc_at.end(), rec_free_pos_[i0 + k]);
       s.due_at = static_cast<std::uint32_t>(next - alloc_at.begin());
-      s.recorded_due = s.due_at;
+      s.fitting_due = s.due_at;
       std::uint64_t end = 2 * std::uint64_t{rec_free_pos_[i0 + k] - lo};
       recorded_items.push_back({s.size, 2 * std::uint64_t{rec_alloc_pos_[i0 + k] - lo}, end});
       recorded_slot.push_back(k);
@@ -332,6 +332,8 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   observed_due_.assign(slots.size(), 0);
   later_frees_ = false;
   widening_refused_ = false;
+  narrowed_ = false;
+  refused_bound_ = SIZE_MAX;
   base_bound_ = recorded_bound;
 
   // The old arena is empty here (plans are made only when no slot is live). The new one is
@@ -435,7 +437,9 @@ void plan_front::widen_plan() {
   for (std::size_t j = 0; j < slots_.size(); ++j) {
     if (slots_[j].planned) due[j] = std::max(slots_[j].due_at, observed_due_[j]);
   }
-  const auto most = static_cast<std::size_t>(kMaxWidening * static_cast<double>(base_bound_));
+  // Below the bound of a layout the device had no room for (narrow_plan), too.
+  const std::size_t most = std::min(
+      static_cast<std::size_t>(kMaxWidening * static_cast<double>(base_bound_)), refused_bound_ - 1);
   if (!lay_out_again(due, most)) {
     widening_refused_ = true;  // the plan stays as it is; its late frees stay misses
     return;
@@ -443,18 +447,21 @@ void plan_front::widen_plan() {
   ++stats_.widenings;
 }
 
-// The plan, widened for other orders, has no room on the device (ensure_arena): it is laid out
-// again for the recorded order alone, which needs less, and is no longer widened. False when it
-// is not wider than that order.
+// The plan, widened for other orders or for later frees, has no room on the device
+// (ensure_arena): it is laid out again as it was when it last fitted (at first, the recorded order
+// alone). Widening goes on only below the bound of the layout refused, so that a plan tries at most
+// one layout that does not fit beyond its first (observed_due_ keeps the frees that widened it).
+// False when the plan is not wider than what fitted.
 bool plan_front::narrow_plan() {
   std::vector<std::uint32_t> due(slots_.size(), 0);
   bool wider = false;
   for (std::size_t j = 0; j < slots_.size(); ++j) {
-    due[j] = slots_[j].recorded_due;
+    due[j] = slots_[j].fitting_due;
     wider = wider || due[j] != (slots_[j].planned ? slots_[j].due_at : 0);
   }
   if (!wider) return false;
-  widening_refused_ = true;
+  refused_bound_ = std::min(refused_bound_, per_stream_bound(plan_items_, plan_item_slot_, slots_));
+  narrowed_ = true;
   later_frees_ = false;
   lay_out_again(due, SIZE_MAX);
   ++stats_.narrowings;
@@ -878,6 +885,7 @@ bool plan_front::ensure_arena() {
   arena_ = arena;
   arena_bytes_ = open_total;
   installed_ = true;
+  for (slot& s : slots_) s.fitting_due = s.planned ? s.due_at : 0;
   if (fallback_exact_) fallback_exact_(true);
   holes_since_reset_ = holes_since_reset_ || !holes_.empty();
   stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_resident_bytes());
@@ -1829,8 +1837,9 @@ void plan_front::end_iteration() {
   recent_iteration_next_ = (recent_iteration_next_ + 1) % recent_iterations_.size();
   const bool plan_alike = !slots_.empty() && plan_requests_.same_requests(current);
   if (plan_alike) {
-    // (A plan narrowed for want of room is not widened again: it would not fit.)
-    if (widening_refused_ || plan_allows(current)) return;
+    // (A plan narrowed for want of room is not planned again for all the orders seen, which
+    // would not fit either; it may still widen for the later frees of its own iterations.)
+    if (widening_refused_ || narrowed_ || plan_allows(current)) return;
     orders.push_back(plan_shape());  // the plan's requests again, with a free later than it allows
   } else if (!repeated && alike < 2) {
     return;

@@ -145,7 +145,9 @@ class plan_front {
     std::uint32_t lane = 0;     // its stream's lane (lanes_)
     std::uint32_t pos = 0;      // its index in the lane
     std::uint32_t due_at = 0;   // the lane index before whose alloc its planned free happens
-    std::uint32_t recorded_due = 0;  // the same in the recorded order alone (0: not placed)
+    // The same in the last layout installed, or until one is, in the recorded order alone (0: not
+    // placed): what narrow_plan goes back to.
+    std::uint32_t fitting_due = 0;
   };
   // The replay of one stream's slots. Streams share no address in the plan (each has its own
   // region and its own part of every hole), so each stream keeps to the plan on its own: its own
@@ -329,9 +331,11 @@ class plan_front {
   // than planned); later_frees_ when one did since the plan was laid out (widen_plan).
   std::vector<std::uint32_t> observed_due_;
   bool later_frees_ = false;
-  // The frees seen would cost too much, or the device had no room for the wider plan (narrow_plan):
-  // no more widening.
-  bool widening_refused_ = false;
+  bool widening_refused_ = false;  // the frees seen would cost too much: no more widening
+  // The device had no room for a wider layout (narrow_plan): widening goes on only below the
+  // per-stream bound of the smallest one refused.
+  bool narrowed_ = false;
+  std::size_t refused_bound_ = SIZE_MAX;
   std::size_t base_bound_ = 0;     // the recorded order's per-stream bound (kMaxWidening)
   // The re-plan is made only if widening costs little: no order recurred, or the plan there is
   // has these requests (it stays as it is otherwise).

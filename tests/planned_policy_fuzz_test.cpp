@@ -944,7 +944,7 @@ TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactSta
   if (!seeds) return;
   // How often the rarer paths ran: a fuzzer whose workloads stopped reaching them would pass
   // without testing them.
-  int lazy_seeds = 0, unmap_seeds = 0, refusal_seeds = 0;
+  int lazy_seeds = 0, unmap_seeds = 0, refusal_seeds = 0, widen_seeds = 0, narrow_seeds = 0;
   for (std::uint64_t seed = seeds->first; seed < seeds->end(); ++seed) {
     fuzz_run run(seed);
     if (const std::optional<std::string> failure = run.run()) {
@@ -954,10 +954,14 @@ TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactSta
     lazy_seeds += run.plan_stats().lazy_arenas > 0 ? 1 : 0;
     unmap_seeds += run.plan_stats().pressure_unmaps > 0 ? 1 : 0;
     refusal_seeds += run.plan_stats().map_refusals > 0 ? 1 : 0;
+    widen_seeds += run.plan_stats().widenings > 0 ? 1 : 0;
+    narrow_seeds += run.plan_stats().narrowings > 0 ? 1 : 0;
   }
   fuzz::print_passed(*seeds);
   std::printf("[          ] arenas mapped page by page in %d seeds, idle pages unmapped under "
-              "pressure in %d, a page refused in %d\n", lazy_seeds, unmap_seeds, refusal_seeds);
+              "pressure in %d, a page refused in %d; plans widened for later frees in %d, narrowed "
+              "for want of room in %d\n",
+              lazy_seeds, unmap_seeds, refusal_seeds, widen_seeds, narrow_seeds);
   if (seeds->count >= kDefaultSeeds) {
     EXPECT_GT(lazy_seeds, 0) << "no seed reached a lazily mapped arena";
   }

@@ -1476,3 +1476,37 @@ TEST(PlannedPolicy, AWidenedPlanWithNoRoomIsPlannedForTheRecordedOrderAlone) {
       << "b2 misses in every other iteration, nothing else";
   EXPECT_LT(narrow_reserved, static_cast<std::int64_t>(11 * kUnit + kUnit / 4));
 }
+
+// After a narrowing, a plan still widens for the later frees of its own iterations, as long as the
+// result stays below the layout the device refused: here the first three iterations (orders A, B,
+// A) give a widened plan of 11.5 MiB, which an 11.5 MiB device refuses, so the plan is laid out
+// for A (11 MiB). The iterations after them free b2 only after a 64 KiB block c is requested:
+// widened for that (11.06 MiB), the plan fits, and serves them all.
+TEST(PlannedPolicy, ANarrowedPlanStillWidensForLaterFreesThatFit) {
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  int it = 0;
+  const auto body = [&](held_blocks& live, std::mt19937_64&) {
+    void* whole_step = live.get(10 * kUnit);
+    void* b0 = live.get(kUnit / 2 + 8192);
+    void* b1 = live.get(kUnit / 2 + 4096);
+    const bool order_b = it == 1;
+    live.give(order_b ? b0 : b1);
+    void* b2 = live.get(kUnit / 2);
+    live.give(order_b ? b1 : b0);
+    const bool order_c = it >= 3;
+    if (!order_c) live.give(b2);
+    void* c = live.get(kUnit / 16);
+    if (order_c) live.give(b2);
+    live.give(c);
+    live.give(whole_step);
+    ++it;
+  };
+  const auto [s, reserved] = run_marked_iterations(kPlannedExactConf, 1, body, 11 * kUnit + kUnit / 2);
+  EXPECT_EQ(s.plans, 1);
+  EXPECT_EQ(s.narrowings, 1);
+  EXPECT_EQ(s.widenings, 1);
+  EXPECT_EQ(s.lost_iterations, 0);
+  EXPECT_GE(s.iterations, 20);
+  EXPECT_GE(s.planned_hits, s.iterations * 5 - 1) << "c misses once, before the plan widens";
+  EXPECT_LE(reserved, static_cast<std::int64_t>(11 * kUnit + kUnit / 8));
+}

@@ -422,6 +422,11 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
         static_cast<long long>(r.plan.iterations), static_cast<long long>(r.plan.lost_iterations),
         bytes(r.plan.arena_bytes).c_str(), bytes(r.plan.lower_bound_bytes).c_str(),
         static_cast<long long>(r.plan.stream_waits));
+    if (r.plan.widenings > 0 || r.plan.narrowings > 0) {
+      add("                  laid out again for steps that freed its blocks later: %lld time(s); for "
+          "want of room on the device: %lld time(s)\n",
+          static_cast<long long>(r.plan.widenings), static_cast<long long>(r.plan.narrowings));
+    }
     if (r.plan.lazy_arenas > 0) {
       add("                  the device could not hold the arena beside the blocks live at the "
           "boundary: mapped page by page %lld time(s), %lld request(s) found no page\n",
