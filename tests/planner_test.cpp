@@ -1437,6 +1437,24 @@ TEST(PlannedPolicyConcurrent, ThreadsShareOnePlannedAllocator) {
 
 }  // namespace
 
+namespace {
+
+// The start of a step in the two tests below: a 10 MiB block that lives the whole step, then b0
+// and b1, then b2, requested after one of them is freed (b0 when `b0_first`) and before the other.
+// Returns the whole-step block and b2, both live.
+std::pair<void*, void*> step_with_one_late_free(held_blocks& live, bool b0_first) {
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  void* whole_step = live.get(10 * kUnit);
+  void* b0 = live.get(kUnit / 2 + 8192);
+  void* b1 = live.get(kUnit / 2 + 4096);
+  live.give(b0_first ? b0 : b1);
+  void* b2 = live.get(kUnit / 2);
+  live.give(b0_first ? b1 : b0);
+  return {whole_step, b2};
+}
+
+}  // namespace
+
 // A plan allowed for every order seen may need more memory than the device has where the order
 // it was recorded in fits. Here iterations alternate which of b0 and b1 is freed after b2 is
 // requested: the recorded order needs 11 MiB, the widened plan 11.5. On an 11.5 MiB device the
@@ -1448,12 +1466,7 @@ TEST(PlannedPolicy, AWidenedPlanWithNoRoomIsPlannedForTheRecordedOrderAlone) {
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   int it = 0;
   const auto body = [&](held_blocks& live, std::mt19937_64&) {
-    void* whole_step = live.get(10 * kUnit);
-    void* b0 = live.get(kUnit / 2 + 8192);
-    void* b1 = live.get(kUnit / 2 + 4096);
-    live.give(it % 2 == 0 ? b1 : b0);
-    void* b2 = live.get(kUnit / 2);
-    live.give(it % 2 == 0 ? b0 : b1);
+    const auto [whole_step, b2] = step_with_one_late_free(live, it % 2 != 0);
     live.give(b2);
     live.give(whole_step);
     ++it;
@@ -1486,13 +1499,7 @@ TEST(PlannedPolicy, ANarrowedPlanStillWidensForLaterFreesThatFit) {
   constexpr std::size_t kUnit = std::size_t{1} << 20;
   int it = 0;
   const auto body = [&](held_blocks& live, std::mt19937_64&) {
-    void* whole_step = live.get(10 * kUnit);
-    void* b0 = live.get(kUnit / 2 + 8192);
-    void* b1 = live.get(kUnit / 2 + 4096);
-    const bool order_b = it == 1;
-    live.give(order_b ? b0 : b1);
-    void* b2 = live.get(kUnit / 2);
-    live.give(order_b ? b1 : b0);
+    const auto [whole_step, b2] = step_with_one_late_free(live, it == 1);  // order B: it 1
     const bool order_c = it >= 3;
     if (!order_c) live.give(b2);
     void* c = live.get(kUnit / 16);
