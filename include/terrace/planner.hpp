@@ -79,8 +79,9 @@ struct planner_stats {
   /// and the plan was laid out again with those frees at their latest (the allocations are the
   /// same; only the order of frees among them varied, with timing).
   std::int64_t widenings = 0;
-  /// Times a plan so widened had no room on the device, and was laid out again for the order it
-  /// was recorded in alone (it is then widened no more).
+  /// Times a plan so widened (or widened for all the orders seen when it was made) had no room on
+  /// the device, and was laid out again as it last fitted, at first the order it was recorded in
+  /// alone; it widens after that only to less than the layout refused.
   std::int64_t narrowings = 0;
   std::int64_t allocs_under_plan = 0;     ///< allocations while a plan was active
   std::int64_t planned_hits = 0;          ///< of those, served (or, counterfactually, servable) by the plan
