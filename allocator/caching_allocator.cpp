@@ -958,6 +958,11 @@ class allocator_impl {
     }
   }
 
+  void trace_iteration_mark(trace_action a) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (tracing_) trace(a, 0, 0, 0, 0, {});
+  }
+
   void set_tracing(bool on) {
     std::lock_guard<std::mutex> lock(mutex_);
     tracing_ = on;
@@ -1323,11 +1328,13 @@ void caching_allocator::check_invariants() const {
 }
 const allocator_config& caching_allocator::config() const noexcept { return impl_->config(); }
 void caching_allocator::begin_iteration() {
+  impl_->trace_iteration_mark(trace_action::iteration_begin);
   if (!plan_) return;
   std::lock_guard<std::mutex> lock(plan_->mutex());
   plan_->begin_iteration();
 }
 void caching_allocator::end_iteration() {
+  impl_->trace_iteration_mark(trace_action::iteration_end);
   if (!plan_) return;
   std::lock_guard<std::mutex> lock(plan_->mutex());
   plan_->end_iteration();

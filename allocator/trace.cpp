@@ -21,11 +21,12 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr std::array<std::string_view, 9> kActionNames = {
-    "alloc",        "free_requested", "free_completed", "segment_alloc", "segment_free",
-    "segment_map",  "segment_unmap",  "oom",            "snapshot",
+constexpr std::array<std::string_view, 11> kActionNames = {
+    "alloc",        "free_requested", "free_completed", "segment_alloc",   "segment_free",
+    "segment_map",  "segment_unmap",  "oom",            "snapshot",        "iteration_begin",
+    "iteration_end",
 };
-static_assert(static_cast<std::size_t>(trace_action::snapshot) + 1 == kActionNames.size(),
+static_assert(static_cast<std::size_t>(trace_action::iteration_end) + 1 == kActionNames.size(),
               "kActionNames must follow trace_action");
 
 std::string dump(const json& j) {

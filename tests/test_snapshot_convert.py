@@ -162,6 +162,18 @@ class ConvertHandMadeSnapshot(unittest.TestCase):
         self.assertEqual([(e["action"], e["time_us"]) for e in traces[1]],
                          [("alloc", 5000), ("oom", 7000)])
 
+    def test_iteration_marks_are_left_out(self):
+        # terrace's begin/end_iteration marks have no place in PyTorch's trace vocabulary.
+        trace = self.path("marked.jsonl")
+        with open(trace, "w") as f:
+            for action, t in (("iteration_begin", 1000), ("alloc", 2000), ("iteration_end", 3000)):
+                f.write(json.dumps({"action": action, "time_ns": t, "stream": 0,
+                                    "addr": 512 if action == "alloc" else 0,
+                                    "size": 512 if action == "alloc" else 0, "requested": 0,
+                                    "tag": ""}) + "\n")
+        traces = self.convert_file(hand_made_snapshot(), "--trace", trace)["device_traces"]
+        self.assertEqual([e["action"] for e in traces[1]], ["alloc"])
+
     def test_empty_snapshot(self):
         result = self.convert_file({"device": 0, "segments": [], "device_traces": [[]]})
         self.assertEqual(result, {"segments": [], "device_traces": [[]]})

@@ -21,7 +21,8 @@ using json = nlohmann::json;
 const std::vector<trace_action> kAllActions = {
     trace_action::alloc,         trace_action::free_requested, trace_action::free_completed,
     trace_action::segment_alloc, trace_action::segment_free,   trace_action::segment_map,
-    trace_action::segment_unmap, trace_action::oom,            trace_action::snapshot};
+    trace_action::segment_unmap, trace_action::oom,            trace_action::snapshot,
+    trace_action::iteration_begin, trace_action::iteration_end};
 
 std::string read_error_of(const std::string& text) {
   std::istringstream in(text);
@@ -46,10 +47,12 @@ const std::string kGood =
 
 // ------------------------------------------------------------------------------------ actions
 
+// PyTorch's names, and two of terrace's own: the caller's iteration marks.
 TEST(TraceAction, NamesArePyTorchsAndRoundTrip) {
   const std::vector<std::string_view> names = {
-      "alloc",       "free_requested", "free_completed", "segment_alloc", "segment_free",
-      "segment_map", "segment_unmap",  "oom",            "snapshot"};
+      "alloc",       "free_requested", "free_completed", "segment_alloc",   "segment_free",
+      "segment_map", "segment_unmap",  "oom",            "snapshot",        "iteration_begin",
+      "iteration_end"};
   ASSERT_EQ(names.size(), kAllActions.size());
   for (std::size_t i = 0; i < names.size(); ++i) {
     EXPECT_EQ(to_string(kAllActions[i]), names[i]);

@@ -265,6 +265,15 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
         b.ptr = nullptr;
         --held;
       }
+    } else if (e.action == trace_action::iteration_begin || e.action == trace_action::iteration_end) {
+      // The recorded loop's marks: the planner sees the iterations it saw live.
+      ++r.iteration_marks;
+      if (e.action == trace_action::iteration_begin) {
+        alloc.begin_iteration();
+      } else {
+        alloc.end_iteration();
+      }
+      continue;
     } else {
       ++r.skipped_events;
       continue;

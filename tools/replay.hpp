@@ -76,6 +76,7 @@ struct replay_result {
   std::size_t frees = 0;                 ///< free_requested events that freed a replayed block
   std::size_t preexisting_frees = 0;     ///< frees of addresses allocated before the window
   std::size_t failed_alloc_frees = 0;    ///< frees of allocations that had failed with OOM
+  std::size_t iteration_marks = 0;       ///< iteration_begin / iteration_end events, passed on
   std::size_t skipped_events = 0;        ///< events of the other actions
   std::size_t streams = 0;               ///< distinct trace streams seen on alloc/free events
   std::size_t live_at_end = 0;           ///< replayed blocks never freed inside the window

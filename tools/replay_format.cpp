@@ -28,9 +28,14 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
   fmt::format_to(std::back_inserter(out), "replay of {} on the {} device{}{}\n", c.trace_path,
                  r.device, c.expandable ? ", expandable segments" : "",
                  c.conf.empty() ? std::string() : ", conf " + c.conf);
-  line("events", fmt::format("{} in the trace, {} replayed ({} allocs, {} frees), {} other actions skipped",
+  line("events", fmt::format("{} in the trace, {} replayed ({} allocs, {} frees), {}{} other actions "
+                             "skipped",
                              r.events_total, r.events_replayed, r.allocs,
-                             r.frees + r.failed_alloc_frees, r.skipped_events));
+                             r.frees + r.failed_alloc_frees,
+                             r.iteration_marks > 0
+                                 ? fmt::format("{} iteration marks passed on, ", r.iteration_marks)
+                                 : std::string(),
+                             r.skipped_events));
   line("pre-existing frees", fmt::format("{} (freed addresses allocated before the window)",
                                          r.preexisting_frees));
   line("streams", fmt::format("{}", r.streams));
@@ -81,6 +86,7 @@ std::string format_replay_json(const replay_result& r, const replay_context& c) 
   j["frees"] = r.frees;
   j["preexisting_frees"] = r.preexisting_frees;
   j["failed_alloc_frees"] = r.failed_alloc_frees;
+  j["iteration_marks"] = r.iteration_marks;
   j["skipped_events"] = r.skipped_events;
   j["streams"] = r.streams;
   j["live_at_end"] = r.live_at_end;

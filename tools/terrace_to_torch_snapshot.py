@@ -22,6 +22,8 @@ import sys
 _BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
 _TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
                   "segment_map", "segment_unmap", "oom", "snapshot")
+# terrace's own: the caller's begin_iteration / end_iteration. memory_viz does not know them.
+_ITERATION_MARKS = ("iteration_begin", "iteration_end")
 
 
 class SnapshotFormatError(ValueError):
@@ -172,7 +174,8 @@ def convert(snapshot, trace=None):
         where = "device_traces[0]"
     else:
         where = "trace"
-    events = [_torch_event(e, f"{where}[{i}]") for i, e in enumerate(trace)]
+    events = [_torch_event(e, f"{where}[{i}]") for i, e in enumerate(trace)
+              if not (isinstance(e, dict) and e.get("action") in _ITERATION_MARKS)]
     # PyTorch indexes device_traces by device ordinal.
     device_traces = [[] for _ in range(device)] + [events]
     return {"segments": segments, "device_traces": device_traces}

@@ -91,12 +91,16 @@ class caching_allocator {
 
   // ------------------------------------------------ lifetime-aware planning (policy `planned`)
   /// @brief Marks the start of a training iteration. Optional: without it the planner finds the
-  /// repeating iteration itself; once called, only these marks delimit iterations. A no-op unless
-  /// the policy is `planned` or plan_counterfactual is on. Never throws except device_error.
+  /// repeating iteration itself; once called, only these marks delimit iterations. Recorded in
+  /// the trace (iteration_begin) when tracing is on, so that a replay marks the same iterations;
+  /// otherwise a no-op unless the policy is `planned` or plan_counterfactual is on. Never throws
+  /// except device_error.
   void begin_iteration();
-  /// @brief Marks the end of a training iteration (see begin_iteration). An iteration equal to one
-  /// of the last four is planned; equal means each stream made the same requests and frees in
-  /// the same order, however the streams interleaved. @throws terrace::device_error if reserving the arena fails otherwise than OOM.
+  /// @brief Marks the end of a training iteration (see begin_iteration). An iteration is planned
+  /// when it equals one of the last four (each stream made the same requests and frees in the
+  /// same order, however the streams interleaved), or when two of them made the same requests in
+  /// other orders: the plan then allows for each order seen. @throws terrace::device_error if
+  /// reserving the arena fails otherwise than OOM.
   void end_iteration();
   /// @brief What the planner did (enabled = false when it is off).
   planner_stats plan_stats() const;

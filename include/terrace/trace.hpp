@@ -27,6 +27,11 @@ enum class trace_action : std::uint8_t {
   segment_unmap,   ///< pages of an expandable segment were unmapped
   oom,             ///< a request failed; `size` is what was asked, `addr` is 0
   snapshot,        ///< a snapshot was taken at this point
+  /// The caller's begin_iteration() / end_iteration() (terrace's own; not in PyTorch's
+  /// vocabulary). A replay makes the same calls, so that a trace of a marked training loop is
+  /// planned as it was live, and not only from the repetitions found in its allocations.
+  iteration_begin,
+  iteration_end,
 };
 
 /// @brief The action's name as PyTorch spells it ("alloc", "free_requested", ...).
