@@ -1073,6 +1073,27 @@ TEST(PlannedPolicy, AlternatingMarkedIterationsArePlanned) {
   EXPECT_GE(s.planned_hits, 9 * 12);
 }
 
+namespace {
+
+// One marked iteration of the two tests below: the copy stream's three fetches come at another
+// point of the compute stream's twelve requests in each iteration (never the same within four).
+void interleaved_iteration(terrace::caching_allocator& a, held_blocks& live, terrace::stream_ref copy,
+                           terrace::stream_ref compute, int it) {
+  const int shift = it * 5 % 12;
+  a.begin_iteration();
+  std::vector<void*> params;
+  for (int k = 0; k < 12; ++k) {
+    if (k == shift) {
+      for (int j = 0; j < 3; ++j) params.push_back(live.get(std::size_t{2} << 20, copy, ""));
+    }
+    live.give(live.get((std::size_t{256} + 64 * static_cast<std::size_t>(k)) << 10, compute, ""), compute);
+  }
+  for (void* p : params) live.give(p, copy);
+  a.end_iteration();
+}
+
+}  // namespace
+
 // Marked iterations whose two streams interleave differently every time: the copy stream's three
 // fetches come at another point of the compute stream's requests in each iteration (never the
 // same within four), while each stream on its own does the same. Compared as one sequence, no
@@ -1085,18 +1106,7 @@ TEST(PlannedPolicy, MarkedIterationsAreComparedStreamByStream) {
       "policy:planned,plan_min_period:16,min_large_alloc:1,large_round:4096"));
   held_blocks live(a);
   auto iteration = [&](int it) {
-    const int shift = it * 5 % 12;
-    a.begin_iteration();
-    std::vector<void*> params;
-    for (int k = 0; k < 12; ++k) {
-      if (k == shift) {
-        for (int j = 0; j < 3; ++j) params.push_back(live.get(std::size_t{2} << 20, copy, ""));
-      }
-      void* act = live.get((std::size_t{256} + 64 * static_cast<std::size_t>(k)) << 10, compute, "");
-      live.give(act, compute);
-    }
-    for (void* p : params) live.give(p, copy);
-    a.end_iteration();
+    interleaved_iteration(a, live, copy, compute, it);
     ASSERT_NO_THROW(a.check_invariants());
   };
   for (int it = 0; it < 3; ++it) iteration(it);
@@ -1119,19 +1129,7 @@ TEST(PlannedPolicy, ATraceReplaysWithItsIterationMarks) {
   const terrace::stream_ref copy = dev->create_stream(), compute = dev->create_stream();
   terrace::caching_allocator a(*dev, terrace::parse_alloc_conf("record_trace:true,trace_max_events:100000"));
   held_blocks live(a);
-  for (int it = 0; it < 24; ++it) {
-    const int shift = it * 5 % 12;
-    a.begin_iteration();
-    std::vector<void*> params;
-    for (int k = 0; k < 12; ++k) {
-      if (k == shift) {
-        for (int j = 0; j < 3; ++j) params.push_back(live.get(std::size_t{2} << 20, copy, ""));
-      }
-      live.give(live.get((std::size_t{256} + 64 * static_cast<std::size_t>(k)) << 10, compute, ""), compute);
-    }
-    for (void* p : params) live.give(p, copy);
-    a.end_iteration();
-  }
+  for (int it = 0; it < 24; ++it) interleaved_iteration(a, live, copy, compute, it);
   const std::vector<terrace::trace_event> marked = a.snapshot().trace;
   std::vector<terrace::trace_event> unmarked;
   for (const terrace::trace_event& e : marked) {
