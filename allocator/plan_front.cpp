@@ -378,29 +378,35 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   note_totals(last_totals_);
 }
 
+// The plan's items split by stream (sorted by stream), each with the items' indices.
+std::vector<plan_front::stream_group> plan_front::group_by_stream(
+    const std::vector<plan_interval>& items, const std::vector<std::uint32_t>& item_slot,
+    const std::vector<slot>& slots) {
+  std::vector<std::uintptr_t> streams;
+  for (std::uint32_t k : item_slot) streams.push_back(slots[k].stream);
+  std::sort(streams.begin(), streams.end());
+  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
+  std::vector<stream_group> groups(streams.size());
+  for (std::size_t j = 0; j < items.size(); ++j) {
+    const auto g = std::lower_bound(streams.begin(), streams.end(), slots[item_slot[j]].stream);
+    stream_group& group = groups[static_cast<std::size_t>(g - streams.begin())];
+    group.items.push_back(items[j]);
+    group.index.push_back(j);
+  }
+  return groups;
+}
+
 // One region per stream: an address is reused only in that stream's order.
 placement_plan plan_front::place_by_stream(const std::vector<plan_interval>& items,
                                            const std::vector<std::uint32_t>& item_slot,
                                            const std::vector<slot>& slots,
                                            std::string& heuristic) const {
-  std::vector<std::uintptr_t> streams;
-  for (std::uint32_t k : item_slot) streams.push_back(slots[k].stream);
-  std::sort(streams.begin(), streams.end());
-  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
   placement_plan whole;
   whole.offsets.assign(items.size(), 0);
-  for (std::uintptr_t st : streams) {
-    std::vector<plan_interval> group;
-    std::vector<std::size_t> index;
-    for (std::size_t j = 0; j < items.size(); ++j) {
-      if (slots[item_slot[j]].stream == st) {
-        group.push_back(items[j]);
-        index.push_back(j);
-      }
-    }
-    const placement_plan part = plan_placement(group, kRound);
-    for (std::size_t g = 0; g < group.size(); ++g) {
-      whole.offsets[index[g]] = whole.arena_bytes + part.offsets[g];
+  for (const stream_group& group : group_by_stream(items, item_slot, slots)) {
+    const placement_plan part = plan_placement(group.items, kRound);
+    for (std::size_t g = 0; g < group.items.size(); ++g) {
+      whole.offsets[group.index[g]] = whole.arena_bytes + part.offsets[g];
     }
     whole.arena_bytes += part.arena_bytes;
     if (heuristic.find(part.heuristic) == std::string::npos) {
@@ -413,17 +419,9 @@ placement_plan plan_front::place_by_stream(const std::vector<plan_interval>& ite
 std::size_t plan_front::per_stream_bound(const std::vector<plan_interval>& items,
                                          const std::vector<std::uint32_t>& item_slot,
                                          const std::vector<slot>& slots) const {
-  std::vector<std::uintptr_t> streams;
-  for (std::uint32_t k : item_slot) streams.push_back(slots[k].stream);
-  std::sort(streams.begin(), streams.end());
-  streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
   std::size_t bound = 0;
-  for (std::uintptr_t st : streams) {
-    std::vector<plan_interval> group;
-    for (std::size_t j = 0; j < items.size(); ++j) {
-      if (slots[item_slot[j]].stream == st) group.push_back(items[j]);
-    }
-    bound += max_live_bytes(group, kRound);
+  for (const stream_group& group : group_by_stream(items, item_slot, slots)) {
+    bound += max_live_bytes(group.items, kRound);
   }
   return bound;
 }

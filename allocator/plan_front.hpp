@@ -220,6 +220,13 @@ class plan_front {
   void reset_recording();
   void detect_steady_state();
   void make_plan(std::size_t lo, std::size_t hi);
+  struct stream_group {
+    std::vector<plan_interval> items;
+    std::vector<std::size_t> index;  // each item's index in the whole list
+  };
+  static std::vector<stream_group> group_by_stream(const std::vector<plan_interval>& items,
+                                                   const std::vector<std::uint32_t>& item_slot,
+                                                   const std::vector<slot>& slots);
   placement_plan place_by_stream(const std::vector<plan_interval>& items,
                                  const std::vector<std::uint32_t>& item_slot,
                                  const std::vector<slot>& slots, std::string& heuristic) const;
