@@ -293,11 +293,11 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   if (!replan_orders_.empty() &&
       static_cast<double>(per_stream_bound(items, item_slot, slots)) >
           kMaxWidening * static_cast<double>(recorded_bound)) {
-    // The orders seen vary too much to plan for all of them: plan the recorded order alone if it
-    // recurred, else nothing (the caching allocator serves these iterations, or the plan there is
-    // goes on serving them as it did).
+    // The orders seen vary too much to plan for all of them (none recurred, or the plan there is
+    // was outrun by a later free): nothing is planned; the caching allocator serves these
+    // iterations, or the plan there is goes on serving them as it did. (A recurring order comes
+    // here with no other orders: end_iteration plans it as recorded.)
     replan_orders_.clear();
-    if (!replan_needs_widening_) return make_plan(lo, hi);
     replan_pending_ = false;
     return;
   }
@@ -1850,7 +1850,6 @@ void plan_front::end_iteration() {
   }
   replan_pending_ = true;
   replan_orders_ = std::move(orders);
-  replan_needs_widening_ = !repeated || plan_alike;
   replan_lo_ = lo;
   replan_hi_ = hi;
   if (arena_quiet()) make_plan(lo, hi);

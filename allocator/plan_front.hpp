@@ -344,9 +344,6 @@ class plan_front {
   bool narrowed_ = false;
   std::size_t refused_bound_ = SIZE_MAX;
   std::size_t base_bound_ = 0;     // the recorded order's per-stream bound (kMaxWidening)
-  // The re-plan is made only if widening costs little: no order recurred, or the plan there is
-  // has these requests (it stays as it is otherwise).
-  bool replan_needs_widening_ = false;
   // Resynchronisation after a deviation: the lead lane's stream's last tokens before the
   // boundary (anchor_len_ of them, hashed), and the last ones seen while seeking (a ring).
   static constexpr std::size_t kAnchorTokens = 16;
