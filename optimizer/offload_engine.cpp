@@ -879,6 +879,8 @@ struct offload_engine::impl {
     s.device_to_host_bytes = tiers_after.device_to_host_bytes - tiers_before.device_to_host_bytes;
     s.nvme_read_bytes = (tiers_after.nvme_read_bytes - tiers_before.nvme_read_bytes) + u.nvme_read;
     s.nvme_write_bytes = (tiers_after.nvme_write_bytes - tiers_before.nvme_write_bytes) + u.nvme_write;
+    s.prefetch_hits = tiers_after.prefetch_hits - tiers_before.prefetch_hits;
+    s.demand_fetches = tiers_after.demand_fetches - tiers_before.demand_fetches;
     const double moved = static_cast<double>(s.host_to_device_bytes + s.device_to_host_bytes);
     if (options.copy_bandwidth > 0 && moved > 0) {
       s.transfer_seconds = moved / options.copy_bandwidth;

@@ -758,29 +758,32 @@ TEST(OffloadEngineFaults, ACheckpointAfterAFailedStepCommitsOnlyWholeSteps) {
   }
 }
 
-TEST(OffloadEngine, FastCopiesHideBehindCompute) {
+// Overlap, asserted by what makes it possible rather than by a stopwatch: once the first step has
+// recorded the schedule, every parameter a step acquires was already on its way up (a prefetch
+// hit), so no copy is started at the moment compute needs it. That the copy stream then runs while
+// compute does is TierManager.PrefetchedCopiesRunWhileComputeDoes; how much copy time this hides
+// at each bandwidth, a timing on a shared machine, is bench_train's figure (docs/offload.md).
+TEST(OffloadEngine, EveryCopyAfterTheFirstStepIsStartedAheadOfUse) {
   testing::scratch_dir dir("engine-overlap");
   train_options o = offloaded(dir.path(), 8);
   o.model.width = 512;
-  // Enough rows that a layer's GEMMs outlast its copies several times over: what is measured is
-  // the scheduling, not a machine too slow to compute.
-  o.model.batch = 256;
   const std::size_t block = 512 * 513;
+  // Room for three blocks' parameters: the nine layers' tensors (embedding, input, six blocks,
+  // output) cannot all stay on the device, so every step copies most of them up again.
   o.device_memory = tools::char_model_activation_bytes(o.model) + (1u << 20) + 3 * block * 6 +
                     (512u << 10);
   o.host_budget = 0;
   o.optimizer_host_budget = SIZE_MAX;
   o.copy_bandwidth = 50e9;
   const train_result r = tools::run_train(o);
-  double exposed = 0, fb = 0;
-  for (std::size_t i = 2; i < r.steps.size(); ++i) {  // after the schedule is recorded
-    exposed += r.steps[i].exposed_transfer_seconds;
-    fb += r.steps[i].forward_backward_seconds;
-    EXPECT_GT(r.steps[i].transfer_seconds, 0.0);
+  ASSERT_EQ(r.steps.size(), 8u);
+  EXPECT_GT(r.steps[0].demand_fetches, 0) << "the first step records the schedule";
+  for (std::size_t i = 1; i < r.steps.size(); ++i) {
+    EXPECT_EQ(r.steps[i].demand_fetches, 0) << "step " << i + 1;
+    EXPECT_GT(r.steps[i].prefetch_hits, 0) << "step " << i + 1;
+    EXPECT_GT(r.steps[i].host_to_device_bytes, 0) << "step " << i + 1;
   }
-  EXPECT_GT(r.tiers.prefetch_hits, 0);
-  EXPECT_LE(exposed, 0.25 * fb) << "exposed " << exposed << " s of " << fb
-                                << " s forward+backward";
+  EXPECT_EQ(r.tiers.schedule_misses, 0);
 }
 
 }  // namespace

@@ -171,6 +171,11 @@ struct offload_step_stats {
   std::int64_t device_to_host_bytes = 0;
   std::int64_t nvme_read_bytes = 0;
   std::int64_t nvme_write_bytes = 0;
+  /// Acquires of this step that found their tensor brought up ahead of use (tier_stats), and
+  /// those that had to start their own copy up: after the step that records the schedule, a
+  /// demand fetch is a copy that could not hide behind compute.
+  std::int64_t prefetch_hits = 0;
+  std::int64_t demand_fetches = 0;
   /// Seconds the host waited on the compute stream for copies (layered_model::wait_seconds).
   double exposed_transfer_seconds = 0;
   /// (host_to_device + device_to_host bytes) / copy_bandwidth: how long the copies occupy the
