@@ -10,9 +10,9 @@
 #
 # The sanitizer builds leave out CUDA and the benchmarks: neither adds a test, the sanitizers
 # cannot see into the CUDA runtime anyway, and skipping them keeps the whole run well inside its
-# 25-minute budget on two cores (about 3 minutes from clean on two idle cores; several times that
-# when other builds share them). Every stage runs even after a failure, so that one run reports
-# everything (hence no `set -e`); the exit status is non-zero if any stage failed.
+# 25-minute budget on two cores (10 minutes from clean, builds included, on two idle cores on
+# 2026-11-24; more when other builds share them). Every stage runs even after a failure, so that
+# one run reports everything (hence no `set -e`); the exit status is non-zero if any stage failed.
 #
 # Environment: TERRACE_BUILD_DIR (default build; the sanitizer folders take its name plus -asan
 # and -tsan), TERRACE_JOBS (parallel jobs, default: the number of cores).
