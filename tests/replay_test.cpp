@@ -13,6 +13,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <set>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -213,6 +214,35 @@ TEST(TraceGenerator, ShapeOptionsShapeTheTrace) {
   EXPECT_GT(new_sizes, 10u);
 }
 
+// Length buckets: every iteration after the first has one of the bucket lengths (seen in the
+// positions buffer, seq * 8 bytes), each bucket comes up; with marks, each iteration is wrapped in
+// iteration_begin / iteration_end, and the replay makes the same calls.
+TEST(TraceGenerator, LengthBucketsAndIterationMarks) {
+  auto o = small_model();
+  o.dynamic_iterations = 0;
+  o.iterations = 24;
+  o.length_buckets = 3;
+  o.mark_iterations = true;
+  const auto events = tg::generate_training_trace(o);
+  std::vector<std::size_t> lengths;
+  int begins = 0, ends = 0;
+  for (const auto& e : events) {
+    if (e.action == trace_action::alloc && e.tag == "pos_ids") lengths.push_back(e.requested / 8);
+    begins += e.action == trace_action::iteration_begin ? 1 : 0;
+    ends += e.action == trace_action::iteration_end ? 1 : 0;
+  }
+  ASSERT_EQ(lengths.size(), 24u);
+  EXPECT_EQ(lengths[0], o.seq_len);
+  const std::set<std::size_t> buckets = {o.seq_len / 3 / 8 * 8, o.seq_len * 2 / 3 / 8 * 8, o.seq_len};
+  EXPECT_EQ(std::set<std::size_t>(lengths.begin(), lengths.end()), buckets);
+  EXPECT_EQ(begins, 24);
+  EXPECT_EQ(ends, 24);
+  EXPECT_EQ(events.front().action, trace_action::alloc) << "the parameters, before any iteration";
+  EXPECT_EQ(events.back().action, trace_action::iteration_end);
+  const auto r = terrace::tools::replay(events, {});
+  EXPECT_EQ(r.iteration_marks, 48u);
+}
+
 TEST(TraceGenerator, RejectsBadOptions) {
   auto o = small_model();
   o.layers = 0;
@@ -233,6 +263,13 @@ TEST(TraceGenerator, RejectsBadOptions) {
   }
   o = small_model();
   o.comm_stream = o.compute_stream;
+  EXPECT_THROW(tg::generate_training_trace(o), terrace::logic_error);
+  o = small_model();
+  o.length_buckets = -1;
+  EXPECT_THROW(tg::generate_training_trace(o), terrace::logic_error);
+  o = small_model();
+  o.dynamic_iterations = 1;
+  o.length_buckets = 2;  // one or the other
   EXPECT_THROW(tg::generate_training_trace(o), terrace::logic_error);
 }
 

@@ -83,6 +83,9 @@ class recorder {
     free(alloc(bytes, stream, std::move(tag)));
   }
 
+  // The caller's iteration mark (no block).
+  void mark(trace_action action) { emit(action, block{}, {}); }
+
   std::vector<trace_event> take() { return std::move(events_); }
 
  private:
@@ -157,7 +160,11 @@ class training_job {
   std::vector<trace_event> run() {
     const std::vector<std::size_t> seq_lens = plan_sequence_lengths();
     for (const param& p : params_) param_blocks_.push_back(alloc_c(p.numel * o_.element_size, p.name));
-    for (int it = 0; it < o_.iterations; ++it) iteration(seq_lens[static_cast<std::size_t>(it)]);
+    for (int it = 0; it < o_.iterations; ++it) {
+      if (o_.mark_iterations) rec_.mark(trace_action::iteration_begin);
+      iteration(seq_lens[static_cast<std::size_t>(it)]);
+      if (o_.mark_iterations) rec_.mark(trace_action::iteration_end);
+    }
     return rec_.take();
   }
 
@@ -165,6 +172,14 @@ class training_job {
   // Iteration 0 always has the nominal length: the warm-up that a planner would learn from.
   std::vector<std::size_t> plan_sequence_lengths() {
     std::vector<std::size_t> lens(static_cast<std::size_t>(o_.iterations), o_.seq_len);
+    if (o_.length_buckets > 0) {
+      const auto n = static_cast<std::size_t>(o_.length_buckets);
+      for (std::size_t it = 1; it < lens.size(); ++it) {
+        const std::size_t k = rng_.between(1, n);
+        lens[it] = std::max<std::size_t>(8, o_.seq_len * k / n / 8 * 8);
+      }
+      return lens;
+    }
     std::vector<std::size_t> candidates;
     for (int it = 1; it < o_.iterations; ++it) candidates.push_back(static_cast<std::size_t>(it));
     for (std::size_t k = 0; k < static_cast<std::size_t>(o_.dynamic_iterations); ++k) {
@@ -440,6 +455,9 @@ void validate(const training_trace_options& o) {
   TERRACE_EXPECTS(o.dynamic_iterations >= 0 && o.dynamic_iterations < o.iterations,
                   "trace generator: dynamic_iterations must be in [0, iterations - 1] (iteration 0 "
                   "keeps the nominal sequence length)");
+  TERRACE_EXPECTS(o.length_buckets >= 0, "trace generator: length_buckets must not be negative");
+  TERRACE_EXPECTS(o.length_buckets == 0 || o.dynamic_iterations == 0,
+                  "trace generator: length_buckets and dynamic_iterations exclude each other");
   TERRACE_EXPECTS(o.compute_stream != o.comm_stream,
                   "trace generator: compute_stream and comm_stream must differ");
 }

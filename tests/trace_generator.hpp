@@ -14,7 +14,8 @@
 ///     parameter gradients; gradient buckets (created during the first backward, then kept) whose
 ///     all-reduce scratch lives on a separate communication stream; optimizer temporaries; and
 ///     zero_grad(set_to_none) freeing the parameter gradients.
-///   - optionally a few dynamic-shape iterations with another sequence length.
+///   - optionally a few dynamic-shape iterations with another sequence length, or every iteration's
+///     length drawn from a few buckets; optionally the caller's iteration marks.
 /// Addresses are reused the way a caching allocator reuses them (a freed block's address serves the
 /// next request of the same rounded size), so live blocks never overlap.
 #pragma once
@@ -38,6 +39,13 @@ struct training_trace_options {
   /// How many iterations after the first use another sequence length (between half and 1.5 times
   /// seq_len, a multiple of 8), chosen by the seed.
   int dynamic_iterations = 0;
+  /// When > 0, every iteration after the first draws its sequence length from this many buckets,
+  /// seq_len * k / length_buckets for k = 1 .. length_buckets (multiples of 8), as a job that
+  /// batches text by length does. Not with dynamic_iterations.
+  int length_buckets = 0;
+  /// Wraps each iteration in iteration_begin / iteration_end events, as a framework that calls
+  /// terrace_begin_iteration / terrace_end_iteration records them.
+  bool mark_iterations = false;
   std::uint64_t seed = 1;
   std::size_t element_size = 2;    ///< bytes per activation / parameter element (bf16)
   std::size_t bucket_bytes = 25u << 20;  ///< gradient bucket capacity (DDP's default 25 MiB)
@@ -52,7 +60,8 @@ struct training_trace_options {
 /// @brief The whole trace, oldest event first. Every alloc has size = requested rounded up to
 /// 512 B. Parameters, optimizer state and gradient buckets stay live at the end.
 /// @throws terrace::logic_error for non-positive layers / iterations / sizes, dynamic_iterations
-/// outside [0, iterations - 1], element_size 0, or equal compute and comm streams.
+/// outside [0, iterations - 1], negative length_buckets or both options, element_size 0, or equal
+/// compute and comm streams.
 std::vector<trace_event> generate_training_trace(const training_trace_options& options);
 
 }  // namespace terrace::tracegen

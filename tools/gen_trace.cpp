@@ -36,6 +36,13 @@ int main(int argc, char** argv) {
   app.add_option("--dynamic", o.dynamic_iterations,
                  "iterations after the first that use another sequence length")
       ->capture_default_str();
+  app.add_option("--length-buckets", o.length_buckets,
+                 "every iteration after the first draws its sequence length from this many "
+                 "buckets (seq-len * k / N, k = 1..N); not with --dynamic")
+      ->capture_default_str();
+  app.add_flag("--mark-iterations", o.mark_iterations,
+               "record iteration_begin / iteration_end around each iteration, as a caller of "
+               "terrace_begin_iteration / terrace_end_iteration does");
   app.add_option("--seed", o.seed, "random seed (same seed, same trace)")->capture_default_str();
   app.add_option("--element-size", o.element_size, "bytes per element (2 = bf16)")
       ->capture_default_str();
