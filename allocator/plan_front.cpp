@@ -28,6 +28,7 @@
 #include "allocator/plan_front.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <functional>
 #include <string>
@@ -53,6 +54,17 @@ constexpr std::uint32_t kMaxMissLoans = 2;
 // out: kFirstSuspension iterations, doubling up to kMaxSuspension while it keeps failing; as many
 // iterations kept in a row restore the first length.
 constexpr std::uint32_t kMaxLostInRow = 3;
+// ... or that leave it this often among the last kOutcomeWindow (iterations of two shapes drawn at
+// random: the plan fits one, the other leaves it every other iteration, and each loss empties the
+// fallback's cache when the plan comes back; planning.md, "Iterations of several shapes").
+constexpr int kOutcomeWindow = 8;
+constexpr int kMaxLostInWindow = 4;
+// Changes of shape among the last 16 marked iterations that make a re-plan for another shape
+// alternation rather than a new phase (plan_front::shape_changes).
+constexpr std::size_t kMinShapeChanges = 4;
+// The shape noted for an iteration that left the plan part way (not recorded whole): not the
+// plan's, otherwise unknown.
+constexpr std::uint64_t kUnknownShape = 1;
 constexpr std::uint32_t kFirstSuspension = 8;
 constexpr std::uint32_t kMaxSuspension = 1024;
 // A plan that allows for every order of frees seen may need more memory than the order it was
@@ -351,7 +363,14 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
+  const std::uint64_t old_requests = plan_requests_.requests_hash;
   plan_requests_ = explicit_ ? shape_of(lo, hi) : iteration_shape{};
+  if (explicit_ && plan_requests_.requests_hash != old_requests && suspend_left_ > 0 &&
+      !set_aside_for_shapes_ && shape_changes() < kMinShapeChanges) {
+    // The old plan was set aside for the iterations it lost, which were of this new shape (a
+    // phase of another shape: an evaluation, say): the new plan starts at once.
+    end_suspension();
+  }
   replan_orders_.clear();
   plan_period_ = hi - lo;
   // The anchor: the lead stream's last tokens before the boundary (its own order; the other
@@ -948,12 +967,22 @@ void* plan_front::reserve_lazy_arena(std::size_t bytes) {
 void plan_front::note_lost_iteration() {
   ++stats_.lost_iterations;
   kept_in_row_ = 0;
-  if (++lost_in_row_ < kMaxLostInRow) return;
+  outcomes_ = (outcomes_ << 1) | 1u;
+  const auto lost_lately = std::popcount(outcomes_ & ((1u << kOutcomeWindow) - 1));
+  if (++lost_in_row_ < kMaxLostInRow && lost_lately < kMaxLostInWindow) return;
+  set_aside();
+}
+
+// The caching allocator serves every iteration for a while (suspend_left_), a while that doubles
+// each time the plan is set aside again without kFirstSuspension iterations kept in between, and
+// is at least `at_least` iterations.
+void plan_front::set_aside(std::uint32_t at_least) {
   lost_in_row_ = 0;
+  outcomes_ = 0;
   ++stats_.suspensions;
   // Set aside, the caching allocator serves everything: with its own segment sizes again.
   if (fallback_exact_) fallback_exact_(false);
-  suspend_left_ = suspend_next_;
+  suspend_left_ = std::max(suspend_next_, at_least);
   suspend_next_ = std::min(suspend_next_ * 2, kMaxSuspension);
 }
 
@@ -962,6 +991,7 @@ void plan_front::note_lost_iteration() {
 void plan_front::count_iteration() {
   if (mode_ == mode::in_sync) {  // the last iteration kept to the plan
     lost_in_row_ = 0;
+    outcomes_ <<= 1;
     if (++kept_in_row_ >= kFirstSuspension) suspend_next_ = kFirstSuspension;
   }
   iteration_deviated_ = false;
@@ -1013,7 +1043,7 @@ bool plan_front::lanes_done() const noexcept {
 // caller's begin_iteration).
 void plan_front::start_iteration() {
   if (suspend_left_ > 0) {  // set aside: the fallback serves this iteration too
-    --suspend_left_;
+    if (--suspend_left_ == 0) set_aside_for_shapes_ = false;
     mode_ = mode::seeking;
     return;
   }
@@ -1803,10 +1833,15 @@ void plan_front::begin_iteration() {
 void plan_front::end_iteration() {
   explicit_ = true;
   if (mode_ == mode::in_sync) {
-    if (!lanes_done()) deviate();
+    const bool kept = lanes_done();
+    note_shape(kept ? plan_requests_.requests_hash : kUnknownShape);
+    if (!kept) deviate();
     return;
   }
-  if (explicit_begin_ == SIZE_MAX) return;  // the recording does not cover a whole iteration
+  if (explicit_begin_ == SIZE_MAX) {  // the recording does not cover a whole iteration
+    note_shape(kUnknownShape);
+    return;
+  }
   const std::size_t lo = explicit_begin_, hi = tokens_.size();
   if (hi == lo) return;
   // Iterations are compared stream by stream: a training step's streams interleave in ways that
@@ -1833,6 +1868,10 @@ void plan_front::end_iteration() {
   recent_iterations_[recent_iteration_next_] = {h, hi - lo, std::move(shape)};
   const iteration_shape& current = recent_iterations_[recent_iteration_next_].shape;
   recent_iteration_next_ = (recent_iteration_next_ + 1) % recent_iterations_.size();
+  note_shape(current.requests_hash);
+  // Set aside because shapes alternated, and the last 16 iterations were all of one shape: that
+  // shape is planned again (a short run of one shape among random ones is no such run).
+  if (set_aside_for_shapes_ && shape_changes() == 0) end_suspension();
   const bool plan_alike = !slots_.empty() && plan_requests_.same_requests(current);
   if (plan_alike) {
     // (A plan narrowed for want of room is not planned again for all the orders seen, which
@@ -1848,11 +1887,53 @@ void plan_front::end_iteration() {
     // widen it in sync, as they are seen.
     orders.clear();
   }
+  if (!slots_.empty() && !plan_alike && shape_changes() >= kMinShapeChanges) {
+    // A re-plan for other requests while the iterations' shape keeps changing: iterations of
+    // several shapes alternate. Planning each in turn would lay out, reserve and release an arena
+    // at every change of shape, and lose the iterations of the other shapes meanwhile
+    // (planning.md, "Iterations of several shapes"). The caching allocator serves them until 16
+    // iterations in a row are of one shape (or 1024 have passed): one plan cannot serve such a
+    // run, and each return to planning would cost that churn again. (Lost iterations are not
+    // recorded, so this is usually seen while the plan is already set aside for them: the
+    // suspension is lengthened.)
+    if (suspend_left_ == 0) {
+      set_aside(kMaxSuspension);
+    } else {
+      suspend_left_ = std::max(suspend_left_, kMaxSuspension);
+    }
+    if (!set_aside_for_shapes_) ++stats_.shape_alternations;
+    set_aside_for_shapes_ = true;
+    return;
+  }
   replan_pending_ = true;
   replan_orders_ = std::move(orders);
   replan_lo_ = lo;
   replan_hi_ = hi;
   if (arena_quiet()) make_plan(lo, hi);
+}
+
+// Changes of requests between consecutive marked iterations among the last recent_shapes_.size():
+// a phase of another shape has two (into it and out of it), shapes drawn at random many.
+std::size_t plan_front::shape_changes() const noexcept {
+  std::size_t changes = 0;
+  for (std::size_t i = 1; i < recent_shapes_.size(); ++i) {
+    const std::uint64_t a = recent_shapes_[(recent_shape_next_ + i - 1) % recent_shapes_.size()];
+    const std::uint64_t b = recent_shapes_[(recent_shape_next_ + i) % recent_shapes_.size()];
+    if (a != 0 && a != b) ++changes;
+  }
+  return changes;
+}
+
+void plan_front::note_shape(std::uint64_t requests) noexcept {
+  recent_shapes_[recent_shape_next_] = requests;
+  recent_shape_next_ = (recent_shape_next_ + 1) % recent_shapes_.size();
+}
+
+void plan_front::end_suspension() noexcept {
+  suspend_left_ = 0;
+  set_aside_for_shapes_ = false;
+  lost_in_row_ = 0;
+  outcomes_ = 0;
 }
 
 void plan_front::note_totals(const fallback_totals& t) noexcept {

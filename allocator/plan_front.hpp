@@ -244,6 +244,10 @@ class plan_front {
   void deviate();
   void note_deviation() noexcept;
   void note_lost_iteration();
+  void set_aside(std::uint32_t at_least = 0);
+  std::size_t shape_changes() const noexcept;
+  void note_shape(std::uint64_t requests) noexcept;
+  void end_suspension() noexcept;
   void start_iteration();
   void start_lane(lane& l);
   void wrap_lane(lane& l);
@@ -334,6 +338,14 @@ class plan_front {
   // Guest blocks (lend_arena_space), sorted by address: (addr, rounded size).
   std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
   iteration_shape plan_requests_;  // the recorded iteration the plan was made from (marked)
+  // The requests (iteration_shape::requests_hash) of the last marked iterations, a ring (0:
+  // none; an iteration in sync counts as the plan's, one lost part way as kUnknownShape). A re-plan for other requests while they keep changing (kMinShapeChanges among the last
+  // 16) means iterations of several shapes alternate (sequence-length buckets drawn at random):
+  // one plan at a time would be laid out again at each change, so the planner is set aside
+  // until 16 iterations in a row are of one shape. (A phase of another shape, as an evaluation
+  // between training steps, is planned.)
+  std::array<std::uint64_t, 16> recent_shapes_{};
+  std::size_t recent_shape_next_ = 0;
   // Per slot: the latest lane index before which an iteration in sync freed it (0: never later
   // than planned); later_frees_ when one did since the plan was laid out (widen_plan).
   std::vector<std::uint32_t> observed_due_;
@@ -411,8 +423,11 @@ class plan_front {
   std::vector<std::uint32_t> freed_gen_;  // per slot: its lane's generation in which it was freed
   std::vector<std::uint32_t> taken_gen_;  // per slot: ... in which it was handed out
   std::uint32_t lost_in_row_ = 0;         // iterations in a row that left the plan
+  std::uint32_t outcomes_ = 0;            // the last iterations under the plan, newest in bit 0:
+                                          // 1 = it left the plan
   std::uint32_t kept_in_row_ = 0;         // iterations in a row that kept to it
   std::uint32_t suspend_left_ = 0;        // iterations the plan still sits out
+  bool set_aside_for_shapes_ = false;     // ... because shapes alternate (shape_changes)
   std::uint32_t suspend_next_ = 8;        // the next suspension's length (kFirstSuspension)
   std::size_t slot_live_ = 0;             // live blocks holding a plan slot (arena or virtual)
   std::size_t arena_live_bytes_ = 0;

@@ -224,12 +224,12 @@ void check_placement(const std::vector<plan_interval>& items, const placement_pl
 }
 
 std::string to_json(const planner_stats& s) {
-  char buf[1536];
+  char buf[2048];
   std::snprintf(
       buf, sizeof buf,
       "{\"plan.enabled\":%s,\"plan.counterfactual\":%s,\"plan.active\":%s,\"plan.plans\":%lld,"
       "\"plan.replans\":%lld,\"plan.iterations\":%lld,\"plan.deviating_iterations\":%lld,"
-      "\"plan.lost_iterations\":%lld,\"plan.suspensions\":%lld,\"plan.widenings\":%lld,\"plan.narrowings\":%lld,"
+      "\"plan.lost_iterations\":%lld,\"plan.suspensions\":%lld,\"plan.shape_alternations\":%lld,\"plan.widenings\":%lld,\"plan.narrowings\":%lld,"
       "\"plan.allocs_under_plan\":%lld,\"plan.hits\":%lld,\"plan.unplanned_allocs\":%lld,"
       "\"plan.deviations\":%lld,\"plan.period_allocs\":%lld,\"plan.planned_slots\":%lld,"
       "\"plan.arena_bytes\":%lld,\"plan.lower_bound_bytes\":%lld,"
@@ -241,7 +241,8 @@ std::string to_json(const planner_stats& s) {
       s.active ? "true" : "false", static_cast<long long>(s.plans),
       static_cast<long long>(s.replans), static_cast<long long>(s.iterations),
       static_cast<long long>(s.deviating_iterations), static_cast<long long>(s.lost_iterations),
-      static_cast<long long>(s.suspensions), static_cast<long long>(s.widenings),
+      static_cast<long long>(s.suspensions), static_cast<long long>(s.shape_alternations),
+      static_cast<long long>(s.widenings),
       static_cast<long long>(s.narrowings),
       static_cast<long long>(s.allocs_under_plan),
       static_cast<long long>(s.planned_hits), static_cast<long long>(s.unplanned_allocs),

@@ -72,9 +72,16 @@ struct planner_stats {
   std::int64_t iterations = 0;   ///< iterations run under a plan
   std::int64_t deviating_iterations = 0;  ///< of those, iterations with at least one deviation
   std::int64_t lost_iterations = 0;  ///< of those, iterations that left the plan for the fallback
-  /// Times the plan was set aside (iterations kept leaving it): it then sits out 8, 16, 32, ...
-  /// iterations, during which the caching allocator serves everything, before it is tried again.
+  /// Times the plan was set aside (three iterations in a row, or four of the last eight, left
+  /// it): it then sits out 8, 16, 32, ... iterations, during which the caching allocator serves
+  /// everything, before it is tried again. A plan made meanwhile for iterations of another shape
+  /// (a new phase) ends the wait.
   std::int64_t suspensions = 0;
+  /// Times marked iterations of several shapes were found to alternate (a re-plan for other
+  /// requests while the shape changed at least 4 times in the last 16 iterations): one plan at a
+  /// time cannot serve them, and the plan was set aside until 16 iterations in a row are of one
+  /// shape (1024 at most).
+  std::int64_t shape_alternations = 0;
   /// Times marked iterations kept to the plan but freed some of its blocks later than it allowed,
   /// and the plan was laid out again with those frees at their latest (the allocations are the
   /// same; only the order of frees among them varied, with timing).
