@@ -339,11 +339,12 @@ class plan_front {
   std::vector<std::pair<std::uintptr_t, std::size_t>> guests_;
   iteration_shape plan_requests_;  // the recorded iteration the plan was made from (marked)
   // The requests (iteration_shape::requests_hash) of the last marked iterations, a ring (0:
-  // none; an iteration in sync counts as the plan's, one lost part way as kUnknownShape). A re-plan for other requests while they keep changing (kMinShapeChanges among the last
-  // 16) means iterations of several shapes alternate (sequence-length buckets drawn at random):
-  // one plan at a time would be laid out again at each change, so the planner is set aside
-  // until 16 iterations in a row are of one shape. (A phase of another shape, as an evaluation
-  // between training steps, is planned.)
+  // none; an iteration in sync counts as the plan's, one lost part way as kUnknownShape). A
+  // re-plan for other requests while they keep changing (kMinShapeChanges among the last 16)
+  // means iterations of several shapes alternate (sequence-length buckets drawn at random): one
+  // plan at a time would be laid out again at each change, so the planner is set aside until 16
+  // iterations in a row are of one shape. (A phase of another shape, as an evaluation between
+  // training steps, is planned.)
   std::array<std::uint64_t, 16> recent_shapes_{};
   std::size_t recent_shape_next_ = 0;
   // Per slot: the latest lane index before which an iteration in sync freed it (0: never later

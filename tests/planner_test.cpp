@@ -1395,9 +1395,10 @@ TEST(PlannedPolicy, APlanThatLosesEveryOtherIterationIsSetAside) {
 // Iterations of two lengths drawn at random (sequence-length buckets). One plan at a time cannot
 // serve them: each length recurs, is planned, and is lost at the next change. A re-plan while
 // the length keeps changing sets the planner aside until 16 iterations in a row have one length,
-// and the caching allocator serves both lengths from its cache. Before, the plan changed at nearly every change
-// of length: 129 plans and 117 device allocations in the last 300 of 400 iterations (a probe of
-// the same kind; planning.md), against none now. Once one length remains, it is planned again.
+// and the caching allocator serves both lengths from its cache. Before, the plan changed at
+// nearly every change of length: 129 plans and 117 device allocations in the last 300 of 400
+// iterations (a probe of the same kind; planning.md), against none now. Once one length
+// remains, it is planned again.
 TEST(PlannedPolicy, IterationsOfTwoShapesAtRandomSettleOnTheCachingAllocator) {
   auto dev = terrace::make_device("null");
   terrace::caching_allocator planned(*dev, terrace::parse_alloc_conf("policy:planned"));

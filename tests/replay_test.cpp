@@ -233,7 +233,8 @@ TEST(TraceGenerator, LengthBucketsAndIterationMarks) {
   }
   ASSERT_EQ(lengths.size(), 24u);
   EXPECT_EQ(lengths[0], o.seq_len);
-  const std::set<std::size_t> buckets = {o.seq_len / 3 / 8 * 8, o.seq_len * 2 / 3 / 8 * 8, o.seq_len};
+  const std::set<std::size_t> buckets = {o.seq_len / 3 / 8 * 8, o.seq_len * 2 / 3 / 8 * 8,
+                                         o.seq_len};
   EXPECT_EQ(std::set<std::size_t>(lengths.begin(), lengths.end()), buckets);
   EXPECT_EQ(begins, 24);
   EXPECT_EQ(ends, 24);

@@ -187,7 +187,10 @@ TEST(TierManager, PrefetchedCopiesRunWhileComputeDoes) {
   std::vector<tensor_id> ids;
   for (int i = 0; i < kLayers; ++i) ids.push_back(r.tm->add("layer" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
   r.tm->set_schedule(ids);
-  const event_ref copies_so_far = r.dev->create_event();
+  // One event per layer: the copies queued before that layer's kernel (the host runs ahead of
+  // the kernels, so one shared event would be recorded again while a kernel waits on it).
+  std::vector<event_ref> copies_so_far;
+  for (int i = 0; i < kLayers; ++i) copies_so_far.push_back(r.dev->create_event());
   std::atomic<int> copies_done_during_compute{0}, stuck{0};
   int next_not_on_its_way = 0;
   const auto step = [&] {
@@ -196,10 +199,11 @@ TEST(TierManager, PrefetchedCopiesRunWhileComputeDoes) {
       // The next layer (the last's is the next step's first) is on the device or on its way up:
       // its copy is among those the kernel below waits for.
       if (!r.tm->on_device(ids[static_cast<std::size_t>((i + 1) % kLayers)])) ++next_not_on_its_way;
-      r.dev->record(copies_so_far, r.tm->copy_stream());
-      r.launch([&] {
+      const event_ref copies = copies_so_far[static_cast<std::size_t>(i)];
+      r.dev->record(copies, r.tm->copy_stream());
+      r.launch([&, copies] {
         const auto guard = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-        while (!r.dev->query(copies_so_far)) {
+        while (!r.dev->query(copies)) {
           if (std::chrono::steady_clock::now() > guard) {
             ++stuck;
             return;
@@ -227,7 +231,7 @@ TEST(TierManager, PrefetchedCopiesRunWhileComputeDoes) {
   EXPECT_EQ(after.demand_fetches, before.demand_fetches);
   EXPECT_GE(after.prefetches - before.prefetches, 3 * (kLayers - 1));
   EXPECT_GE(after.prefetch_hits - before.prefetch_hits, 3 * (kLayers - 1));
-  r.dev->destroy_event(copies_so_far);
+  for (event_ref e : copies_so_far) r.dev->destroy_event(e);
 }
 
 // By default prefetch wraps from the end of the schedule to the next iteration's first tensors.
