@@ -242,6 +242,21 @@ TEST(TraceGenerator, LengthBucketsAndIterationMarks) {
   EXPECT_EQ(events.back().action, trace_action::iteration_end);
   const auto r = terrace::tools::replay(events, {});
   EXPECT_EQ(r.iteration_marks, 48u);
+  // The marks are all that differs from the unmarked trace.
+  o.mark_iterations = false;
+  const auto unmarked = tg::generate_training_trace(o);
+  std::vector<trace_event> stripped;
+  for (const auto& e : events) {
+    if (e.action != trace_action::iteration_begin && e.action != trace_action::iteration_end) {
+      stripped.push_back(e);
+    }
+  }
+  ASSERT_EQ(stripped.size(), unmarked.size());
+  for (std::size_t i = 0; i < stripped.size(); ++i) {
+    ASSERT_EQ(stripped[i].time_ns, unmarked[i].time_ns) << i;
+    ASSERT_EQ(stripped[i].addr, unmarked[i].addr) << i;
+    ASSERT_EQ(stripped[i].size, unmarked[i].size) << i;
+  }
 }
 
 TEST(TraceGenerator, RejectsBadOptions) {
