@@ -968,8 +968,9 @@ void plan_front::note_lost_iteration() {
   ++stats_.lost_iterations;
   kept_in_row_ = 0;
   outcomes_ = (outcomes_ << 1) | 1u;
+  const auto lost_in_row = std::countr_one(outcomes_);
   const auto lost_lately = std::popcount(outcomes_ & ((1u << kOutcomeWindow) - 1));
-  if (++lost_in_row_ < kMaxLostInRow && lost_lately < kMaxLostInWindow) return;
+  if (lost_in_row < static_cast<int>(kMaxLostInRow) && lost_lately < kMaxLostInWindow) return;
   set_aside();
 }
 
@@ -977,7 +978,6 @@ void plan_front::note_lost_iteration() {
 // each time the plan is set aside again without kFirstSuspension iterations kept in between, and
 // is at least `at_least` iterations.
 void plan_front::set_aside(std::uint32_t at_least) {
-  lost_in_row_ = 0;
   outcomes_ = 0;
   ++stats_.suspensions;
   // Set aside, the caching allocator serves everything: with its own segment sizes again.
@@ -990,7 +990,6 @@ void plan_front::set_aside(std::uint32_t at_least) {
 // plan, and the new one's count.
 void plan_front::count_iteration() {
   if (mode_ == mode::in_sync) {  // the last iteration kept to the plan
-    lost_in_row_ = 0;
     outcomes_ <<= 1;
     if (++kept_in_row_ >= kFirstSuspension) suspend_next_ = kFirstSuspension;
   }
@@ -1932,7 +1931,6 @@ void plan_front::note_shape(std::uint64_t requests) noexcept {
 void plan_front::end_suspension() noexcept {
   suspend_left_ = 0;
   set_aside_for_shapes_ = false;
-  lost_in_row_ = 0;
   outcomes_ = 0;
 }
 

@@ -423,9 +423,8 @@ class plan_front {
   bool iteration_deviated_ = false;
   std::vector<std::uint32_t> freed_gen_;  // per slot: its lane's generation in which it was freed
   std::vector<std::uint32_t> taken_gen_;  // per slot: ... in which it was handed out
-  std::uint32_t lost_in_row_ = 0;         // iterations in a row that left the plan
   std::uint32_t outcomes_ = 0;            // the last iterations under the plan, newest in bit 0:
-                                          // 1 = it left the plan
+                                          // 1 = it left the plan (its trailing ones: in a row)
   std::uint32_t kept_in_row_ = 0;         // iterations in a row that kept to it
   std::uint32_t suspend_left_ = 0;        // iterations the plan still sits out
   bool set_aside_for_shapes_ = false;     // ... because shapes alternate (shape_changes)
