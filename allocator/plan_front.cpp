@@ -25,6 +25,12 @@
 // A hole is split between streams by address (its stream's slots first, another's above their
 // extent), never shared at one address; the device is synchronised when the holes are claimed
 // and, if a stream used another's hole, before they go back.
+// A library of plans (iterations of several shapes) shares one arena: each plan alone is laid out
+// as above, and every plan's slots of a stream lie in that stream's part of it, so that an address
+// belongs to one stream whichever plan is active. The active plan changes only at a marked
+// iteration's first request, when no slot is live: what the others' slots held is then free, and
+// work still queued on it is the same stream's (stream order covers it) or was waited for
+// (guests, record_stream: deferred per stream, for every stream of the library).
 #include "allocator/plan_front.hpp"
 
 #include <algorithm>
@@ -32,6 +38,8 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <tuple>
+#include <utility>
 
 #include "terrace/error.hpp"
 
@@ -65,6 +73,9 @@ constexpr std::size_t kMinShapeChanges = 4;
 // The shape noted for an iteration that left the plan part way (not recorded whole): not the
 // plan's, otherwise unknown.
 constexpr std::uint64_t kUnknownShape = 1;
+// Plans a library holds: the shapes of iterations that alternate (sequence-length buckets), laid
+// out together in one arena. More shapes than this are left to the caching allocator.
+constexpr std::size_t kMaxPlans = 8;
 constexpr std::uint32_t kFirstSuspension = 8;
 constexpr std::uint32_t kMaxSuspension = 1024;
 // A plan that allows for every order of frees seen may need more memory than the order it was
@@ -214,6 +225,7 @@ void plan_front::detect_steady_state() {
     if (p < plan_period_ / 2) return;
   }
   replan_pending_ = true;
+  replan_adds_ = false;
   replan_orders_.clear();
   replan_lo_ = m - p;
   replan_hi_ = m;
@@ -223,6 +235,7 @@ void plan_front::detect_steady_state() {
 void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   const auto t0 = std::chrono::steady_clock::now();
   replan_pending_ = false;
+  const bool joins_library = std::exchange(replan_adds_, false);
   const auto first = std::lower_bound(rec_alloc_pos_.begin(), rec_alloc_pos_.end(), lo);
   const auto last = std::lower_bound(rec_alloc_pos_.begin(), rec_alloc_pos_.end(), hi);
   const auto i0 = static_cast<std::size_t>(first - rec_alloc_pos_.begin());
@@ -320,6 +333,17 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   const bool deferred = live_mode_ && claim_holes_ && release_hole_;
   placement_plan whole = deferred ? placement_plan{} : place_by_stream(items, item_slot, slots, heuristic);
   whole.lower_bound = items.empty() ? 0 : max_live_bytes(items, kRound);
+  // The old arena is empty here (plans are made only when no slot is live). The new one is
+  // installed at the first planned iteration's start, when the fallback's transient blocks are free.
+  if (live_mode_) uninstall();
+  memo_.valid = false;  // a new plan: its layout is made at its first installation
+  const std::uint64_t old_requests = plan_requests_.requests_hash;
+  if (joins_library && !slots_.empty()) {
+    shelf_.emplace_back();
+    exchange_plan(shelf_.back());  // the active plan joins the library; the new one replaces it
+  } else if (!joins_library) {
+    shelf_.clear();  // a plan of its own: a new phase, or one steady iteration
+  }
   // The fewest bytes the recorded iteration keeps live outside the arena at any moment (blocks
   // from before it, and those it allocates but frees after it): what a lazily mapped arena must
   // leave room for beside it.
@@ -348,11 +372,10 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   refused_bound_ = SIZE_MAX;
   base_bound_ = recorded_bound;
 
-  // The old arena is empty here (plans are made only when no slot is live). The new one is
-  // installed at the first planned iteration's start, when the fallback's transient blocks are free.
-  if (live_mode_) uninstall();
-  memo_.valid = false;  // a new plan: its layout is made at its first installation
   arena_bytes_ = live_mode_ ? 0 : whole.arena_bytes;
+  for (const plan_state& other : shelf_) {  // counterfactual: the library's plans share one arena
+    if (!live_mode_) arena_bytes_ = std::max(arena_bytes_, other.plan.arena_bytes);
+  }
 
   if (stats_.plans > 0) ++stats_.replans;
   ++stats_.plans;
@@ -363,12 +386,12 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_ = std::move(whole);
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
-  const std::uint64_t old_requests = plan_requests_.requests_hash;
   plan_requests_ = explicit_ ? shape_of(lo, hi) : iteration_shape{};
   if (explicit_ && plan_requests_.requests_hash != old_requests && suspend_left_ > 0 &&
-      !set_aside_for_shapes_ && shape_changes() < kMinShapeChanges) {
+      !set_aside_for_shapes_ && (joins_library || shape_changes() < kMinShapeChanges)) {
     // The old plan was set aside for the iterations it lost, which were of this new shape (a
-    // phase of another shape: an evaluation, say): the new plan starts at once.
+    // phase of another shape: an evaluation, say; or one of the shapes that alternate, which the
+    // library now holds beside it): the plans start at once.
     end_suspension();
   }
   replan_orders_.clear();
@@ -386,15 +409,23 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
     lead_seen_ = 0;  // the window fills again from the next lead token on
   }
   mode_ = mode::seeking;
-  stats_.active = !slots_.empty();
-  stats_.period_allocs = static_cast<std::int64_t>(slots_.size());
-  stats_.planned_slots = static_cast<std::int64_t>(plan_items_.size());
-  stats_.arena_bytes = static_cast<std::int64_t>(plan_.arena_bytes);
-  stats_.lower_bound_bytes = static_cast<std::int64_t>(plan_.lower_bound);
+  publish_plan_stats();
+  stats_.arena_bytes = static_cast<std::int64_t>(live_mode_ ? plan_.arena_bytes : arena_bytes_);
   stats_.heuristic = heuristic;
   stats_.plan_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   note_totals(last_totals_);
+}
+
+// The active plan's figures (and the library's: its lower bound is its largest plan's).
+void plan_front::publish_plan_stats() noexcept {
+  stats_.active = !slots_.empty();
+  stats_.period_allocs = static_cast<std::int64_t>(slots_.size());
+  stats_.planned_slots = static_cast<std::int64_t>(plan_items_.size());
+  std::size_t bound = plan_.lower_bound;
+  for (const plan_state& other : shelf_) bound = std::max(bound, other.plan.lower_bound);
+  stats_.lower_bound_bytes = static_cast<std::int64_t>(bound);
+  stats_.library_plans = slots_.empty() ? 0 : static_cast<std::int64_t>(1 + shelf_.size());
 }
 
 // The plan's items split by stream (sorted by stream), each with the items' indices.
@@ -654,7 +685,7 @@ void plan_front::uninstall() {
     if (arena_adoptable()) {
       // The fallback serves what comes next (a deviating iteration) from the arena's memory, on
       // the lead stream; the other streams' work in it must be done first.
-      if (lanes_.size() > 1) device_.synchronize_device();
+      if (owner_streams_.size() > 1) device_.synchronize_device();
       adopt_segment_(arena_, arena_bytes_, lanes_.front().stream);
     } else {
       // Work queued on a block freed in stream order may still use the arena.
@@ -696,79 +727,137 @@ void plan_front::uninstall() {
   tail_live_.clear();
   guests_.clear();
   by_addr_.clear();
+  owners_.clear();
+  owner_streams_.clear();
+  max_owner_size_ = 0;
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   installed_ = false;
   stats_.arena_reserved_bytes = stats_.hole_bytes = 0;
   if (had_holes && fallback_totals_) last_totals_ = fallback_totals_();
 }
 
-// Plans each stream's slots into the claimed holes first, then an open region; fills `where` (the
-// claimed hole, or -1) and `off` per plan item, and the open region's total size. A stream takes
-// its own holes first, then what the streams before it left of the others' (the part above their
-// extent): the streams share no address, so each still reuses space only in its own order, and
-// the work the fallback queued on a hole was finished by the synchronisation that emptied its
-// cache. `shared` tells whether some stream uses another's hole (uninstall then synchronises).
-void plan_front::layout_in_holes(const std::vector<fallback_hole>& claimed,
-                                 std::vector<std::int64_t>& where, std::vector<std::size_t>& off,
-                                 std::size_t& open_total, std::string& heuristic,
-                                 bool& shared) const {
-  struct group {
-    std::uintptr_t stream = 0;
-    std::vector<std::size_t> items;  // indices into plan_items_
-  };
-  std::vector<group> groups;
-  for (std::size_t j = 0; j < plan_items_.size(); ++j) {
-    const std::uintptr_t st = slots_[plan_item_slot_[j]].stream;
-    auto g = std::find_if(groups.begin(), groups.end(), [&](const group& x) { return x.stream == st; });
-    if (g == groups.end()) {
-      groups.push_back({});
-      g = std::prev(groups.end());
-      g->stream = st;
-    }
-    g->items.push_back(j);
+// The active plan's fields and `other`'s change places (the library: plan_state).
+void plan_front::exchange_plan(plan_state& other) noexcept {
+  std::swap(slots_, other.slots);
+  std::swap(plan_items_, other.plan_items);
+  std::swap(plan_, other.plan);
+  std::swap(plan_item_slot_, other.plan_item_slot);
+  std::swap(by_addr_, other.by_addr);
+  std::swap(max_slot_size_, other.max_slot_size);
+  std::swap(plan_requests_, other.plan_requests);
+  std::swap(observed_due_, other.observed_due);
+  std::swap(later_frees_, other.later_frees);
+  std::swap(widening_refused_, other.widening_refused);
+  std::swap(narrowed_, other.narrowed);
+  std::swap(refused_bound_, other.refused_bound);
+  std::swap(base_bound_, other.base_bound);
+  std::swap(anchor_hash_, other.anchor_hash);
+  std::swap(anchor_len_, other.anchor_len);
+  std::swap(plan_period_, other.plan_period);
+  std::swap(outside_floor_, other.outside_floor);
+  std::swap(lanes_, other.lanes);
+  std::swap(freed_gen_, other.freed_gen);
+  std::swap(taken_gen_, other.taken_gen);
+  std::swap(memo_where_, other.memo_where);
+  std::swap(memo_off_, other.memo_off);
+}
+
+// Calls f(p) with each plan of the library active in turn (p = 0: the active one), and leaves the
+// active one as it was. f must not change which plans there are.
+template <class F>
+void plan_front::for_each_plan(F&& f) {
+  f(std::size_t{0});
+  for (std::size_t i = 0; i < shelf_.size(); ++i) {
+    struct restore {
+      plan_front* front;
+      plan_state* state;
+      ~restore() { front->exchange_plan(*state); }
+    } guard{this, &shelf_[i]};
+    exchange_plan(shelf_[i]);
+    f(i + 1);
   }
+}
+
+bool plan_front::library_has_items() const noexcept {
+  return !plan_items_.empty() ||
+         std::any_of(shelf_.begin(), shelf_.end(),
+                     [](const plan_state& p) { return !p.plan_items.empty(); });
+}
+
+// Plans each stream's slots into the claimed holes first, then an open region; fills `where` (the
+// claimed hole, or -1) and `off` per plan of the library and plan item, and the open region's
+// total size. A stream takes its own holes first, then what the streams before it left of the
+// others' (the part above their extent): the streams share no address, so each still reuses space
+// only in its own order, and the work the fallback queued on a hole was finished by the
+// synchronisation that emptied its cache. The plans of a library are laid out stream by stream,
+// each from the same start, and the next stream starts above the furthest any of them reached:
+// so a stream's slots lie in the same part of the arena whichever plan is active, and a change of
+// plan never hands one stream an address another may still be using. `shared` tells whether some
+// stream uses another's hole (uninstall then synchronises).
+void plan_front::layout_in_holes(const std::vector<fallback_hole>& claimed,
+                                 std::vector<std::vector<std::int64_t>>& where,
+                                 std::vector<std::vector<std::size_t>>& off,
+                                 std::size_t& open_total, std::string& heuristic, bool& shared) {
+  std::vector<std::uintptr_t> streams;  // in the order the plans first name them
+  for_each_plan([&](std::size_t p) {
+    where[p].assign(plan_items_.size(), -1);
+    off[p].assign(plan_items_.size(), 0);
+    for (std::uint32_t k : plan_item_slot_) {
+      if (std::find(streams.begin(), streams.end(), slots_[k].stream) == streams.end()) {
+        streams.push_back(slots_[k].stream);
+      }
+    }
+  });
   std::vector<std::size_t> taken(claimed.size(), 0);  // per hole: the extent streams placed so far
   std::size_t open_at = 0;
-  for (const group& g : groups) {
-    // Holes smaller than every slot of the stream can hold nothing (and would slow the planner).
-    std::size_t smallest = SIZE_MAX;
-    for (std::size_t j : g.items) smallest = std::min(smallest, round_up(plan_items_[j].size));
-    std::vector<std::size_t> holes;  // indices into claimed: this stream's first
-    for (const bool own : {true, false}) {
-      for (std::size_t h = 0; h < claimed.size(); ++h) {
-        const std::size_t left = claimed[h].size - taken[h];
-        if ((claimed[h].stream == g.stream) == own && claimed[h].size % kRound == 0 &&
-            left >= smallest) {
-          holes.push_back(h);
+  for (const std::uintptr_t stream : streams) {
+    std::vector<std::size_t> reach(claimed.size(), 0);  // per hole: this stream's furthest extent
+    std::size_t open_most = 0;
+    for_each_plan([&](std::size_t p) {
+      std::vector<std::size_t> mine;  // indices into plan_items_
+      for (std::size_t j = 0; j < plan_items_.size(); ++j) {
+        if (slots_[plan_item_slot_[j]].stream == stream) mine.push_back(j);
+      }
+      if (mine.empty()) return;
+      // Holes smaller than every slot of the stream can hold nothing (and would slow the planner).
+      std::size_t smallest = SIZE_MAX;
+      for (std::size_t j : mine) smallest = std::min(smallest, round_up(plan_items_[j].size));
+      std::vector<std::size_t> holes;  // indices into claimed: this stream's first
+      for (const bool own : {true, false}) {
+        for (std::size_t h = 0; h < claimed.size(); ++h) {
+          const std::size_t left = claimed[h].size - taken[h];
+          if ((claimed[h].stream == stream) == own && claimed[h].size % kRound == 0 &&
+              left >= smallest) {
+            holes.push_back(h);
+          }
         }
       }
-    }
-    std::vector<plan_interval> items;
-    std::vector<std::size_t> sizes;
-    for (std::size_t j : g.items) items.push_back(plan_items_[j]);
-    for (std::size_t h : holes) sizes.push_back(claimed[h].size - taken[h]);
-    const placement_plan part = plan_placement(items, sizes, kRound);  // with no holes, the plain plan
-    const std::size_t open = part.arena_bytes - part.open_base;
-    if (heuristic.find(part.heuristic) == std::string::npos) {
-      heuristic += heuristic.empty() ? part.heuristic : "+" + part.heuristic;
-    }
-    std::vector<std::size_t> extent(holes.size(), 0);
-    for (std::size_t k = 0; k < g.items.size(); ++k) {
-      const std::size_t j = g.items[k];
-      if (const std::size_t v = part.offsets[k]; v >= part.open_base) {
-        off[j] = open_at + (v - part.open_base);
-      } else {
-        const auto hb = std::upper_bound(part.hole_base.begin(), part.hole_base.end(), v);
-        const auto i = static_cast<std::size_t>(hb - part.hole_base.begin()) - 1;
-        const std::size_t h = holes[i];
-        where[j] = static_cast<std::int64_t>(h);
-        off[j] = taken[h] + (v - part.hole_base[i]);
-        extent[i] = std::max(extent[i], v - part.hole_base[i] + round_up(plan_items_[j].size));
-        shared = shared || claimed[h].stream != g.stream;
+      std::vector<plan_interval> items;
+      std::vector<std::size_t> sizes;
+      for (std::size_t j : mine) items.push_back(plan_items_[j]);
+      for (std::size_t h : holes) sizes.push_back(claimed[h].size - taken[h]);
+      const placement_plan part = plan_placement(items, sizes, kRound);  // no holes: the plain plan
+      open_most = std::max(open_most, part.arena_bytes - part.open_base);
+      if (heuristic.find(part.heuristic) == std::string::npos) {
+        heuristic += heuristic.empty() ? part.heuristic : "+" + part.heuristic;
       }
-    }
-    for (std::size_t i = 0; i < holes.size(); ++i) taken[holes[i]] += extent[i];
-    open_at += open;
+      for (std::size_t k = 0; k < mine.size(); ++k) {
+        const std::size_t j = mine[k];
+        if (const std::size_t v = part.offsets[k]; v >= part.open_base) {
+          off[p][j] = open_at + (v - part.open_base);
+        } else {
+          const auto hb = std::upper_bound(part.hole_base.begin(), part.hole_base.end(), v);
+          const auto i = static_cast<std::size_t>(hb - part.hole_base.begin()) - 1;
+          const std::size_t h = holes[i];
+          where[p][j] = static_cast<std::int64_t>(h);
+          off[p][j] = taken[h] + (v - part.hole_base[i]);
+          reach[h] = std::max(reach[h], v - part.hole_base[i] + round_up(plan_items_[j].size));
+          shared = shared || claimed[h].stream != stream;
+        }
+      }
+    });
+    for (std::size_t h = 0; h < claimed.size(); ++h) taken[h] += reach[h];
+    open_at += open_most;
   }
   open_total = open_at;
 }
@@ -779,7 +868,7 @@ void plan_front::layout_in_holes(const std::vector<fallback_hole>& claimed,
 // free segments; the remaining holes are claimed and each stream's slots are planned into its
 // holes first, so that only what does not fit there is reserved anew.
 bool plan_front::ensure_arena() {
-  if (!live_mode_ || installed_ || plan_items_.empty()) return true;
+  if (!live_mode_ || installed_ || !library_has_items()) return true;
   const auto t0 = std::chrono::steady_clock::now();
   if (release_fallback_cache_) last_totals_ = release_fallback_cache_();
   std::vector<fallback_hole> claimed;
@@ -788,9 +877,11 @@ bool plan_front::ensure_arena() {
             [](const fallback_hole& a, const fallback_hole& b) { return a.addr < b.addr; });
   auto give_back = [&](std::size_t h) { release_hole_(reinterpret_cast<void*>(claimed[h].addr)); };
 
-  // Per plan item: the claimed hole it lies in (or -1: the open region) and its offset there.
-  std::vector<std::int64_t> where(plan_items_.size(), -1);
-  std::vector<std::size_t> off(plan_items_.size(), 0);
+  // Per plan of the library and plan item: the claimed hole it lies in (or -1: the open region)
+  // and its offset there.
+  const std::size_t plans = 1 + shelf_.size();
+  std::vector<std::vector<std::int64_t>> where(plans);
+  std::vector<std::vector<std::size_t>> off(plans);
   std::size_t open_total = 0;
   std::string heuristic;
   // A deviating iteration uninstalls the plan; when it comes back, the holes it used are usually
@@ -805,11 +896,14 @@ bool plan_front::ensure_arena() {
     if (reuse) memo_at[m] = static_cast<std::size_t>(c - claimed.begin());
   }
   if (reuse) {
-    for (std::size_t j = 0; j < plan_items_.size(); ++j) {
-      const std::int64_t m = memo_.where[j];
-      where[j] = m < 0 ? -1 : static_cast<std::int64_t>(memo_at[static_cast<std::size_t>(m)]);
-      off[j] = memo_.off[j];
-    }
+    for_each_plan([&](std::size_t p) {
+      where[p].assign(plan_items_.size(), -1);
+      for (std::size_t j = 0; j < plan_items_.size(); ++j) {
+        const std::int64_t m = memo_where_[j];
+        if (m >= 0) where[p][j] = static_cast<std::int64_t>(memo_at[static_cast<std::size_t>(m)]);
+      }
+      off[p] = memo_off_;
+    });
     open_total = memo_.open;
     heuristic = stats_.heuristic;
   } else {
@@ -841,42 +935,58 @@ bool plan_front::ensure_arena() {
     ++arena_reservations_;
   }
   std::vector<std::size_t> used(claimed.size(), 0);  // per hole: the end of its last slot
-  for (std::size_t j = 0; j < plan_items_.size(); ++j) {
-    std::uintptr_t addr = reinterpret_cast<std::uintptr_t>(arena) + off[j];
-    if (where[j] >= 0) {
-      const auto h = static_cast<std::size_t>(where[j]);
-      used[h] = std::max(used[h], off[j] + round_up(plan_items_[j].size));
-      addr = claimed[h].addr + off[j];
+  for (std::size_t p = 0; p < plans; ++p) {
+    for (std::size_t j = 0; j < where[p].size(); ++j) {
+      if (where[p][j] < 0) continue;
+      const auto h = static_cast<std::size_t>(where[p][j]);
+      const plan_interval& item = p == 0 ? plan_items_[j] : shelf_[p - 1].plan_items[j];
+      used[h] = std::max(used[h], off[p][j] + round_up(item.size));
     }
-    slots_[plan_item_slot_[j]].addr = addr;
   }
-  by_addr_.clear();
-  max_slot_size_ = 0;
-  for (std::uint32_t k : plan_item_slot_) {
-    by_addr_.emplace_back(slots_[k].addr, k);
-    max_slot_size_ = std::max(max_slot_size_, slots_[k].size);
-  }
-  std::sort(by_addr_.begin(), by_addr_.end());
-  // The layout, for the next installation of this plan.
+  // The layout, for the next installation of the library.
   memo_.valid = true;
   memo_.open = open_total;
   memo_.holes.clear();
-  memo_.where.assign(plan_items_.size(), -1);
-  memo_.off = off;
-  {
-    std::vector<std::int64_t> memo_index(claimed.size(), -1);
-    for (std::size_t j = 0; j < plan_items_.size(); ++j) {
-      if (where[j] < 0) continue;
-      auto& m = memo_index[static_cast<std::size_t>(where[j])];
-      if (m < 0) {
-        m = static_cast<std::int64_t>(memo_.holes.size());
-        fallback_hole h = claimed[static_cast<std::size_t>(where[j])];
-        h.size = used[static_cast<std::size_t>(where[j])];  // what the layout needs of it
-        memo_.holes.push_back(h);
-      }
-      memo_.where[j] = m;
-    }
+  std::vector<std::int64_t> memo_index(claimed.size(), -1);
+  for (std::size_t h = 0; h < claimed.size(); ++h) {
+    if (used[h] == 0) continue;
+    memo_index[h] = static_cast<std::int64_t>(memo_.holes.size());
+    fallback_hole kept = claimed[h];
+    kept.size = used[h];  // what the layout needs of it
+    memo_.holes.push_back(kept);
   }
+  for_each_plan([&](std::size_t p) {
+    memo_where_.assign(plan_items_.size(), -1);
+    memo_off_ = off[p];
+    for (std::size_t j = 0; j < plan_items_.size(); ++j) {
+      std::uintptr_t addr = reinterpret_cast<std::uintptr_t>(arena) + off[p][j];
+      if (where[p][j] >= 0) {
+        const auto h = static_cast<std::size_t>(where[p][j]);
+        addr = claimed[h].addr + off[p][j];
+        memo_where_[j] = memo_index[h];
+      }
+      slots_[plan_item_slot_[j]].addr = addr;
+    }
+    by_addr_.clear();
+    max_slot_size_ = 0;
+    for (std::uint32_t k : plan_item_slot_) {
+      by_addr_.emplace_back(slots_[k].addr, k);
+      max_slot_size_ = std::max(max_slot_size_, slots_[k].size);
+    }
+    std::sort(by_addr_.begin(), by_addr_.end());
+    for (slot& sl : slots_) sl.fitting_due = sl.planned ? sl.due_at : 0;
+    for (std::uint32_t k : plan_item_slot_) {
+      owners_.push_back({slots_[k].addr, slots_[k].size, slots_[k].stream});
+      max_owner_size_ = std::max(max_owner_size_, slots_[k].size);
+    }
+    for (const lane& l : lanes_) {
+      if (std::find(owner_streams_.begin(), owner_streams_.end(), l.stream) == owner_streams_.end()) {
+        owner_streams_.push_back(l.stream);
+      }
+    }
+  });
+  std::sort(owners_.begin(), owners_.end(),
+            [](const owned_span& a, const owned_span& b) { return a.addr < b.addr; });
   holes_.clear();
   tails_.clear();
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
@@ -902,7 +1012,6 @@ bool plan_front::ensure_arena() {
   arena_ = arena;
   arena_bytes_ = open_total;
   installed_ = true;
-  for (slot& s : slots_) s.fitting_due = s.planned ? s.due_at : 0;
   if (fallback_exact_) fallback_exact_(true);
   holes_since_reset_ = holes_since_reset_ || !holes_.empty();
   stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_resident_bytes());
@@ -1137,7 +1246,6 @@ std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size,
   for (; it != by_addr_.end() && it->first < at + size; ++it) {
     const slot& s = slots_[it->second];
     if (it->first + s.size <= at) continue;
-    foreign = foreign || s.stream != stream;
     const lane& l = lanes_[s.lane];
     std::size_t d = 0;
     if (slot_taken(it->second)) {
@@ -1146,6 +1254,14 @@ std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size,
       d = s.pos - l.cursor;
     }
     best = std::min(best, d);
+  }
+  // Another stream's part of the arena in any plan of the library (a change of plan would
+  // otherwise find its slot over a block of this stream).
+  const std::uintptr_t from = at > max_owner_size_ ? at - max_owner_size_ : 0;
+  auto o = std::lower_bound(owners_.begin(), owners_.end(), from,
+                            [](const owned_span& x, std::uintptr_t a) { return x.addr < a; });
+  for (; o != owners_.end() && o->addr < at + size; ++o) {
+    if (o->addr + o->size > at && o->stream != stream) foreign = true;
   }
   return best;
 }
@@ -1474,6 +1590,34 @@ void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
   return nullptr;
 }
 
+// A marked iteration's first request, with no slot live: the library's plan whose first request
+// on that stream it is becomes the active one (the active plan first: of two that start alike,
+// the one used last). None: the iteration is of a shape the library does not hold. The fallback
+// serves it and it is recorded whole, so that its shape, once it recurs, joins the library (a
+// lost iteration is recorded only from where it left the plan).
+void plan_front::choose_plan(std::uintptr_t stream, std::uint64_t key) {
+  const auto starts_with = [&](const std::vector<lane>& lanes, const std::vector<slot>& slots) {
+    const auto l = std::find_if(lanes.begin(), lanes.end(),
+                                [&](const lane& x) { return x.stream == stream; });
+    return l != lanes.end() && !l->slots.empty() && slots[l->slots.front()].key == key;
+  };
+  if (starts_with(lanes_, slots_)) return;
+  for (plan_state& other : shelf_) {
+    if (!starts_with(other.lanes, other.slots)) continue;
+    exchange_plan(other);  // the plan active so far takes its place on the shelf
+    for (lane& l : lanes_) start_lane(l);
+    ++stats_.plan_switches;
+    publish_plan_stats();
+    return;
+  }
+  // It costs what a lost iteration costs (the arena goes back to the fallback, and comes back
+  // after emptying its cache), so it counts as one: shapes that never recur set the plan aside.
+  note_lost_iteration();
+  note_deviation();
+  mode_ = mode::seeking;
+  release_idle_arena();
+}
+
 void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
   pending_slot_ = -1;
   recorded_pending_ = false;
@@ -1481,6 +1625,7 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
   const auto st = reinterpret_cast<std::uintptr_t>(stream.native);
   const std::uint64_t key = key_of(rounded, st, tag);
   if (mode_ == mode::seeking && !explicit_ && boundary_anchor_matches(key)) start_iteration();
+  if (std::exchange(choosing_, false) && mode_ == mode::in_sync) choose_plan(st, key);
   // Counted from the first planned iteration on: the allocations before it were learning.
   if (!slots_.empty() && stats_.iterations > 0) ++stats_.allocs_under_plan;
   // The request's lane; a stream the plan has none for makes requests outside the plan.
@@ -1707,11 +1852,11 @@ bool plan_front::on_free(void* p, arena_free* freed) {
     // Any lane may reuse a guest's space: each one's stream waits for the guest's work (and its
     // users') before its next block there.
     guests_.erase(std::find(guests_.begin(), guests_.end(), std::make_pair(addr, e.size)));
-    for (const lane& l : lanes_) {
+    for (const std::uintptr_t stream : owner_streams_) {  // every plan's lanes
       std::vector<std::uintptr_t> all = users;
-      if (l.stream != e.stream) all.push_back(e.stream);
-      std::erase(all, l.stream);
-      if (!all.empty()) defer_reuse(addr, e.size, l.stream, all);
+      if (stream != e.stream) all.push_back(e.stream);
+      std::erase(all, stream);
+      if (!all.empty()) defer_reuse(addr, e.size, stream, all);
     }
   } else if (!users.empty()) {
     // Other streams used the block: the space is reused only after their work queued so far.
@@ -1810,11 +1955,16 @@ void plan_front::finish_deferred() {
 
 void plan_front::begin_iteration() {
   explicit_ = true;
+  choosing_ = false;
   if (!slots_.empty() && !replan_pending_) {
     if (mode_ == mode::in_sync && !lanes_done()) deviate();
     if (slot_live_ == 0) {
       if (later_frees_ && arena_quiet()) widen_plan();
       start_iteration();
+      // No slot is live: the iteration's first request may pick another plan of the library, or,
+      // once the shape of iterations keeps changing, tell one of a shape no plan holds.
+      choosing_ = mode_ == mode::in_sync &&
+                  (!shelf_.empty() || shape_changes() >= kMinShapeChanges);
       // In sync, start_iteration reset the recording; set aside (or with no room for the arena)
       // it did not, and this iteration is recorded from here.
       if (mode_ != mode::in_sync) reset_recording();
@@ -1831,6 +1981,7 @@ void plan_front::begin_iteration() {
 
 void plan_front::end_iteration() {
   explicit_ = true;
+  choosing_ = false;
   if (mode_ == mode::in_sync) {
     const bool kept = lanes_done();
     note_shape(kept ? plan_requests_.requests_hash : kUnknownShape);
@@ -1872,6 +2023,11 @@ void plan_front::end_iteration() {
   // shape is planned again (a short run of one shape among random ones is no such run).
   if (set_aside_for_shapes_ && shape_changes() == 0) end_suspension();
   const bool plan_alike = !slots_.empty() && plan_requests_.same_requests(current);
+  if (std::any_of(shelf_.begin(), shelf_.end(), [&](const plan_state& other) {
+        return other.plan_requests.same_requests(current);
+      })) {
+    return;  // the library has its plan (its first request picked another, of the same start)
+  }
   if (plan_alike) {
     // (A plan narrowed for want of room is not planned again for all the orders seen, which
     // would not fit either; it may still widen for the later frees of its own iterations.)
@@ -1886,23 +2042,30 @@ void plan_front::end_iteration() {
     // widen it in sync, as they are seen.
     orders.clear();
   }
+  replan_adds_ = false;
   if (!slots_.empty() && !plan_alike && shape_changes() >= kMinShapeChanges) {
     // A re-plan for other requests while the iterations' shape keeps changing: iterations of
-    // several shapes alternate. Planning each in turn would lay out, reserve and release an arena
-    // at every change of shape, and lose the iterations of the other shapes meanwhile
-    // (planning.md, "Iterations of several shapes"). The caching allocator serves them until 16
-    // iterations in a row are of one shape (or 1024 have passed): one plan cannot serve such a
-    // run, and each return to planning would cost that churn again. (Lost iterations are not
-    // recorded, so this is usually seen while the plan is already set aside for them: the
-    // suspension is lengthened.)
-    if (suspend_left_ == 0) {
-      set_aside(kMaxSuspension);
+    // several shapes alternate (planning.md, "Iterations of several shapes"). Planning each in
+    // turn would lay out, reserve and release an arena at every change of shape, and lose the
+    // iterations of the other shapes meanwhile. So the new plan joins the active one in a
+    // library: all its plans are laid out in one arena, and each iteration's first request picks
+    // its own (choose_plan).
+    if (!set_aside_for_shapes_ && shelf_.empty()) ++stats_.shape_alternations;
+    if (!set_aside_for_shapes_ && shelf_.size() + 1 < kMaxPlans) {
+      replan_adds_ = true;
     } else {
-      suspend_left_ = std::max(suspend_left_, kMaxSuspension);
+      // More shapes than the library holds: the caching allocator serves them until 16 iterations
+      // in a row are of one shape (or 1024 have passed). (Lost iterations are not recorded, so
+      // this is usually seen while the plan is already set aside for them: the suspension is
+      // lengthened.)
+      if (suspend_left_ == 0) {
+        set_aside(kMaxSuspension);
+      } else {
+        suspend_left_ = std::max(suspend_left_, kMaxSuspension);
+      }
+      set_aside_for_shapes_ = true;
+      return;
     }
-    if (!set_aside_for_shapes_) ++stats_.shape_alternations;
-    set_aside_for_shapes_ = true;
-    return;
   }
   replan_pending_ = true;
   replan_orders_ = std::move(orders);
@@ -2093,19 +2256,26 @@ void plan_front::check_invariants() const {
     return h != holes_.begin() && a + n <= std::prev(h)->addr + std::prev(h)->size;
   };
   if (installed_) {
-    // The installed layout, in address space, must keep overlapping lifetimes apart too.
-    std::uintptr_t base = UINTPTR_MAX, top = 0;
-    for (std::uint32_t k : plan_item_slot_) {
-      const slot& sl = slots_[k];
-      if (!inside(sl.addr, sl.size)) fail("a planned slot lies outside the arena and its holes");
-      base = std::min(base, sl.addr);
-      top = std::max(top, sl.addr + sl.size);
+    check_installed(slots_, plan_items_, plan_item_slot_, inside);
+    for (const plan_state& other : shelf_) {
+      check_installed(other.slots, other.plan_items, other.plan_item_slot, inside);
     }
-    if (!plan_item_slot_.empty()) {
-      placement_plan installed;
-      installed.arena_bytes = top - base;
-      for (std::uint32_t k : plan_item_slot_) installed.offsets.push_back(slots_[k].addr - base);
-      check_placement(plan_items_, installed, 1);  // sizes are rounded; addresses need not be
+    // Across the library's plans, an address belongs to one stream: a change of plan must never
+    // hand one stream space another may still be using.
+    std::vector<std::tuple<std::uintptr_t, std::size_t, std::uintptr_t>> spans;  // addr, size, stream
+    const auto add = [&](const std::vector<slot>& slots, const std::vector<std::uint32_t>& placed) {
+      for (std::uint32_t k : placed) spans.emplace_back(slots[k].addr, slots[k].size, slots[k].stream);
+    };
+    add(slots_, plan_item_slot_);
+    for (const plan_state& other : shelf_) add(other.slots, other.plan_item_slot);
+    std::sort(spans.begin(), spans.end());
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> open;  // (end, stream) of spans reaching on
+    for (const auto& [addr, size, stream] : spans) {
+      std::erase_if(open, [a = addr](const auto& o) { return o.first <= a; });
+      for (const auto& o : open) {
+        if (o.second != stream) fail("two streams' slots share an address in the library");
+      }
+      open.emplace_back(addr + size, stream);
     }
   }
   for (std::size_t i = 0; i < arena.size(); ++i) {
@@ -2120,6 +2290,29 @@ void plan_front::check_invariants() const {
       fail("two live arena blocks overlap");
     }
   }
+}
+
+// The installed layout of one plan, in address space: inside the arena and its holes, and
+// overlapping lifetimes apart.
+void plan_front::check_installed(const std::vector<slot>& slots,
+                                 const std::vector<plan_interval>& items,
+                                 const std::vector<std::uint32_t>& item_slot,
+                                 const std::function<bool(std::uintptr_t, std::size_t)>& inside) {
+  std::uintptr_t base = UINTPTR_MAX, top = 0;
+  for (std::uint32_t k : item_slot) {
+    const slot& sl = slots[k];
+    if (!inside(sl.addr, sl.size)) {
+      throw logic_error("terrace: planned policy invariant: a planned slot lies outside the arena "
+                        "and its holes");
+    }
+    base = std::min(base, sl.addr);
+    top = std::max(top, sl.addr + sl.size);
+  }
+  if (item_slot.empty()) return;
+  placement_plan installed;
+  installed.arena_bytes = top - base;
+  for (std::uint32_t k : item_slot) installed.offsets.push_back(slots[k].addr - base);
+  check_placement(items, installed, 1);  // sizes are rounded; addresses need not be
 }
 
 planner_stats plan_front::stats() const {

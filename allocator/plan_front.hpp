@@ -210,6 +210,33 @@ class plan_front {
     std::size_t tokens = 0;        // 0: none recorded yet
     iteration_shape shape;
   };
+  // One plan's state: its slots, their layout and its replay. The active plan's is in the
+  // members below (from slots_ to memo_off_); the library's other plans (iterations of several
+  // shapes) keep theirs here, and exchange_plan swaps one in.
+  struct plan_state {
+    std::vector<slot> slots;
+    std::vector<plan_interval> plan_items;
+    placement_plan plan;
+    std::vector<std::uint32_t> plan_item_slot;
+    std::vector<std::pair<std::uintptr_t, std::uint32_t>> by_addr;
+    std::size_t max_slot_size = 0;
+    iteration_shape plan_requests;
+    std::vector<std::uint32_t> observed_due;
+    bool later_frees = false;
+    bool widening_refused = false;
+    bool narrowed = false;
+    std::size_t refused_bound = SIZE_MAX;
+    std::size_t base_bound = 0;
+    std::uint64_t anchor_hash = 0;
+    std::size_t anchor_len = 0;
+    std::size_t plan_period = 0;
+    std::size_t outside_floor = 0;
+    std::vector<lane> lanes;
+    std::vector<std::uint32_t> freed_gen;
+    std::vector<std::uint32_t> taken_gen;
+    std::vector<std::int64_t> memo_where;
+    std::vector<std::size_t> memo_off;
+  };
 
   std::uint64_t key_of(std::size_t rounded, std::uintptr_t stream, std::string_view tag) const;
   void push_token(std::uint64_t token, std::int64_t delta, std::uintptr_t stream);
@@ -256,9 +283,19 @@ class plan_front {
   lane* lane_of(std::uintptr_t stream) noexcept;
   bool ensure_arena();
   void uninstall();
-  void layout_in_holes(const std::vector<fallback_hole>& claimed, std::vector<std::int64_t>& where,
-                       std::vector<std::size_t>& off, std::size_t& open_total,
-                       std::string& heuristic, bool& shared) const;
+  void layout_in_holes(const std::vector<fallback_hole>& claimed,
+                       std::vector<std::vector<std::int64_t>>& where,
+                       std::vector<std::vector<std::size_t>>& off, std::size_t& open_total,
+                       std::string& heuristic, bool& shared);
+  void exchange_plan(plan_state& other) noexcept;
+  template <class F>
+  void for_each_plan(F&& f);
+  bool library_has_items() const noexcept;
+  void choose_plan(std::uintptr_t stream, std::uint64_t key);
+  void publish_plan_stats() noexcept;
+  static void check_installed(const std::vector<slot>& slots, const std::vector<plan_interval>& items,
+                              const std::vector<std::uint32_t>& item_slot,
+                              const std::function<bool(std::uintptr_t, std::size_t)>& inside);
   void release_idle_arena();
   bool boundary_anchor_matches(std::uint64_t key) const noexcept;
   bool slot_held(std::size_t j) const noexcept;
@@ -407,14 +444,32 @@ class plan_front {
   std::size_t hole_bytes_ = 0;
   std::size_t small_holes_ = 0, small_hole_bytes_ = 0;  // of those, in the small pool
   bool holes_since_reset_ = false;
-  struct layout_memo {  // the last installation's layout of the current plan
+  struct layout_memo {  // the last installation's layout of the library's plans
     bool valid = false;
     std::vector<fallback_hole> holes;  // the holes it used (size: the extent it needs)
-    std::vector<std::int64_t> where;   // per plan item: index into holes, or -1 (open region)
-    std::vector<std::size_t> off;      // per plan item: offset in its hole or the open region
     std::size_t open = 0;
     bool shared = false;               // some stream's slots lie in another stream's hole
   } memo_;  // the fallback's own peaks then count claimed holes
+  // The active plan's part of it, per plan item: the index into memo_.holes (or -1: the open
+  // region), and the offset there.
+  std::vector<std::int64_t> memo_where_;
+  std::vector<std::size_t> memo_off_;
+  // The library: the plans of the other shapes of iterations that alternate (sequence-length
+  // buckets), all laid out in the one installed arena, each stream's slots of every plan in that
+  // stream's part of it. A marked iteration's first request picks the plan (choose_plan).
+  std::vector<plan_state> shelf_;
+  // The installed library's slots, every plan's, by address (which stream's part of the arena
+  // each address is), and the streams of all their lanes.
+  struct owned_span {
+    std::uintptr_t addr = 0;
+    std::size_t size = 0;
+    std::uintptr_t stream = 0;
+  };
+  std::vector<owned_span> owners_;
+  std::size_t max_owner_size_ = 0;
+  std::vector<std::uintptr_t> owner_streams_;
+  bool choosing_ = false;     // the next request is a marked iteration's first: it picks the plan
+  bool replan_adds_ = false;  // the pending re-plan joins the library (the active plan is kept)
   bool replan_pending_ = false;
   std::size_t replan_lo_ = 0, replan_hi_ = 0;
 

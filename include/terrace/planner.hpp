@@ -78,10 +78,13 @@ struct planner_stats {
   /// (a new phase) ends the wait.
   std::int64_t suspensions = 0;
   /// Times marked iterations of several shapes were found to alternate (a re-plan for other
-  /// requests while the shape changed at least 4 times in the last 16 iterations): one plan at a
-  /// time cannot serve them, and the plan was set aside until 16 iterations in a row are of one
-  /// shape (1024 at most).
+  /// requests while the shape changed at least 4 times in the last 16 iterations). The plans of
+  /// the shapes are then kept together, a library laid out in one arena, and each iteration's
+  /// first request picks its shape's plan. A shape more than the library holds (8 plans) sets the
+  /// planner aside until 16 iterations in a row are of one shape (1024 at most).
   std::int64_t shape_alternations = 0;
+  std::int64_t library_plans = 0;  ///< plans in the library now (1 for a single plan)
+  std::int64_t plan_switches = 0;  ///< iterations whose first request picked another plan of it
   /// Times marked iterations kept to the plan but freed some of its blocks later than it allowed,
   /// and the plan was laid out again with those frees at their latest (the allocations are the
   /// same; only the order of frees among them varied, with timing).
