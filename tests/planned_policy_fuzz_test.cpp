@@ -5,9 +5,9 @@
 // queued before a stream-ordered free still used it.
 //
 // Each seed draws a workload (a periodic training iteration on 1-3 streams, deviations injected
-// into it) and a configuration (live plan or plan_counterfactual beside caching, split and rounding
-// knobs, a device from roomy to barely larger than the peak), runs it over a model device, and
-// checks every allocation against what the program knows, never against the allocator's own books:
+// into it; in a quarter of the seeds each iteration's shape drawn from 2-4) and a configuration
+// (live plan or plan_counterfactual beside caching, split and rounding knobs, a device from roomy
+// to barely larger than the peak), runs it over a model device, and checks every allocation against what the program knows, never against the allocator's own books:
 //   - the pointer lies inside a segment the device handed out and is 512-aligned;
 //   - it overlaps no live block;
 //   - reuse is stream ordered: a block on stream S over space last used by work on stream T != S
@@ -387,6 +387,7 @@ struct fuzz_setup {
   bool default_stream = false;
   bool inject_ooms = false;
   bool phase_change = false;  // base and other shape swap halfway
+  int buckets = 0;  // each iteration's shape drawn from this many (0: the base shape alone)
   std::size_t capacity = 0;
   std::size_t page = 0;  // the device's virtual memory page; 0: none
   std::string conf;
@@ -397,7 +398,7 @@ struct fuzz_setup {
     return std::string(variants[variant]) + " streams=" + std::to_string(nstreams) +
            (default_stream ? " (default stream first)" : "") +
            " size_mode=" + std::to_string(size_mode) + " nallocs=" + std::to_string(nallocs) +
-           " marks=" + std::to_string(marks_mode) +
+           " marks=" + std::to_string(marks_mode) + " buckets=" + std::to_string(buckets) +
            " deviations=" + std::to_string(deviation_rate) +
            " query_p=" + std::to_string(query_p).substr(0, 3) +
            " capacity=" + std::to_string(capacity) + " page=" + std::to_string(page) +
@@ -713,6 +714,17 @@ class fuzz_run {
     // refused config fails the seed).
     if (rng_() % 5 == 0) s.conf += ",large_segment_size:4MiB,min_large_alloc:2MiB,large_round:512";
     s.iterations = 30 + static_cast<int>(rng_() % 40);
+    // A quarter of the seeds draw each iteration's shape from 2-4 (sequence-length buckets): the
+    // path of a library of plans, switched at iterations' first requests. From the seed and a
+    // generator of their own, not a draw: the other draws stay as they were.
+    if (seed_ / 16 % 4 == 3) {
+      bucket_rng_.seed(seed_ ^ 0x9e3779b97f4a7c15ull);
+      s.buckets = 2 + static_cast<int>(bucket_rng_() % 3);
+      buckets_.push_back(base_);
+      while (static_cast<int>(buckets_.size()) < s.buckets) {
+        buckets_.push_back(make_shape(bucket_rng_, s.nstreams, s.size_mode, s.nallocs));
+      }
+    }
   }
 
   // The ops of iteration `iteration_`, with its deviations and stray calls.
@@ -722,7 +734,9 @@ class fuzz_run {
     const bool another = iteration_ > 4 && rng_() % another_odds == 0;
     if (s.phase_change && iteration_ == s.iterations / 2) std::swap(base_, other_);
     if (s.marks_mode == 2 && iteration_ == s.iterations / 3) explicit_marks_ = true;
-    std::vector<op> ops = another ? other_ : base_;
+    std::vector<op> ops = another           ? other_
+                          : buckets_.empty() ? base_
+                                             : buckets_[bucket_rng_() % buckets_.size()];
     if (iteration_ > 3 && s.deviation_rate > 0 && rng_() % (8 - 2 * s.deviation_rate) == 0) {
       deviate(rng_, s, ops);
     }
@@ -924,6 +938,8 @@ class fuzz_run {
   fuzz_setup setup_;
   std::vector<op> base_;
   std::vector<op> other_;
+  std::vector<std::vector<op>> buckets_;  // fuzz_setup::buckets shapes, base_ first
+  std::mt19937_64 bucket_rng_;
   bool explicit_marks_ = false;
   // Declared in this order so that the allocator goes before the device it uses.
   std::unique_ptr<model_device> dev_;
@@ -945,6 +961,7 @@ TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactSta
   // How often the rarer paths ran: a fuzzer whose workloads stopped reaching them would pass
   // without testing them.
   int lazy_seeds = 0, unmap_seeds = 0, refusal_seeds = 0, widen_seeds = 0, narrow_seeds = 0;
+  int library_seeds = 0;
   for (std::uint64_t seed = seeds->first; seed < seeds->end(); ++seed) {
     fuzz_run run(seed);
     if (const std::optional<std::string> failure = run.run()) {
@@ -956,14 +973,16 @@ TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactSta
     refusal_seeds += run.plan_stats().map_refusals > 0 ? 1 : 0;
     widen_seeds += run.plan_stats().widenings > 0 ? 1 : 0;
     narrow_seeds += run.plan_stats().narrowings > 0 ? 1 : 0;
+    library_seeds += run.plan_stats().plan_switches > 0 ? 1 : 0;
   }
   fuzz::print_passed(*seeds);
   std::printf("[          ] arenas mapped page by page in %d seeds, idle pages unmapped under "
               "pressure in %d, a page refused in %d; plans widened for later frees in %d, narrowed "
-              "for want of room in %d\n",
-              lazy_seeds, unmap_seeds, refusal_seeds, widen_seeds, narrow_seeds);
+              "for want of room in %d; a library of plans switched in %d\n",
+              lazy_seeds, unmap_seeds, refusal_seeds, widen_seeds, narrow_seeds, library_seeds);
   if (seeds->count >= kDefaultSeeds) {
     EXPECT_GT(lazy_seeds, 0) << "no seed reached a lazily mapped arena";
+    EXPECT_GT(library_seeds, 0) << "no seed switched between plans of a library";
   }
 }
 
