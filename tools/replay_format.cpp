@@ -59,11 +59,16 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
                      r.plan.plans, format_bytes(r.plan.arena_bytes),
                      format_bytes(r.plan.lower_bound_bytes)));
     line("planned iterations",
-         fmt::format("{} ({} left the plan for the fallback; set aside {} times, {} of them for "
-                     "shapes that alternate; laid out again for later frees {} times, for want of "
-                     "room {} times)",
+         fmt::format("{} ({} left the plan for the fallback; set aside {} times; laid out again "
+                     "for later frees {} times, for want of room {} times)",
                      r.plan.iterations, r.plan.lost_iterations, r.plan.suspensions,
-                     r.plan.shape_alternations, r.plan.widenings, r.plan.narrowings));
+                     r.plan.widenings, r.plan.narrowings));
+    if (r.plan.shape_alternations > 0) {
+      line("shape library",
+           fmt::format("{} plans in one arena for iterations of shapes that alternate (found {} "
+                       "times); {} iterations' first request switched plans",
+                       r.plan.library_plans, r.plan.shape_alternations, r.plan.plan_switches));
+    }
   }
   line("steady state", fmt::format("from event {}: peak live {}, peak reserved {}, {:.2f} % unused",
                                    r.steady_from_event, format_bytes(r.steady_peak_live_bytes),
