@@ -986,7 +986,7 @@ bool plan_front::ensure_arena() {
     }
   });
   std::sort(owners_.begin(), owners_.end(),
-            [](const owned_span& a, const owned_span& b) { return a.addr < b.addr; });
+            [](const stream_span& a, const stream_span& b) { return a.addr < b.addr; });
   holes_.clear();
   tails_.clear();
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
@@ -1259,7 +1259,7 @@ std::size_t plan_front::slots_before_reuse(std::uintptr_t at, std::size_t size,
   // otherwise find its slot over a block of this stream).
   const std::uintptr_t from = at > max_owner_size_ ? at - max_owner_size_ : 0;
   auto o = std::lower_bound(owners_.begin(), owners_.end(), from,
-                            [](const owned_span& x, std::uintptr_t a) { return x.addr < a; });
+                            [](const stream_span& x, std::uintptr_t a) { return x.addr < a; });
   for (; o != owners_.end() && o->addr < at + size; ++o) {
     if (o->addr + o->size > at && o->stream != stream) foreign = true;
   }
@@ -1572,7 +1572,7 @@ void plan_front::take_slot(std::size_t j, bool served_elsewhere) {
 // does (and as the fallback will, should the block outlive the plan).
 void* plan_front::from_tail(std::size_t rounded, std::uintptr_t stream) {
   if (!live_mode_ || !installed_) return nullptr;
-  for (const tail_region& t : tails_) {
+  for (const stream_span& t : tails_) {
     if (t.stream != stream || t.size < rounded) continue;
     auto it = std::lower_bound(tail_live_.begin(), tail_live_.end(),
                                std::pair<std::uintptr_t, std::size_t>{t.addr, 0});

@@ -432,14 +432,15 @@ class plan_front {
   // the holes as allocated; the accounting below counts them as the arena's instead.
   bool installed_ = false;
   std::vector<fallback_hole> holes_;
-  // The claimed holes' tails beyond the layout's extent, and the blocks served there (sorted by
-  // address): requests outside the plan use them (from_tail).
-  struct tail_region {
+  // A range of the arena that belongs to one stream.
+  struct stream_span {
     std::uintptr_t addr = 0;
     std::size_t size = 0;
     std::uintptr_t stream = 0;
   };
-  std::vector<tail_region> tails_;
+  // The claimed holes' tails beyond the layout's extent, and the blocks served there (sorted by
+  // address): requests outside the plan use them (from_tail).
+  std::vector<stream_span> tails_;
   std::vector<std::pair<std::uintptr_t, std::size_t>> tail_live_;
   std::size_t hole_bytes_ = 0;
   std::size_t small_holes_ = 0, small_hole_bytes_ = 0;  // of those, in the small pool
@@ -460,12 +461,7 @@ class plan_front {
   std::vector<plan_state> shelf_;
   // The installed library's slots, every plan's, by address (which stream's part of the arena
   // each address is), and the streams of all their lanes.
-  struct owned_span {
-    std::uintptr_t addr = 0;
-    std::size_t size = 0;
-    std::uintptr_t stream = 0;
-  };
-  std::vector<owned_span> owners_;
+  std::vector<stream_span> owners_;
   std::size_t max_owner_size_ = 0;
   std::vector<std::uintptr_t> owner_streams_;
   bool choosing_ = false;     // the next request is a marked iteration's first: it picks the plan

@@ -1399,29 +1399,49 @@ TEST(PlannedPolicy, APlanThatLosesEveryOtherIterationIsSetAside) {
 // planner was set aside and the caching allocator served both lengths (reserved peak within 10% of
 // its own); before that, the plan changed at nearly every change of length (129 plans and 117
 // device allocations in the last 300 of 400 iterations of a probe of the same kind; planning.md).
-TEST(PlannedPolicy, IterationsOfSeveralShapesAtRandomArePlannedAsALibrary) {
-  for (const std::size_t buckets : {2, 4}) {
-    SCOPED_TRACE(buckets);
-    auto dev = terrace::make_device("null");
-    terrace::caching_allocator planned(*dev, terrace::parse_alloc_conf("policy:planned"));
-    terrace::caching_allocator caching(*dev, terrace::parse_alloc_conf("policy:caching"));
-    held_blocks live_planned(planned), live_caching(caching);
-    std::mt19937_64 rng(11);
-    std::vector<std::size_t> lengths(200);
-    for (std::size_t& seq : lengths) seq = 128 * (1 + rng() % buckets);
-    std::int64_t reservations = 0;
-    terrace::planner_stats at_150;
+namespace {
+
+// The same marked iterations, of the lengths given, through a planned and a caching allocator
+// side by side. From iteration `from` on, the reserved peaks are theirs and the planned one's
+// device allocations are counted (`reservations` holds its count at `from`).
+struct side_by_side {
+  std::unique_ptr<terrace::device_backend> dev = terrace::make_device("null");
+  terrace::caching_allocator planned{*dev, terrace::parse_alloc_conf("policy:planned")};
+  terrace::caching_allocator caching{*dev, terrace::parse_alloc_conf("policy:caching")};
+  held_blocks live_planned{planned}, live_caching{caching};
+  std::int64_t reservations = 0;
+
+  void run(const std::vector<std::size_t>& lengths, std::size_t from,
+           const std::function<void(std::size_t)>& before_each = {}) {
     for (std::size_t it = 0; it < lengths.size(); ++it) {
-      if (it == 50) {
+      if (it == from) {
         planned.reset_peak_stats();
         caching.reset_peak_stats();
         reservations = planned.stats().num_device_alloc;
       }
-      if (it == 150) at_150 = planned.plan_stats();
+      if (before_each) before_each(it);
       shaped_iteration(planned, live_planned, lengths[it]);
       shaped_iteration(caching, live_caching, lengths[it]);
     }
-    const auto s = planned.plan_stats();
+  }
+  double reserved() const { return static_cast<double>(planned.stats().reserved_bytes[0].peak); }
+  double reference() const { return static_cast<double>(caching.stats().reserved_bytes[0].peak); }
+};
+
+}  // namespace
+
+TEST(PlannedPolicy, IterationsOfSeveralShapesAtRandomArePlannedAsALibrary) {
+  for (const std::size_t buckets : {2, 4}) {
+    SCOPED_TRACE(buckets);
+    side_by_side run;
+    std::mt19937_64 rng(11);
+    std::vector<std::size_t> lengths(200);
+    for (std::size_t& seq : lengths) seq = 128 * (1 + rng() % buckets);
+    terrace::planner_stats at_150;
+    run.run(lengths, 50, [&](std::size_t it) {
+      if (it == 150) at_150 = run.planned.plan_stats();
+    });
+    const auto s = run.planned.plan_stats();
     EXPECT_EQ(s.shape_alternations, 1);
     EXPECT_EQ(s.library_plans, static_cast<std::int64_t>(buckets));
     // Each length planned once, but for a plan or two made before the alternation was found.
@@ -1433,12 +1453,10 @@ TEST(PlannedPolicy, IterationsOfSeveralShapesAtRandomArePlannedAsALibrary) {
     // From iteration 50 on: no device allocation, and less reserved than the caching allocator
     // (each length's arena shares the memory of the others'; the probe of planning.md: 12% less
     // at 2 lengths, 19% at 4).
-    const auto reserved = planned.stats().reserved_bytes[0].peak;
-    const auto reference = caching.stats().reserved_bytes[0].peak;
-    EXPECT_LT(static_cast<double>(reserved), 0.95 * static_cast<double>(reference))
-        << reserved << " B against the caching allocator's " << reference;
-    EXPECT_EQ(planned.stats().num_device_alloc, reservations);
-    ASSERT_NO_THROW(planned.check_invariants());
+    EXPECT_LT(run.reserved(), 0.95 * run.reference())
+        << run.reserved() << " B against the caching allocator's " << run.reference();
+    EXPECT_EQ(run.planned.stats().num_device_alloc, run.reservations);
+    ASSERT_NO_THROW(run.planned.check_invariants());
   }
 }
 
@@ -1446,33 +1464,21 @@ TEST(PlannedPolicy, IterationsOfSeveralShapesAtRandomArePlannedAsALibrary) {
 // the caching allocator serves them, until 16 iterations in a row have one length, which is then
 // planned again (no waiting out the 1024).
 TEST(PlannedPolicy, MoreShapesThanALibraryHoldsSettleOnTheCachingAllocator) {
-  auto dev = terrace::make_device("null");
-  terrace::caching_allocator planned(*dev, terrace::parse_alloc_conf("policy:planned"));
-  terrace::caching_allocator caching(*dev, terrace::parse_alloc_conf("policy:caching"));
-  held_blocks live_planned(planned), live_caching(caching);
+  side_by_side run;
   std::mt19937_64 rng(5);
   std::vector<std::size_t> lengths(400);
   for (std::size_t& seq : lengths) seq = 64 + 16 * (rng() % 12);
-  std::int64_t reservations = 0;
-  for (std::size_t it = 0; it < lengths.size(); ++it) {
-    if (it == 300) {
-      planned.reset_peak_stats();
-      caching.reset_peak_stats();
-      reservations = planned.stats().num_device_alloc;
-    }
-    shaped_iteration(planned, live_planned, lengths[it]);
-    shaped_iteration(caching, live_caching, lengths[it]);
-  }
-  const auto s = planned.plan_stats();
+  run.run(lengths, 300);
+  const auto s = run.planned.plan_stats();
   EXPECT_EQ(s.shape_alternations, 1);
   EXPECT_EQ(s.library_plans, 8);
   EXPECT_GE(s.suspensions, 1);
-  const auto reserved = planned.stats().reserved_bytes[0].peak;
-  const auto reference = caching.stats().reserved_bytes[0].peak;
-  EXPECT_LE(static_cast<double>(reserved), 1.10 * static_cast<double>(reference))
-      << reserved << " B against the caching allocator's " << reference;
-  EXPECT_EQ(planned.stats().num_device_alloc, reservations);
-  ASSERT_NO_THROW(planned.check_invariants());
+  EXPECT_LE(run.reserved(), 1.10 * run.reference())
+      << run.reserved() << " B against the caching allocator's " << run.reference();
+  EXPECT_EQ(run.planned.stats().num_device_alloc, run.reservations);
+  ASSERT_NO_THROW(run.planned.check_invariants());
+  terrace::caching_allocator& planned = run.planned;
+  held_blocks& live_planned = run.live_planned;
   for (int it = 0; it < 20; ++it) shaped_iteration(planned, live_planned, 512);
   const auto settled = planned.plan_stats();
   for (int it = 0; it < 4; ++it) shaped_iteration(planned, live_planned, 512);
