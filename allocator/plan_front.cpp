@@ -373,8 +373,8 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   base_bound_ = recorded_bound;
 
   arena_bytes_ = live_mode_ ? 0 : whole.arena_bytes;
-  for (const plan_state& other : shelf_) {  // counterfactual: the library's plans share one arena
-    if (!live_mode_) arena_bytes_ = std::max(arena_bytes_, other.plan.arena_bytes);
+  if (!live_mode_) {  // counterfactual: the library's plans share one arena
+    for (const plan_state& other : shelf_) arena_bytes_ = std::max(arena_bytes_, other.plan.arena_bytes);
   }
 
   if (stats_.plans > 0) ++stats_.replans;
@@ -547,7 +547,7 @@ bool plan_front::lay_out_again(const std::vector<std::uint32_t>& due, std::size_
   plan_items_ = std::move(items);
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
-  stats_.planned_slots = static_cast<std::int64_t>(plan_items_.size());
+  publish_plan_stats();
   stats_.arena_bytes = static_cast<std::int64_t>(plan_.arena_bytes);
   if (!heuristic.empty()) stats_.heuristic = heuristic;
   note_totals(last_totals_);

@@ -83,7 +83,7 @@ struct planner_stats {
   /// first request picks its shape's plan. A shape more than the library holds (8 plans) sets the
   /// planner aside until 16 iterations in a row are of one shape (1024 at most).
   std::int64_t shape_alternations = 0;
-  std::int64_t library_plans = 0;  ///< plans in the library now (1 for a single plan)
+  std::int64_t library_plans = 0;  ///< plans in the library now (1: a single plan; 0: none)
   std::int64_t plan_switches = 0;  ///< iterations whose first request picked another plan of it
   /// Times marked iterations kept to the plan but freed some of its blocks later than it allowed,
   /// and the plan was laid out again with those frees at their latest (the allocations are the
