@@ -372,10 +372,6 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   refused_bound_ = SIZE_MAX;
   base_bound_ = recorded_bound;
 
-  arena_bytes_ = live_mode_ ? 0 : whole.arena_bytes;
-  if (!live_mode_) {  // counterfactual: the library's plans share one arena
-    for (const plan_state& other : shelf_) arena_bytes_ = std::max(arena_bytes_, other.plan.arena_bytes);
-  }
 
   if (stats_.plans > 0) ++stats_.replans;
   ++stats_.plans;
@@ -384,6 +380,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_items_ = std::move(items);
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
+  arena_bytes_ = live_mode_ ? 0 : counterfactual_arena_bytes();
   freed_gen_.assign(slots_.size(), 0);
   taken_gen_.assign(slots_.size(), 0);
   plan_requests_ = explicit_ ? shape_of(lo, hi) : iteration_shape{};
@@ -426,6 +423,14 @@ void plan_front::publish_plan_stats() noexcept {
   for (const plan_state& other : shelf_) bound = std::max(bound, other.plan.lower_bound);
   stats_.lower_bound_bytes = static_cast<std::int64_t>(bound);
   stats_.library_plans = slots_.empty() ? 0 : static_cast<std::int64_t>(1 + shelf_.size());
+}
+
+// Counterfactual: the arena the library's plans would share, its largest plan's (each plan's
+// placement made without holes).
+std::size_t plan_front::counterfactual_arena_bytes() const noexcept {
+  std::size_t bytes = plan_.arena_bytes;
+  for (const plan_state& other : shelf_) bytes = std::max(bytes, other.plan.arena_bytes);
+  return bytes;
 }
 
 // The plan's items split by stream (sorted by stream), each with the items' indices.
@@ -543,12 +548,12 @@ bool plan_front::lay_out_again(const std::vector<std::uint32_t>& due, std::size_
   for (std::size_t j = 0; j < whole.offsets.size(); ++j) slots_[item_slot[j]].offset = whole.offsets[j];
   if (live_mode_) uninstall();
   memo_.valid = false;
-  arena_bytes_ = live_mode_ ? 0 : whole.arena_bytes;
   plan_items_ = std::move(items);
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
+  arena_bytes_ = live_mode_ ? 0 : counterfactual_arena_bytes();
   publish_plan_stats();
-  stats_.arena_bytes = static_cast<std::int64_t>(plan_.arena_bytes);
+  stats_.arena_bytes = static_cast<std::int64_t>(live_mode_ ? plan_.arena_bytes : arena_bytes_);
   if (!heuristic.empty()) stats_.heuristic = heuristic;
   note_totals(last_totals_);
   return true;

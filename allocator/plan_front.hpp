@@ -293,6 +293,7 @@ class plan_front {
   bool library_has_items() const noexcept;
   void choose_plan(std::uintptr_t stream, std::uint64_t key);
   void publish_plan_stats() noexcept;
+  std::size_t counterfactual_arena_bytes() const noexcept;
   static void check_installed(const std::vector<slot>& slots, const std::vector<plan_interval>& items,
                               const std::vector<std::uint32_t>& item_slot,
                               const std::function<bool(std::uintptr_t, std::size_t)>& inside);
