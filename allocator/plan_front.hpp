@@ -292,6 +292,7 @@ class plan_front {
   void for_each_plan(F&& f);
   bool library_has_items() const noexcept;
   void choose_plan(std::uintptr_t stream, std::uint64_t key);
+  void record_request(std::uint64_t key, std::size_t rounded, std::uintptr_t stream);
   void publish_plan_stats() noexcept;
   std::size_t counterfactual_arena_bytes() const noexcept;
   static void check_installed(const std::vector<slot>& slots, const std::vector<plan_interval>& items,
@@ -465,7 +466,16 @@ class plan_front {
   std::vector<stream_span> owners_;
   std::size_t max_owner_size_ = 0;
   std::vector<std::uintptr_t> owner_streams_;
-  bool choosing_ = false;     // the next request is a marked iteration's first: it picks the plan
+  // The next request is among a marked iteration's first, which pick the plan: the first one, or
+  // one while several plans start with the requests so far (undecided: mode_ is seeking then).
+  bool choosing_ = false;
+  std::vector<std::uint32_t> candidates_;  // those plans: 0 the active one, i + 1 shelf_[i]
+  std::vector<std::pair<std::uintptr_t, std::uint32_t>> undecided_;  // requests so far, by stream
+  std::int64_t undecided_at_ = 0;          // stats_.undecided_requests when the choice began
+  // Requests of a marked iteration in sync still recorded (try_allocate), and the recording's
+  // index of the request try_allocate last saw (-1: not recorded).
+  std::uint32_t shadow_left_ = 0;
+  std::int64_t request_rec_ = -1;
   bool replan_adds_ = false;  // the pending re-plan joins the library (the active plan is kept)
   bool replan_pending_ = false;
   std::size_t replan_lo_ = 0, replan_hi_ = 0;

@@ -388,6 +388,7 @@ struct fuzz_setup {
   bool inject_ooms = false;
   bool phase_change = false;  // base and other shape swap halfway
   int buckets = 0;  // each iteration's shape drawn from this many (0: the base shape alone)
+  int common_start = 0;  // allocations at the start of every bucket's shape that are the base's
   std::size_t capacity = 0;
   std::size_t page = 0;  // the device's virtual memory page; 0: none
   std::string conf;
@@ -399,6 +400,7 @@ struct fuzz_setup {
            (default_stream ? " (default stream first)" : "") +
            " size_mode=" + std::to_string(size_mode) + " nallocs=" + std::to_string(nallocs) +
            " marks=" + std::to_string(marks_mode) + " buckets=" + std::to_string(buckets) +
+           " common_start=" + std::to_string(common_start) +
            " deviations=" + std::to_string(deviation_rate) +
            " query_p=" + std::to_string(query_p).substr(0, 3) +
            " capacity=" + std::to_string(capacity) + " page=" + std::to_string(page) +
@@ -724,6 +726,19 @@ class fuzz_run {
       while (static_cast<int>(buckets_.size()) < s.buckets) {
         buckets_.push_back(make_shape(bucket_rng_, s.nstreams, s.size_mode, s.nallocs));
       }
+      // Half of them start alike: the first 1-3 blocks of every shape are the base's (a batch
+      // of fixed bytes), so the plan is picked at the first request that differs.
+      s.common_start = bucket_rng_() % 2 == 0 ? 1 + static_cast<int>(bucket_rng_() % 3) : 0;
+      for (std::size_t b = 1; b < buckets_.size(); ++b) {
+        for (op& o : buckets_[b]) {
+          if (o.kind != op::alloc || o.id >= s.common_start) continue;
+          const auto same = std::find_if(base_.begin(), base_.end(), [&](const op& x) {
+            return x.kind == op::alloc && x.id == o.id;
+          });
+          o.size = same->size;
+          o.stream = same->stream;
+        }
+      }
     }
   }
 
@@ -961,7 +976,7 @@ TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactSta
   // How often the rarer paths ran: a fuzzer whose workloads stopped reaching them would pass
   // without testing them.
   int lazy_seeds = 0, unmap_seeds = 0, refusal_seeds = 0, widen_seeds = 0, narrow_seeds = 0;
-  int library_seeds = 0;
+  int library_seeds = 0, undecided_seeds = 0;
   for (std::uint64_t seed = seeds->first; seed < seeds->end(); ++seed) {
     fuzz_run run(seed);
     if (const std::optional<std::string> failure = run.run()) {
@@ -974,15 +989,19 @@ TEST(PlannedPolicyFuzz, RandomWorkloadsGetDisjointStreamOrderedBlocksAndExactSta
     widen_seeds += run.plan_stats().widenings > 0 ? 1 : 0;
     narrow_seeds += run.plan_stats().narrowings > 0 ? 1 : 0;
     library_seeds += run.plan_stats().plan_switches > 0 ? 1 : 0;
+    undecided_seeds += run.plan_stats().undecided_requests > 0 ? 1 : 0;
   }
   fuzz::print_passed(*seeds);
   std::printf("[          ] arenas mapped page by page in %d seeds, idle pages unmapped under "
               "pressure in %d, a page refused in %d; plans widened for later frees in %d, narrowed "
-              "for want of room in %d; a library of plans switched in %d\n",
-              lazy_seeds, unmap_seeds, refusal_seeds, widen_seeds, narrow_seeds, library_seeds);
+              "for want of room in %d; a library of plans switched in %d, chose after its first "
+              "request in %d\n",
+              lazy_seeds, unmap_seeds, refusal_seeds, widen_seeds, narrow_seeds, library_seeds,
+              undecided_seeds);
   if (seeds->count >= kDefaultSeeds) {
     EXPECT_GT(lazy_seeds, 0) << "no seed reached a lazily mapped arena";
     EXPECT_GT(library_seeds, 0) << "no seed switched between plans of a library";
+    EXPECT_GT(undecided_seeds, 0) << "no seed chose a plan of a library after its first request";
   }
 }
 

@@ -66,8 +66,10 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
     if (r.plan.shape_alternations > 0) {
       line("shape library",
            fmt::format("{} plans in one arena for iterations of shapes that alternate (found {} "
-                       "times); {} iterations' first request switched plans",
-                       r.plan.library_plans, r.plan.shape_alternations, r.plan.plan_switches));
+                       "times); {} iterations' first requests switched plans, {} requests served "
+                       "before the choice",
+                       r.plan.library_plans, r.plan.shape_alternations, r.plan.plan_switches,
+                       r.plan.undecided_requests));
     }
   }
   line("steady state", fmt::format("from event {}: peak live {}, peak reserved {}, {:.2f} % unused",

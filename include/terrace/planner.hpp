@@ -84,7 +84,11 @@ struct planner_stats {
   /// planner aside until 16 iterations in a row are of one shape (1024 at most).
   std::int64_t shape_alternations = 0;
   std::int64_t library_plans = 0;  ///< plans in the library now (1: a single plan; 0: none)
-  std::int64_t plan_switches = 0;  ///< iterations whose first request picked another plan of it
+  std::int64_t plan_switches = 0;  ///< iterations whose first requests picked another plan of it
+  /// Requests served by the fallback while several plans of the library started with the
+  /// iteration's requests so far, so that none was picked yet (their slots count as served
+  /// elsewhere in the plan picked in the end).
+  std::int64_t undecided_requests = 0;
   /// Times marked iterations kept to the plan but freed some of its blocks later than it allowed,
   /// and the plan was laid out again with those frees at their latest (the allocations are the
   /// same; only the order of frees among them varied, with timing).
