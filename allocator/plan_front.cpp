@@ -84,6 +84,9 @@ constexpr std::uint32_t kMaxUndecided = 16;
 // A marked iteration's first requests recorded in sync as well (try_allocate's shadow), so that
 // one that leaves the plan among them is recorded whole (and the undecided ones before them).
 constexpr std::uint32_t kShadowRequests = 16;
+// Planned iterations after which a plan of the library that none of them picked leaves it
+// (drop_unused_plans). A bucket drawn 1 time in 8 goes unpicked that long with odds of 1e-15.
+constexpr std::int64_t kUnusedIterations = 256;
 constexpr std::uint32_t kFirstSuspension = 8;
 constexpr std::uint32_t kMaxSuspension = 1024;
 // A plan that allows for every order of frees seen may need more memory than the order it was
@@ -384,6 +387,7 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
 
   if (stats_.plans > 0) ++stats_.replans;
   ++stats_.plans;
+  last_pick_ = stats_.iterations;
   slots_ = std::move(slots);
   lanes_ = std::move(lanes);  // lanes_.front() is slot 0's: it was created first
   plan_items_ = std::move(items);
@@ -775,6 +779,7 @@ void plan_front::exchange_plan(plan_state& other) noexcept {
   std::swap(taken_gen_, other.taken_gen);
   std::swap(memo_where_, other.memo_where);
   std::swap(memo_off_, other.memo_off);
+  std::swap(last_pick_, other.last_pick);
 }
 
 // Calls f(p) with each plan of the library active in turn (p = 0: the active one), and leaves the
@@ -1663,6 +1668,7 @@ void plan_front::choose_plan(std::uintptr_t stream, std::uint64_t key) {
   const std::vector<std::uint32_t>& left = fitting.empty() ? candidates_ : fitting;
   const std::uint32_t id = left.front();  // in ascending order: the active plan if among them
   choosing_ = false;
+  last_pick_ = stats_.iterations;
   if (id != 0) {
     exchange_plan(shelf_[id - 1]);  // the plan active so far takes its place on the shelf
     for (lane& l : lanes_) start_lane(l);
@@ -1680,6 +1686,29 @@ void plan_front::choose_plan(std::uintptr_t stream, std::uint64_t key) {
       take_slot(l->slots[p], /*served_elsewhere=*/true);
     }
   }
+}
+
+// The plans of the library that no marked iteration picked in the last kUnusedIterations planned
+// ones leave it (the shapes in use changed: a curriculum moved on to longer sequences, an
+// evaluation phase ended). The layout is made again at the next installation, so an arena that
+// was a dropped plan's size shrinks to the largest plan left, and the library has room for new
+// shapes. A dropped shape that comes back is a shape the library does not hold: recorded, and
+// planned again if it recurs. The active plan was picked last, so it is never dropped.
+void plan_front::drop_unused_plans() {
+  if (shelf_.empty() || !arena_quiet()) return;
+  const std::size_t before = shelf_.size();
+  std::erase_if(shelf_, [&](const plan_state& p) {
+    return stats_.iterations - p.last_pick > kUnusedIterations;
+  });
+  if (shelf_.size() == before) return;
+  stats_.dropped_plans += static_cast<std::int64_t>(before - shelf_.size());
+  memo_.valid = false;
+  if (live_mode_ && installed_) uninstall();
+  if (!live_mode_) {
+    arena_bytes_ = counterfactual_arena_bytes();
+    stats_.arena_bytes = static_cast<std::int64_t>(arena_bytes_);
+  }
+  publish_plan_stats();
 }
 
 void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
@@ -2040,6 +2069,7 @@ void plan_front::begin_iteration() {
     if (mode_ == mode::in_sync && !lanes_done()) deviate();
     if (slot_live_ == 0) {
       if (later_frees_ && arena_quiet()) widen_plan();
+      drop_unused_plans();
       start_iteration();
       // No slot is live: the iteration's first request may pick another plan of the library, or,
       // once the shape of iterations keeps changing, tell one of a shape no plan holds.

@@ -236,6 +236,7 @@ class plan_front {
     std::vector<std::uint32_t> taken_gen;
     std::vector<std::int64_t> memo_where;
     std::vector<std::size_t> memo_off;
+    std::int64_t last_pick = 0;
   };
 
   std::uint64_t key_of(std::size_t rounded, std::uintptr_t stream, std::string_view tag) const;
@@ -292,6 +293,7 @@ class plan_front {
   void for_each_plan(F&& f);
   bool library_has_items() const noexcept;
   void choose_plan(std::uintptr_t stream, std::uint64_t key);
+  void drop_unused_plans();
   void record_request(std::uint64_t key, std::size_t rounded, std::uintptr_t stream);
   void publish_plan_stats() noexcept;
   std::size_t counterfactual_arena_bytes() const noexcept;
@@ -461,6 +463,7 @@ class plan_front {
   // buckets), all laid out in the one installed arena, each stream's slots of every plan in that
   // stream's part of it. A marked iteration's first request picks the plan (choose_plan).
   std::vector<plan_state> shelf_;
+  std::int64_t last_pick_ = 0;  // stats_.iterations when the active plan was made or last picked
   // The installed library's slots, every plan's, by address (which stream's part of the arena
   // each address is), and the streams of all their lanes.
   std::vector<stream_span> owners_;

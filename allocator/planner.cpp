@@ -224,12 +224,12 @@ void check_placement(const std::vector<plan_interval>& items, const placement_pl
 }
 
 std::string to_json(const planner_stats& s) {
-  char buf[2048];
+  char buf[4096];  // about 1,300 bytes with every counter at 19 digits: 2,100
   std::snprintf(
       buf, sizeof buf,
       "{\"plan.enabled\":%s,\"plan.counterfactual\":%s,\"plan.active\":%s,\"plan.plans\":%lld,"
       "\"plan.replans\":%lld,\"plan.iterations\":%lld,\"plan.deviating_iterations\":%lld,"
-      "\"plan.lost_iterations\":%lld,\"plan.suspensions\":%lld,\"plan.shape_alternations\":%lld,\"plan.library_plans\":%lld,\"plan.plan_switches\":%lld,\"plan.undecided_requests\":%lld,\"plan.widenings\":%lld,\"plan.narrowings\":%lld,"
+      "\"plan.lost_iterations\":%lld,\"plan.suspensions\":%lld,\"plan.shape_alternations\":%lld,\"plan.library_plans\":%lld,\"plan.plan_switches\":%lld,\"plan.undecided_requests\":%lld,\"plan.dropped_plans\":%lld,\"plan.widenings\":%lld,\"plan.narrowings\":%lld,"
       "\"plan.allocs_under_plan\":%lld,\"plan.hits\":%lld,\"plan.unplanned_allocs\":%lld,"
       "\"plan.deviations\":%lld,\"plan.period_allocs\":%lld,\"plan.planned_slots\":%lld,"
       "\"plan.arena_bytes\":%lld,\"plan.lower_bound_bytes\":%lld,"
@@ -243,7 +243,7 @@ std::string to_json(const planner_stats& s) {
       static_cast<long long>(s.deviating_iterations), static_cast<long long>(s.lost_iterations),
       static_cast<long long>(s.suspensions), static_cast<long long>(s.shape_alternations),
       static_cast<long long>(s.library_plans), static_cast<long long>(s.plan_switches),
-      static_cast<long long>(s.undecided_requests),
+      static_cast<long long>(s.undecided_requests), static_cast<long long>(s.dropped_plans),
       static_cast<long long>(s.widenings),
       static_cast<long long>(s.narrowings),
       static_cast<long long>(s.allocs_under_plan),

@@ -1499,6 +1499,40 @@ TEST(PlannedPolicy, ShapesThatStartAlikeArePickedAtTheirFirstRequestThatDiffers)
   }
 }
 
+// The shapes in use change (a curriculum moves on; an evaluation phase of long sequences ends):
+// plans no iteration picked in 256 planned iterations leave the library, and the arena, laid out
+// again, shrinks to the plans left. Before, it stayed the largest plan's for as long as the
+// library lasted.
+TEST(PlannedPolicy, PlansOfShapesNoLongerSeenLeaveTheLibrary) {
+  side_by_side run;
+  std::mt19937_64 rng(3);
+  std::vector<std::size_t> lengths(100);
+  for (std::size_t& seq : lengths) seq = 128 * (1 + rng() % 3);
+  run.run(lengths, 0);
+  const auto formed = run.planned.plan_stats();
+  ASSERT_EQ(formed.library_plans, 3);
+  const auto reserved_formed = run.planned.stats().reserved_bytes[0].current;
+  run.run(std::vector<std::size_t>(100, 128), 0);
+  EXPECT_EQ(run.planned.plan_stats().dropped_plans, 0) << "dropped before 256 iterations";
+  run.run(std::vector<std::size_t>(200, 128), 0);
+  const auto s = run.planned.plan_stats();
+  EXPECT_EQ(s.dropped_plans, 2);
+  EXPECT_EQ(s.library_plans, 1);
+  EXPECT_LT(s.arena_bytes, formed.arena_bytes);
+  const auto reserved_after = run.planned.stats().reserved_bytes[0].current;
+  EXPECT_LT(reserved_after, reserved_formed);
+  std::printf("[          ] arena %.1f -> %.1f MiB, reserved %.1f -> %.1f MiB\n",
+              static_cast<double>(formed.arena_bytes) / 1048576,
+              static_cast<double>(s.arena_bytes) / 1048576,
+              static_cast<double>(reserved_formed) / 1048576,
+              static_cast<double>(reserved_after) / 1048576);
+  // The last iterations all from the one plan left.
+  const auto hits = s.planned_hits;
+  run.run(std::vector<std::size_t>(4, 128), 0);
+  EXPECT_EQ(run.planned.plan_stats().planned_hits - hits, 4 * 24);
+  ASSERT_NO_THROW(run.planned.check_invariants());
+}
+
 TEST(PlannedPolicy, MoreShapesThanALibraryHoldsSettleOnTheCachingAllocator) {
   side_by_side run;
   std::mt19937_64 rng(5);

@@ -67,9 +67,9 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
       line("shape library",
            fmt::format("{} plans in one arena for iterations of shapes that alternate (found {} "
                        "times); {} iterations' first requests switched plans, {} requests served "
-                       "before the choice",
+                       "before the choice; {} plans dropped unused",
                        r.plan.library_plans, r.plan.shape_alternations, r.plan.plan_switches,
-                       r.plan.undecided_requests));
+                       r.plan.undecided_requests, r.plan.dropped_plans));
     }
   }
   line("steady state", fmt::format("from event {}: peak live {}, peak reserved {}, {:.2f} % unused",

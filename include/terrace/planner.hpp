@@ -89,6 +89,9 @@ struct planner_stats {
   /// iteration's requests so far, so that none was picked yet (their slots count as served
   /// elsewhere in the plan picked in the end).
   std::int64_t undecided_requests = 0;
+  /// Plans that left the library because no marked iteration picked them in the last 256
+  /// planned ones (the layout is made again without them: the arena may shrink).
+  std::int64_t dropped_plans = 0;
   /// Times marked iterations kept to the plan but freed some of its blocks later than it allowed,
   /// and the plan was laid out again with those frees at their latest (the allocations are the
   /// same; only the order of frees among them varied, with timing).
