@@ -1430,7 +1430,24 @@ struct side_by_side {
   }
   double reserved() const { return static_cast<double>(planned.stats().reserved_bytes[0].peak); }
   double reference() const { return static_cast<double>(caching.stats().reserved_bytes[0].peak); }
+
+  // From `from` on: at most `ratio` of the caching allocator's reserved peak, and no device
+  // allocation; the planned allocator's invariants hold.
+  void expect_below_caching(double ratio) const {
+    EXPECT_LT(reserved(), ratio * reference())
+        << reserved() << " B against the caching allocator's " << reference();
+    EXPECT_EQ(planned.stats().num_device_alloc, reservations);
+    ASSERT_NO_THROW(planned.check_invariants());
+  }
 };
+
+// `n` lengths drawn at random from `buckets` multiples of 128.
+std::vector<std::size_t> random_lengths(std::size_t buckets, std::size_t n, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::size_t> lengths(n);
+  for (std::size_t& seq : lengths) seq = 128 * (1 + rng() % buckets);
+  return lengths;
+}
 
 }  // namespace
 
@@ -1438,11 +1455,8 @@ TEST(PlannedPolicy, IterationsOfSeveralShapesAtRandomArePlannedAsALibrary) {
   for (const std::size_t buckets : {2, 4}) {
     SCOPED_TRACE(buckets);
     side_by_side run;
-    std::mt19937_64 rng(11);
-    std::vector<std::size_t> lengths(200);
-    for (std::size_t& seq : lengths) seq = 128 * (1 + rng() % buckets);
     terrace::planner_stats at_150;
-    run.run(lengths, 50, [&](std::size_t it) {
+    run.run(random_lengths(buckets, 200, 11), 50, [&](std::size_t it) {
       if (it == 150) at_150 = run.planned.plan_stats();
     });
     const auto s = run.planned.plan_stats();
@@ -1457,16 +1471,10 @@ TEST(PlannedPolicy, IterationsOfSeveralShapesAtRandomArePlannedAsALibrary) {
     // From iteration 50 on: no device allocation, and less reserved than the caching allocator
     // (each length's arena shares the memory of the others'; the probe of planning.md: 12% less
     // at 2 lengths, 19% at 4).
-    EXPECT_LT(run.reserved(), 0.95 * run.reference())
-        << run.reserved() << " B against the caching allocator's " << run.reference();
-    EXPECT_EQ(run.planned.stats().num_device_alloc, run.reservations);
-    ASSERT_NO_THROW(run.planned.check_invariants());
+    run.expect_below_caching(0.95);
   }
 }
 
-// More lengths than a library holds (8): the planner is set aside once the library is full and
-// the caching allocator serves them, until 16 iterations in a row have one length, which is then
-// planned again (no waiting out the 1024).
 // Shapes whose first request is alike (a batch of fixed bytes: the input ids of a token budget
 // split into more or fewer sequences) are told apart at their first request that differs: until
 // then the fallback serves them. Before, the first request picked the plan, always the active one:
@@ -1477,11 +1485,8 @@ TEST(PlannedPolicy, ShapesThatStartAlikeArePickedAtTheirFirstRequestThatDiffers)
     SCOPED_TRACE(buckets);
     side_by_side run;
     run.common_first = std::size_t{1} << 20;
-    std::mt19937_64 rng(11);
-    std::vector<std::size_t> lengths(200);
-    for (std::size_t& seq : lengths) seq = 128 * (1 + rng() % buckets);
     terrace::planner_stats at_100;
-    run.run(lengths, 50, [&](std::size_t it) {
+    run.run(random_lengths(buckets, 200, 11), 50, [&](std::size_t it) {
       if (it == 100) at_100 = run.planned.plan_stats();
     });
     const auto s = run.planned.plan_stats();
@@ -1492,10 +1497,7 @@ TEST(PlannedPolicy, ShapesThatStartAlikeArePickedAtTheirFirstRequestThatDiffers)
     EXPECT_EQ(s.planned_hits - at_100.planned_hits, 100 * 24);
     EXPECT_EQ(s.lost_iterations, at_100.lost_iterations);
     // From iteration 50 on (measured: 17 MiB against 34 at 2 lengths, 43 against 54 at 4).
-    EXPECT_LT(run.reserved(), 0.95 * run.reference())
-        << run.reserved() << " B against the caching allocator's " << run.reference();
-    EXPECT_EQ(run.planned.stats().num_device_alloc, run.reservations);
-    ASSERT_NO_THROW(run.planned.check_invariants());
+    run.expect_below_caching(0.95);
   }
 }
 
@@ -1505,10 +1507,7 @@ TEST(PlannedPolicy, ShapesThatStartAlikeArePickedAtTheirFirstRequestThatDiffers)
 // library lasted.
 TEST(PlannedPolicy, PlansOfShapesNoLongerSeenLeaveTheLibrary) {
   side_by_side run;
-  std::mt19937_64 rng(3);
-  std::vector<std::size_t> lengths(100);
-  for (std::size_t& seq : lengths) seq = 128 * (1 + rng() % 3);
-  run.run(lengths, 0);
+  run.run(random_lengths(3, 100, 3), 0);
   const auto formed = run.planned.plan_stats();
   ASSERT_EQ(formed.library_plans, 3);
   const auto reserved_formed = run.planned.stats().reserved_bytes[0].current;
@@ -1533,6 +1532,9 @@ TEST(PlannedPolicy, PlansOfShapesNoLongerSeenLeaveTheLibrary) {
   ASSERT_NO_THROW(run.planned.check_invariants());
 }
 
+// More lengths than a library holds (8): the planner is set aside once the library is full and
+// the caching allocator serves them, until 16 iterations in a row have one length, which is then
+// planned again (no waiting out the 1024).
 TEST(PlannedPolicy, MoreShapesThanALibraryHoldsSettleOnTheCachingAllocator) {
   side_by_side run;
   std::mt19937_64 rng(5);
@@ -1543,10 +1545,7 @@ TEST(PlannedPolicy, MoreShapesThanALibraryHoldsSettleOnTheCachingAllocator) {
   EXPECT_EQ(s.shape_alternations, 1);
   EXPECT_EQ(s.library_plans, 8);
   EXPECT_GE(s.suspensions, 1);
-  EXPECT_LE(run.reserved(), 1.10 * run.reference())
-      << run.reserved() << " B against the caching allocator's " << run.reference();
-  EXPECT_EQ(run.planned.stats().num_device_alloc, run.reservations);
-  ASSERT_NO_THROW(run.planned.check_invariants());
+  run.expect_below_caching(1.10);
   terrace::caching_allocator& planned = run.planned;
   held_blocks& live_planned = run.live_planned;
   for (int it = 0; it < 20; ++it) shaped_iteration(planned, live_planned, 512);
