@@ -27,8 +27,8 @@
 // and, if a stream used another's hole, before they go back.
 // A library of plans (iterations of several shapes) shares one arena: each plan alone is laid out
 // as above, and every plan's slots of a stream lie in that stream's part of it, so that an address
-// belongs to one stream whichever plan is active. The active plan changes only at a marked
-// iteration's first request, when no slot is live: what the others' slots held is then free, and
+// belongs to one stream whichever plan is active. The active plan changes only among a marked
+// iteration's first requests, when no slot is live: what the others' slots held is then free, and
 // work still queued on it is the same stream's (stream order covers it) or was waited for
 // (guests, record_stream: deferred per stream, for every stream of the library).
 #include "allocator/plan_front.hpp"
@@ -40,7 +40,6 @@
 #include <iterator>
 #include <numeric>
 #include <string>
-#include <tuple>
 #include <utility>
 
 #include "terrace/error.hpp"
@@ -1653,9 +1652,10 @@ void plan_front::choose_plan(std::uintptr_t stream, std::uint64_t key) {
     release_idle_arena();
     return;
   }
-  if (fitting.size() > 1 && stats_.undecided_requests - undecided_at_ < kMaxUndecided) {
+  const std::uint32_t undecided = std::accumulate(
+      undecided_.begin(), undecided_.end(), 0u, [](std::uint32_t n, const auto& x) { return n + x.second; });
+  if (fitting.size() > 1 && undecided < kMaxUndecided) {
     candidates_ = std::move(fitting);
-    if (first) undecided_at_ = stats_.undecided_requests;
     if (seen == undecided_.end()) {
       undecided_.emplace_back(stream, 1);
     } else {
@@ -2141,7 +2141,7 @@ void plan_front::end_iteration() {
   if (std::any_of(shelf_.begin(), shelf_.end(), [&](const plan_state& other) {
         return other.plan_requests.same_requests(current);
       })) {
-    return;  // the library has its plan (its first request picked another, of the same start)
+    return;  // the library has its plan (the iteration's first requests picked another)
   }
   if (plan_alike) {
     // (A plan narrowed for want of room is not planned again for all the orders seen, which
@@ -2377,20 +2377,21 @@ void plan_front::check_invariants() const {
     }
     // Across the library's plans, an address belongs to one stream: a change of plan must never
     // hand one stream space another may still be using.
-    std::vector<std::tuple<std::uintptr_t, std::size_t, std::uintptr_t>> spans;  // addr, size, stream
+    std::vector<stream_span> spans;
     const auto add = [&](const std::vector<slot>& slots, const std::vector<std::uint32_t>& placed) {
-      for (std::uint32_t k : placed) spans.emplace_back(slots[k].addr, slots[k].size, slots[k].stream);
+      for (std::uint32_t k : placed) spans.push_back({slots[k].addr, slots[k].size, slots[k].stream});
     };
     add(slots_, plan_item_slot_);
     for (const plan_state& other : shelf_) add(other.slots, other.plan_item_slot);
-    std::sort(spans.begin(), spans.end());
+    std::sort(spans.begin(), spans.end(),
+              [](const stream_span& a, const stream_span& b) { return a.addr < b.addr; });
     std::vector<std::pair<std::uintptr_t, std::uintptr_t>> open;  // (end, stream) of spans reaching on
-    for (const auto& [addr, size, stream] : spans) {
-      std::erase_if(open, [a = addr](const auto& o) { return o.first <= a; });
+    for (const stream_span& s : spans) {
+      std::erase_if(open, [a = s.addr](const auto& o) { return o.first <= a; });
       for (const auto& o : open) {
-        if (o.second != stream) fail("two streams' slots share an address in the library");
+        if (o.second != s.stream) fail("two streams' slots share an address in the library");
       }
-      open.emplace_back(addr + size, stream);
+      open.emplace_back(s.addr + s.size, s.stream);
     }
   }
   for (std::size_t i = 0; i < arena.size(); ++i) {

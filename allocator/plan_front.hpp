@@ -383,9 +383,9 @@ class plan_front {
   // none; an iteration in sync counts as the plan's, one lost part way as kUnknownShape). A
   // re-plan for other requests while they keep changing (kMinShapeChanges among the last 16)
   // means iterations of several shapes alternate (sequence-length buckets drawn at random): one
-  // plan at a time would be laid out again at each change, so the planner is set aside until 16
-  // iterations in a row are of one shape. (A phase of another shape, as an evaluation between
-  // training steps, is planned.)
+  // plan at a time would be laid out again at each change, so the new plan joins a library of
+  // them (more shapes than it holds set the planner aside until 16 iterations in a row are of one
+  // shape). A phase of another shape, as an evaluation between training steps, replaces the plan.
   std::array<std::uint64_t, 16> recent_shapes_{};
   std::size_t recent_shape_next_ = 0;
   // Per slot: the latest lane index before which an iteration in sync freed it (0: never later
@@ -461,7 +461,7 @@ class plan_front {
   std::vector<std::size_t> memo_off_;
   // The library: the plans of the other shapes of iterations that alternate (sequence-length
   // buckets), all laid out in the one installed arena, each stream's slots of every plan in that
-  // stream's part of it. A marked iteration's first request picks the plan (choose_plan).
+  // stream's part of it. A marked iteration's first requests pick the plan (choose_plan).
   std::vector<plan_state> shelf_;
   std::int64_t last_pick_ = 0;  // stats_.iterations when the active plan was made or last picked
   // The installed library's slots, every plan's, by address (which stream's part of the arena
@@ -474,7 +474,6 @@ class plan_front {
   bool choosing_ = false;
   std::vector<std::uint32_t> candidates_;  // those plans: 0 the active one, i + 1 shelf_[i]
   std::vector<std::pair<std::uintptr_t, std::uint32_t>> undecided_;  // requests so far, by stream
-  std::int64_t undecided_at_ = 0;          // stats_.undecided_requests when the choice began
   // Requests of a marked iteration in sync still recorded (try_allocate), and the recording's
   // index of the request try_allocate last saw (-1: not recorded).
   std::uint32_t shadow_left_ = 0;
