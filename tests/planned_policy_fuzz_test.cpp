@@ -5,9 +5,11 @@
 // queued before a stream-ordered free still used it.
 //
 // Each seed draws a workload (a periodic training iteration on 1-3 streams, deviations injected
-// into it; in a quarter of the seeds each iteration's shape drawn from 2-4) and a configuration
-// (live plan or plan_counterfactual beside caching, split and rounding knobs, a device from roomy
-// to barely larger than the peak), runs it over a model device, and checks every allocation against what the program knows, never against the allocator's own books:
+// into it; in a quarter of the seeds each iteration's shape drawn from 2-4, half of those alike
+// in their first allocations) and a configuration (live plan or plan_counterfactual beside
+// caching, split and rounding knobs, a device from roomy to barely larger than the peak), runs it
+// over a model device, and checks every allocation against what the program knows, never against
+// the allocator's own books:
 //   - the pointer lies inside a segment the device handed out and is 512-aligned;
 //   - it overlaps no live block;
 //   - reuse is stream ordered: a block on stream S over space last used by work on stream T != S
