@@ -509,4 +509,20 @@ class plan_front {
   std::int64_t peak_reserved_ = 0, peak_allocated_ = 0, peak_requested_ = 0;
 };
 
+// Calls f(p) with each plan of the library active in turn (p = 0: the active one), and leaves the
+// active one as it was. f must not change which plans there are.
+template <class F>
+void plan_front::for_each_plan(F&& f) {
+  f(std::size_t{0});
+  for (std::size_t i = 0; i < shelf_.size(); ++i) {
+    struct restore {
+      plan_front* front;
+      plan_state* state;
+      ~restore() { front->exchange_plan(*state); }
+    } guard{this, &shelf_[i]};
+    exchange_plan(shelf_[i]);
+    f(i + 1);
+  }
+}
+
 }  // namespace terrace::detail
