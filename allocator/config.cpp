@@ -404,14 +404,17 @@ allocator_config parse(std::string_view source, std::string_view text, allocator
                ") must be >= small_size (" + std::to_string(c.small_size) + ")");
     }
   }
-  // PyTorch refuses max_split_size_mb below its 20 MiB large segment: a smaller limit would
-  // forbid splitting the very segments that exist to be split. Ours is configurable.
+  // PyTorch refuses max_split_size_mb up to its 20 MiB large segment ("must be > 20"): a limit
+  // that low forbids splitting the very segments that exist to be split. A request below 10 MiB
+  // gets a whole large segment; once freed, that segment is one block of max_split_size bytes or
+  // more, which such a request may not split, so every allocation reserved a new segment. Ours
+  // is configurable, and the bound follows it.
   if (!max_split_item.empty() || !large_segment_item.empty()) {
     if (c.max_split_size != std::numeric_limits<std::size_t>::max() &&
-        c.max_split_size < c.large_segment_size) {
+        c.max_split_size <= c.large_segment_size) {
       fail(source, max_split_item.empty() ? large_segment_item : max_split_item,
            "max_split_size_mb (" + std::to_string(c.max_split_size / MiB) +
-               " MiB) must be at least large_segment_size (" +
+               " MiB) must be larger than large_segment_size (" +
                std::to_string(c.large_segment_size) + " bytes)");
     }
   }

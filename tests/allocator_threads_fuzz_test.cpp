@@ -507,7 +507,7 @@ fuzz_setup draw_setup(std::uint64_t seed, policy_mix mix, std::mt19937_64& rng) 
   s.conf = policies[static_cast<std::size_t>(policy)];
   s.planned = policy >= 2;
   s.expandable = policy == 0 || policy == 3;
-  if (rng() % 3 == 0) s.conf += ",max_split_size_mb:" + std::to_string(20 + rng() % 40);
+  if (rng() % 3 == 0) s.conf += ",max_split_size_mb:" + std::to_string(21 + rng() % 40);
   if (rng() % 3 == 0) s.conf += ",roundup_power2_divisions:" + std::to_string(1 << (rng() % 4));
   if (rng() % 3 == 0) {
     s.conf += ",garbage_collection_threshold:0." + std::to_string(3 + rng() % 6);

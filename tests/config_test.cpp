@@ -160,17 +160,22 @@ TEST(AllocConf, RoundupDivisionsAcceptsZeroAndPowersOfTwoUpTo64) {
 }
 
 TEST(AllocConf, MaxSplitSizeIsInMiBAndBoundedBelowByTheLargeSegment) {
-  EXPECT_EQ(parse_alloc_conf("max_split_size_mb:20").max_split_size, 20 * MiB);
+  EXPECT_EQ(parse_alloc_conf("max_split_size_mb:21").max_split_size, 21 * MiB);
   // The bound follows the configured large segment, whichever item comes first.
-  EXPECT_EQ(parse_alloc_conf("max_split_size_mb:8,large_segment_size:8MiB").max_split_size, 8 * MiB);
-  EXPECT_EQ(parse_alloc_conf("large_segment_size:8MiB,max_split_size_mb:8").max_split_size, 8 * MiB);
+  EXPECT_EQ(parse_alloc_conf("max_split_size_mb:9,large_segment_size:8MiB").max_split_size, 9 * MiB);
+  EXPECT_EQ(parse_alloc_conf("large_segment_size:8MiB,max_split_size_mb:9").max_split_size, 9 * MiB);
   // Too large to express in bytes: never split, as PyTorch clamps it.
   EXPECT_EQ(parse_alloc_conf("max_split_size_mb:18446744073709551615").max_split_size, SIZE_MAX);
-  expect_item_error("max_split_size_mb:19", "max_split_size_mb:19", "at least large_segment_size");
-  expect_item_error("max_split_size_mb:0", "max_split_size_mb:0", "at least large_segment_size");
+  // Equal to the segment is refused too, as PyTorch's "must be > 20": a whole freed segment
+  // would be a block no small request may split, and each would reserve a new segment.
+  for (const char* item : {"max_split_size_mb:20", "max_split_size_mb:19", "max_split_size_mb:0"}) {
+    expect_item_error(item, item, "larger than large_segment_size");
+  }
+  expect_item_error("large_segment_size:8MiB,max_split_size_mb:8", "max_split_size_mb:8",
+                    "larger than large_segment_size");
   // Raising the segment above an earlier limit is refused too, quoting the limit's item.
   expect_item_error("max_split_size_mb:32,large_segment_size:64MiB", "max_split_size_mb:32",
-                    "at least large_segment_size");
+                    "larger than large_segment_size");
   // Without a limit anywhere, any segment size goes.
   EXPECT_EQ(parse_alloc_conf("large_segment_size:64MiB").large_segment_size, 64 * MiB);
   // A limit from the base is checked against a segment size from the text, quoting that item...

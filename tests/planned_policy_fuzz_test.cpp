@@ -709,7 +709,7 @@ class fuzz_run {
 
     s.conf = s.counterfactual ? "policy:caching,plan_counterfactual:true" : "policy:planned";
     s.conf += ",plan_min_period:" + std::to_string(16 + 16 * (rng_() % 4));
-    if (rng_() % 4 == 0) s.conf += ",max_split_size_mb:" + std::to_string(20 + rng_() % 30);
+    if (rng_() % 4 == 0) s.conf += ",max_split_size_mb:" + std::to_string(21 + rng_() % 30);
     if (rng_() % 5 == 0) {
       s.conf += ",roundup_power2_divisions:" + std::to_string(1 << (rng_() % 3 + 1));
     }

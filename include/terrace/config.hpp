@@ -34,7 +34,9 @@ struct allocator_config {
   /// key `max_split_size_mb` (MiB): free blocks of plain segments this large or larger never split
   /// and serve only requests of at least this size less than large_segment_size smaller than them.
   /// Expandable segments ignore it (PyTorch's split rule for them): their blocks always split, and
-  /// any free page of theirs can be unmapped.
+  /// any free page of theirs can be unmapped. TERRACE_ALLOC_CONF requires it larger than
+  /// large_segment_size, as PyTorch requires > 20 MiB (a freed whole segment would otherwise be a
+  /// block no small request may take, and each would reserve a new segment).
   std::size_t max_split_size = SIZE_MAX;
   unsigned roundup_power2_divisions = 0;       ///< key `roundup_power2_divisions`: 0 = off, else 1..64
   double garbage_collection_threshold = 0.0;   ///< key `garbage_collection_threshold`: 0 = off, (0,1)
