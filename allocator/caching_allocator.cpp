@@ -622,6 +622,17 @@ class allocator_impl {
     if (threshold <= 0.0) return;
     const auto limit = static_cast<std::size_t>(threshold * static_cast<double>(allowed_bytes()));
     if (reserved_total() + rounded <= limit) return;
+    // The synchronisation is paid only when something will go back (PyTorch's collection frees
+    // segments, whose cudaFree synchronises; it never synchronises for nothing). Above the
+    // threshold with nothing cached, every miss would otherwise stall the whole device.
+    const auto wholly_free = [](const segment* seg) {
+      return !seg->expandable && seg->head->is_free() && seg->head->next == nullptr;
+    };
+    const bool any = config_.expandable_segments
+                         ? has_unmappable_free_pages()
+                         : std::any_of(segments_.begin(), segments_.end(),
+                                       [&](const auto& kv) { return wholly_free(kv.second); });
+    if (!any) return;
     device_.synchronize_device();  // as in release_cached_memory
     ++stats_.num_sync_all_streams;
     if (config_.expandable_segments) {
@@ -632,10 +643,23 @@ class allocator_impl {
     for (auto it = segments_.begin(); it != segments_.end() && reserved_total() + rounded > limit;) {
       segment* seg = it->second;
       ++it;
-      if (!seg->expandable && seg->head->is_free() && seg->head->next == nullptr) {
-        give_back_segment(seg, false);
+      if (wholly_free(seg)) give_back_segment(seg, false);
+    }
+  }
+
+  // Whether unmap_free_pages() would unmap anything: a free mapped block covering a whole page.
+  bool has_unmappable_free_pages() const {
+    for (const auto& [key, ranges] : expandable_) {
+      for (const segment* seg : ranges) {
+        for (const block* b = seg->head; b != nullptr; b = b->next) {
+          if (b->mapped && b->is_free() &&
+              round_down(b->addr + b->size, granularity_) > round_up(b->addr, granularity_)) {
+            return true;
+          }
+        }
       }
     }
+    return false;
   }
 
   void give_back_segment(segment* seg, bool even_if_used) {

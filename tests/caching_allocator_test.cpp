@@ -444,6 +444,30 @@ TEST(CachingAllocator, GarbageCollectionReleasesFreeSegmentsAboveThreshold) {
   a.check_invariants();
 }
 
+// Regression: above the threshold with nothing cached, every miss synchronised the whole device
+// (and, expandable, walked every block) to give back nothing.
+TEST(CachingAllocator, GarbageCollectionDoesNotSynchroniseWhenNothingIsCached) {
+  for (const bool expandable : {false, true}) {
+    SCOPED_TRACE(expandable ? "expandable" : "plain segments");
+    auto dev = paged_sim(100 * MiB);
+    allocator_config cfg = expandable ? expandable_config() : allocator_config{};
+    cfg.garbage_collection_threshold = 0.5;
+    caching_allocator a(*dev, cfg);
+    std::vector<void*> live;
+    for (int i = 0; i < 4; ++i) live.push_back(a.allocate(16 * MiB));  // 64 MiB live, above 50
+    EXPECT_EQ(a.stats().num_sync_all_streams, 0);
+    EXPECT_EQ(a.stats().num_device_free, 0);
+    // With something cached, the collection runs (and synchronises) as before.
+    a.deallocate(live.back());
+    live.pop_back();
+    live.push_back(a.allocate(20 * MiB));
+    EXPECT_EQ(a.stats().num_sync_all_streams, 1);
+    EXPECT_GE(a.stats().num_device_free, 1);
+    for (void* p : live) a.deallocate(p);
+    a.check_invariants();
+  }
+}
+
 TEST(CachingAllocator, TraceRecordsEveryActionWithTags) {
   auto dev = sim();
   caching_allocator a(*dev);
