@@ -549,5 +549,69 @@ TEST(TierManagerNvme, AHostBudgetBeyondThePinnedPoolsCapacityIsAClearError) {
   }
 }
 
+// Found in review: the NVMe read ahead did not look at the access mode recorded for a schedule
+// position, so a gradient on NVMe (every use a write) was read back whole, pushing other home
+// copies out for its room, only to be overwritten; and the write acquire then waited for that
+// read, and failed with it when it failed.
+TEST(TierManagerNvme, TensorsThatAreOnlyOverwrittenAreNeverReadBackFromNvme) {
+  testing::scratch_dir dir("tm-write-only");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);  // device: 2 tensors; host: 3
+  const std::vector<tensor_id> ids = add_patterned(r, "g", 6);  // g0, g1, g2 go to NVMe
+  ASSERT_FALSE(r.tm->on_host(ids[0]));
+  std::vector<unsigned char> fill(ids.size(), 0);
+  const auto overwrite_all = [&](int round) {
+    r.tm->begin_iteration();
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      auto* p = static_cast<unsigned char*>(r.tm->acquire(ids[i], r.compute, access::write));
+      fill[i] = static_cast<unsigned char>(round * 16 + static_cast<int>(i));
+      enqueue_host_function(*r.dev, r.compute, [p, v = fill[i]] { std::memset(p, v, kBytes); });
+      r.tm->release(ids[i], r.compute);
+      r.tm->offload(ids[i]);  // as the engine's gradients go home
+      r.dev->synchronize(r.compute);
+      store.wait_all();  // the home copies started leaving have left: room to read ahead into
+      r.tm->check_invariants();
+    }
+  };
+  overwrite_all(1);  // recorded: every use a write
+  const tier_stats before = r.tm->stats();
+  overwrite_all(2);  // follows the schedule, whose reads ahead would all be wasted
+  overwrite_all(3);
+  const tier_stats after = r.tm->stats();
+  EXPECT_EQ(after.nvme_read_bytes, before.nvme_read_bytes);
+  EXPECT_EQ(after.nvme_prefetches, before.nvme_prefetches);
+  EXPECT_GT(after.nvme_write_bytes, before.nvme_write_bytes) << "nothing left for NVMe: no test";
+  std::vector<unsigned char> out(kBytes);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    r.tm->read_home(ids[i], out.data());
+    EXPECT_EQ(out, std::vector<unsigned char>(kBytes, fill[i])) << "tensor " << i;
+  }
+  r.tm->check_invariants();
+}
+
+// Found in review: a tensor larger than the whole host budget had every other home copy pushed
+// to NVMe in search of room before the error.
+TEST(TierManagerNvme, ATensorLargerThanTheHostBudgetIsRefusedBeforeAnyHomeCopyMoves) {
+  testing::scratch_dir dir("tm-too-large");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);  // host: 3 tensors
+  const std::vector<tensor_id> ids = add_patterned(r, "h", 3);
+  const tier_stats before = r.tm->stats();
+  try {
+    r.tm->add("huge", 3 * kBytes + 1);
+    ADD_FAILURE() << "a tensor larger than the host budget was added";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than the host budget"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(r.tm->stats().nvme_write_bytes, before.nvme_write_bytes);
+  for (tensor_id id : ids) EXPECT_TRUE(r.tm->on_host(id));
+  // Resuming one from the store is refused the same way, before it is ever used.
+  const std::vector<unsigned char> big(3 * kBytes + 1, 7);
+  store.put("huge", big.data(), big.size()).wait();
+  EXPECT_THROW(r.tm->add("huge", big.size()), out_of_memory);
+  r.tm->check_invariants();
+}
+
 }  // namespace
 }  // namespace terrace

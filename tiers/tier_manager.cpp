@@ -681,6 +681,17 @@ struct tier_manager::impl {
     return {std::move(chosen), true};
   }
 
+  // A tensor whose home copy can never fit the host budget: refused before any home copy is
+  // moved out for it (the search for room would push the whole host tier to NVMe, then fail).
+  void refuse_larger_than_host_budget(const tensor& t) const {
+    if (host_limited() && t.bytes > options.host_budget) {
+      throw out_of_memory("terrace: tier manager: '" + t.name + "' (" +
+                          detail::describe_bytes(t.bytes) + ") is larger than the host budget of " +
+                          detail::describe_bytes(options.host_budget) +
+                          ": its home copy can never be in pinned memory");
+    }
+  }
+
   // A home buffer for `id`, which needs one now (its data is wanted, or it is being added): room
   // in the host budget first; then, since the pinned pool can refuse although the budget has room
   // (its alignment rounding, the memlock limit, regions too fragmented for the size), home copies
@@ -689,6 +700,7 @@ struct tier_manager::impl {
   // leaves next; only the homes of acquired tensors make the pool's refusal final.
   void take_home_buffer_on_demand(tensor_id id) {
     tensor& t = tensors[id];
+    refuse_larger_than_host_budget(t);
     if (!make_host_room(t.bytes, id, kNever)) {
       throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
                           detail::describe_bytes(t.bytes) + ") in the host budget of " +
@@ -746,6 +758,15 @@ struct tier_manager::impl {
   void ensure_home(tensor_id id, bool need_data = true) {
     tensor& t = tensors[id];
     stay_home(t);
+    if (t.nvme_reading && !need_data) {
+      // A read ahead is writing into the buffer the caller will overwrite: it must land first,
+      // but its data is not wanted, so its failure is not the caller's (finish_read gave the
+      // buffer back; one is taken anew below).
+      try {
+        finish_read(t);
+      } catch (const io_error&) {
+      }
+    }
     if (t.host == nullptr) {
       take_home_buffer_on_demand(id);
       if (t.nvme_current && need_data) {
@@ -769,6 +790,7 @@ struct tier_manager::impl {
     const std::size_t start = pos >= n ? 0 : pos;
     const std::size_t horizon = prefetch_horizon();
     for (std::size_t k = 0; k < horizon; ++k) {
+      if (overwrites[(start + k) % n]) continue;  // overwritten there: its data is not wanted
       const tensor_id id = schedule[(start + k) % n];
       tensor& t = tensors[id];
       if (t.host != nullptr || !t.nvme_current) continue;
@@ -951,14 +973,7 @@ struct tier_manager::impl {
   // host_data(id, access::write): a home buffer whose old contents nobody needs.
   void* overwrite_home(tensor_id id) {
     tensor& t = tensors[id];
-    if (t.nvme_reading) {
-      try {
-        finish_read(t);  // the read is writing into the buffer: it must land (or fail) first
-      } catch (const io_error&) {
-        // Those contents are about to be replaced anyway; finish_read gave the buffer back.
-      }
-    }
-    if (t.host == nullptr) ensure_home(id, /*need_data=*/false);
+    ensure_home(id, /*need_data=*/false);
     // A copy up still reading the buffer, or a copy down (a flush) still writing it, must be done
     // before the caller writes it.
     if (t.up.native != nullptr) device.synchronize(t.up);
@@ -1106,6 +1121,7 @@ tensor_id tier_manager::add(std::string name, std::size_t bytes, const void* ini
   t.name = std::move(name);
   t.bytes = bytes;
   try {
+    m.refuse_larger_than_host_budget(t);
     if (initial == nullptr && m.nvme != nullptr && m.nvme->size_of(t.name) == bytes) {
       t.nvme_current = true;  // resumed: its contents are on NVMe until first used
       return id;
@@ -1190,7 +1206,7 @@ std::size_t tier_manager::size(tensor_id id) const {
   return impl_->at(id, "size").bytes;
 }
 
-const std::string& tier_manager::name(tensor_id id) const {
+std::string tier_manager::name(tensor_id id) const {
   std::lock_guard lock(impl_->mutex);
   return impl_->at(id, "name").name;
 }

@@ -123,7 +123,8 @@ class tier_manager {
   /// in pinned host memory and filled from `initial` when given. Without `initial`, a tensor of
   /// that name and size in the attached store is taken as its contents (resuming from a
   /// checkpoint) and stays on NVMe until used; otherwise the contents are undefined until written.
-  /// @throws out_of_memory when the host tier cannot hold it; logic_error for 0 bytes or a name
+  /// @throws out_of_memory when the host tier cannot hold it, or at once (nothing moved to NVMe)
+  ///         when it is larger than the whole host budget; logic_error for 0 bytes or a name
   ///         already added.
   tensor_id add(std::string name, std::size_t bytes, const void* initial = nullptr);
 
@@ -196,7 +197,7 @@ class tier_manager {
   /// @brief Whether the home copy is in pinned memory (else only on NVMe).
   bool on_host(tensor_id id) const;
   std::size_t size(tensor_id id) const;
-  const std::string& name(tensor_id id) const;
+  std::string name(tensor_id id) const;  // a copy: add() may move the tensors' records
   tier_stats stats() const;
   /// @brief The stream the manager copies on (for tests and for callers that must order work
   /// after its copies).
