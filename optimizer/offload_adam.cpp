@@ -727,7 +727,9 @@ struct offload_adam::impl {
       try {
         timed_wait(s.write);
       } catch (...) {
-        where = name_of(i);
+        // The first error names its chunk; a put failing while the drain below waits for it
+        // must not take its place in the message.
+        if (!failure) where = name_of(i);
         s.writing.reset();
         throw;
       }

@@ -80,6 +80,39 @@ struct record_block {
   std::uint64_t layout;
 };
 
+// The tensors forward or backward holds acquired, released on the compute stream when the step
+// throws part way (the model's kernel, or an acquire refused for room): left acquired, a tensor
+// stays pinned for good, and every later optimizer phase (host_data), offload and checkpoint
+// refuses it, so that the engine could neither train nor checkpoint again.
+class acquired_tensors {
+ public:
+  acquired_tensors(tier_manager& tm, stream_ref stream) : tm_(tm), stream_(stream) {}
+  acquired_tensors(const acquired_tensors&) = delete;
+  acquired_tensors& operator=(const acquired_tensors&) = delete;
+  ~acquired_tensors() {
+    for (tensor_id id : held_) {
+      try {
+        tm_.release(id, stream_);
+      } catch (...) {  // the step's own error is the one reported
+      }
+    }
+  }
+  void* acquire(tensor_id id, access mode = access::update) {
+    void* p = tm_.acquire(id, stream_, mode);
+    held_.push_back(id);
+    return p;
+  }
+  void release(tensor_id id) {
+    std::erase(held_, id);
+    tm_.release(id, stream_);
+  }
+
+ private:
+  tier_manager& tm_;
+  stream_ref stream_;
+  std::vector<tensor_id> held_;
+};
+
 std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
   for (int i = 0; i < 8; ++i) {
     h ^= (v >> (8 * i)) & 0xff;
@@ -790,10 +823,11 @@ struct offload_engine::impl {
     // the previous step threw before reaching it.
     tm->begin_iteration();
     model->begin_batch(batch);
+    acquired_tensors held(*tm, compute);
     for (std::size_t i = 0; i < layers.size(); ++i) {
-      const auto* p = static_cast<const std::uint16_t*>(tm->acquire(layers[i].param, compute));
+      const auto* p = static_cast<const std::uint16_t*>(held.acquire(layers[i].param));
       model->forward(i, p);
-      tm->release(layers[i].param, compute);
+      held.release(layers[i].param);
     }
     s.loss = model->loss();
     // delayed_update: the last step's update runs beside this step; backward overwrites the
@@ -804,14 +838,14 @@ struct offload_engine::impl {
       s.optimizer_wait_seconds = seconds_since(copy_wait);
     }
     for (std::size_t i = layers.size(); i-- > 0;) {
-      const auto* p = static_cast<const std::uint16_t*>(tm->acquire(layers[i].param, compute));
-      auto* g = static_cast<float*>(tm->acquire(layers[i].grad, compute, access::write));
+      const auto* p = static_cast<const std::uint16_t*>(held.acquire(layers[i].param));
+      auto* g = static_cast<float*>(held.acquire(layers[i].grad, access::write));
       // The gradient's block may have held a tensor whose copy down (flush) or copy up is still
       // queued: acquire(write) has ordered `compute` after exactly those copies (the tier
       // manager's fences), so the prefetches queued since stay hidden behind this backward.
       model->backward(i, p, g);
-      tm->release(layers[i].param, compute);
-      tm->release(layers[i].grad, compute);
+      held.release(layers[i].param);
+      held.release(layers[i].grad);
       // Home while the layers below run their backward; its device block is free at once, since
       // the next backward overwrites the gradient (cached, it would outlive the step).
       tm->offload(layers[i].grad);

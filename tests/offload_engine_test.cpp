@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -473,11 +474,13 @@ struct probe_model : layered_model {
   }
   // The sim device's memory is host memory: once the stream has caught up, the params are there.
   void forward(std::size_t l, const std::uint16_t* p) override {
+    fail_once(fail_forward_at, l);
     device.synchronize(stream);
     for (std::size_t i = 0; i < sizes[l]; ++i) sum += static_cast<double>(param(p[i]) * weight(l, i));
   }
   float loss() override { return static_cast<float>(sum); }
   void backward(std::size_t l, const std::uint16_t* p, float* g) override {
+    fail_once(fail_backward_at, l);
     device.synchronize(stream);
     for (std::size_t i = 0; i < sizes[l]; ++i) g[i] = 0.1f * param(p[i]) + batch * weight(l, i);
   }
@@ -493,11 +496,20 @@ struct probe_model : layered_model {
     return static_cast<float>(((i * 2654435761u + l * 40503u) % 2001u)) / 1000.0f - 1.0f;
   }
 
+  // A kernel that fails (a device error, say) in layer `at`, once; SIZE_MAX: none.
+  static void fail_once(std::size_t& at, std::size_t l) {
+    if (at != l) return;
+    at = SIZE_MAX;
+    throw std::runtime_error("probe model: injected failure in layer " + std::to_string(l));
+  }
+
   device_backend& device;
   stream_ref stream;
   std::vector<std::size_t> sizes;
   float batch = 0;
   double sum = 0;
+  std::size_t fail_forward_at = SIZE_MAX;
+  std::size_t fail_backward_at = SIZE_MAX;
 };
 
 // One engine over probe_model on its own sim device and store directory.
@@ -688,6 +700,39 @@ TEST(OffloadEngineFaults, AFailedDelayedUpdateIsFinishedWithItsOwnGradients) {
     }
     expect_same_state(e, ref, "after the last update");
     EXPECT_EQ(e.engine->step_count(), 4);
+  }
+}
+
+// Found in review: a forward or backward that threw left its layer's param (and gradient)
+// acquired, pinned for good; every later optimizer phase, offload and checkpoint then refused
+// the acquired tensor, and the engine could neither train nor checkpoint again. Now the step
+// releases what it holds as it unwinds, and the same batch stepped again goes on as if the failed
+// step had not been.
+TEST(OffloadEngineFaults, AModelThatThrowsLeavesNothingAcquired) {
+  for (const bool delayed : {false, true}) {
+    for (const bool in_backward : {false, true}) {
+      SCOPED_TRACE(std::string(delayed ? "delayed_update, " : "in place, ") +
+                   (in_backward ? "backward" : "forward"));
+      testing::scratch_dir ref_dir("model-fault-ref"), dir("model-fault");
+      offload_engine_options o = probe_options(ref_dir.path(), 1024);
+      o.delayed_update = delayed;
+      probe_engine ref(kSmallLayers, o);
+      o.nvme_dir = dir.path();
+      probe_engine e(kSmallLayers, o);
+      std::vector<float> want;
+      for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
+
+      EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[0]), want[0]));
+      auto& model = dynamic_cast<probe_model&>(e.engine->model());
+      (in_backward ? model.fail_backward_at : model.fail_forward_at) = 1;
+      EXPECT_THROW(e.step(kProbeBatches[1]), std::runtime_error);
+      for (std::size_t s = 1; s < 4; ++s) {
+        EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[s]), want[s])) << "step " << s + 1;
+      }
+      expect_same_state(e, ref, "after step 4");
+      EXPECT_EQ(e.engine->checkpoint(0), ref.engine->checkpoint(0));
+      EXPECT_EQ(e.engine->step_count(), 4);
+    }
   }
 }
 
