@@ -272,7 +272,18 @@ class tensor_store_impl {
       throw;
     }
     // Only now is the old version let go: a put that could not be issued leaves it readable.
-    if (auto it = entries_.find(id); it != entries_.end()) drop(it);
+    // While a checkpoint waits for the puts issued before it, the version this put replaces is
+    // parked instead: should this put still be in flight at the snapshot, the checkpoint takes
+    // the parked version, as the tensor stood when the checkpoint began. Dropped, the tensor
+    // would be in neither version, and a crash after the commit would lose it.
+    if (auto it = entries_.find(id); it != entries_.end()) {
+      if (checkpointing_ && !parked_.contains(id)) {
+        parked_.emplace(id, std::move(it->second));
+        entries_.erase(it);
+      } else {
+        drop(it);
+      }
+    }
     io_handle h(e.write);
     entries_.emplace(id, std::move(e));
     return h;
@@ -333,34 +344,59 @@ class tensor_store_impl {
                          "store to recover that generation)",
                      EIO);
     }
-    // 1. Let every put issued so far finish (outside the lock: puts and gets go on meanwhile).
+    // 1. Let every put issued so far finish (outside the lock: puts and gets go on meanwhile;
+    // a put that replaces a tensor from here to the snapshot parks the version it replaces).
     std::vector<completion_ptr> writes;
     {
       std::lock_guard lock(mutex_);
+      checkpointing_ = true;
       for (auto& [id, e] : entries_)
         if (e.write) writes.push_back(e.write);
     }
+    struct end_window {  // whatever happens, the parked versions go once the snapshot is taken
+      tensor_store_impl* store;
+      ~end_window() {
+        std::lock_guard lock(store->mutex_);
+        try {
+          store->unpark();
+        } catch (...) {  // out of memory for the held list: their extents stay used, never reused
+        }
+      }
+    } window{this};
     for (auto& c : writes) wait_quietly(c);
-    // 2. Snapshot the finished tensors and pin them: from here their extents stay untouched.
+    // 2. Snapshot the finished tensors and pin them: from here their extents stay untouched. A
+    // tensor whose put is still in flight (or failed) is taken as it stood when the checkpoint
+    // began, if a put since parked that version and it was whole.
     store_index index;
     std::uint64_t snapshot_seq;
     {
       std::lock_guard lock(mutex_);
+      const auto take = [&](const std::string& id, entry& e) {
+        e.write.reset();
+        e.pinned = true;
+        index.entries.push_back({id, e.offset, e.size, *e.crcs});
+      };
+      const auto whole = [](const entry& e) { return !e.write || (is_ready(e.write) && !error_of(e.write)); };
+      std::map<std::string, entry> taken_parked;
       for (auto it = entries_.begin(); it != entries_.end();) {
         auto next = std::next(it);
-        if (!it->second.write || is_ready(it->second.write)) {
-          if (it->second.write && error_of(it->second.write)) {
-            drop(it);  // a failed put: reported on its handle, absent from now on
-          } else {
-            it->second.write.reset();
-            it->second.pinned = true;
-            index.entries.push_back({it->first, it->second.offset, it->second.size, *it->second.crcs});
+        if (whole(it->second)) {
+          take(it->first, it->second);
+        } else {
+          if (auto p = parked_.find(it->first); p != parked_.end() && whole(p->second)) {
+            take(p->first, p->second);
+            taken_parked.insert(parked_.extract(p));
           }
+          // a failed put: reported on its handle, absent from now on
+          if (is_ready(it->second.write)) drop(it);
         }
         it = next;
       }
+      unpark();  // the versions this index does not take: released by its commit
       snapshot_seq = ++seq_;
       index.generation = generation_ + 1;
+      // Stamped after the snapshot, the parked versions it took stay until the next commit.
+      for (auto& [id, e] : taken_parked) retire(e);
     }
     index.block_size = block_size_;
     index.files = static_cast<std::uint32_t>(fds_.size());
@@ -394,9 +430,11 @@ class tensor_store_impl {
     std::vector<completion_ptr> all;
     {
       std::lock_guard lock(mutex_);
-      for (auto& [id, e] : entries_) {
-        if (e.write) all.push_back(e.write);
-        all.insert(all.end(), e.reads.begin(), e.reads.end());
+      for (const auto* versions : {&entries_, &parked_}) {
+        for (auto& [id, e] : *versions) {
+          if (e.write) all.push_back(e.write);
+          all.insert(all.end(), e.reads.begin(), e.reads.end());
+        }
       }
       auto r = retiring_inflight();
       all.insert(all.end(), r.begin(), r.end());
@@ -474,12 +512,25 @@ class tensor_store_impl {
   // Removes an entry; its extent goes back once no transfer of it is in flight and no committed
   // index references it.
   void drop(std::map<std::string, entry>::iterator it) {
-    entry& e = it->second;
+    entry e = std::move(it->second);
+    entries_.erase(it);
+    retire(e);
+  }
+
+  // The versions puts parked during a checkpoint's wait (put) leave once its snapshot is taken
+  // (or the checkpoint failed before it), as a dropped version does: stamped after the snapshot,
+  // one that the snapshot took (pinned) is held until the next commit.
+  void unpark() {
+    checkpointing_ = false;
+    for (auto& [id, e] : parked_) retire(e);
+    parked_.clear();
+  }
+
+  void retire(const entry& e) {
     freed_extent f{e.offset, e.size, e.pinned, ++seq_, {}};
     if (e.write && !is_ready(e.write)) f.inflight.push_back(e.write);
     for (auto& r : e.reads)
       if (!is_ready(r)) f.inflight.push_back(r);
-    entries_.erase(it);
     if (f.inflight.empty())
       release(std::move(f));
     else
@@ -592,6 +643,9 @@ class tensor_store_impl {
   std::mutex checkpoint_mutex_;
   std::unique_ptr<extent_allocator> alloc_;       // guarded by mutex_
   std::map<std::string, entry> entries_;           // guarded by mutex_
+  // From a checkpoint's first step to its snapshot: the versions puts replaced meanwhile (put).
+  bool checkpointing_ = false;
+  std::map<std::string, entry> parked_;
   std::vector<freed_extent> held_;                 // pinned extents freed since the last commit
   std::vector<freed_extent> retiring_;             // freed, but with transfers in flight
   std::uint64_t seq_ = 0;                          // stamps frees and snapshots
