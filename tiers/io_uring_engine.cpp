@@ -63,7 +63,8 @@ class uring_engine final : public io_engine {
     fixed_files_ = io_uring_register_files(&ring_, fds.data(), static_cast<unsigned>(fds.size())) == 0;
 
     // Bounce buffers, only for blocks whose memory or length breaks O_DIRECT's alignment. They are
-    // registered (the kernel pins them once rather than on every transfer). Capped at 64 MiB.
+    // registered (the kernel pins them once rather than on every transfer). 64 MiB at most, or
+    // two blocks when a block is larger than 32 MiB (two keep the queue moving).
     if (any_direct_) {
       // As many as the queue holds (at least 2 when it holds more), within the cap.
       std::size_t slots = std::max<std::size_t>((std::size_t{64} << 20) / opt_.block_size, 2);
@@ -387,7 +388,8 @@ class uring_engine final : public io_engine {
       case io_fault::kind::eagain: return -EAGAIN;
       case io_fault::kind::short_io: return static_cast<int>(p->len / 2 / kDirectAlign * kDirectAlign);
       case io_fault::kind::none:
-      case io_fault::kind::sync_eio: break;  // the store's, never armed here
+      case io_fault::kind::sync_eio:
+      case io_fault::kind::index_sync_eio: break;  // the store's, never armed here
     }
     return res;
   }

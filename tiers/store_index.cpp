@@ -159,7 +159,8 @@ store_index decode_index(const unsigned char* data, std::size_t size, const std:
   return index;
 }
 
-void write_index_atomically(int dirfd, const std::string& dir, const store_index& index) {
+void write_index_atomically(int dirfd, const std::string& dir, const store_index& index,
+                            index_write* w) {
   const auto bytes = encode_index(index);
   const std::string tmp = dir + "/" + kIndexTempName;
   // A stale temporary is what a crash mid-checkpoint leaves; it was never committed.
@@ -180,8 +181,10 @@ void write_index_atomically(int dirfd, const std::string& dir, const store_index
     ::unlinkat(dirfd, kIndexTempName, 0);
     throw io_error(sys("cannot rename " + tmp + " over the index", e), e);
   }
+  if (w != nullptr) w->renamed = true;
   // The rename is durable only once the directory is.
-  if (::fsync(dirfd) != 0) throw io_error(sys("cannot fsync directory " + dir, errno), errno);
+  const int rc = w != nullptr && w->fake_dir_sync_failure ? (errno = EIO, -1) : ::fsync(dirfd);
+  if (rc != 0) throw io_error(sys("cannot fsync directory " + dir, errno), errno);
 }
 
 store_index read_index(int dirfd, const std::string& dir) {

@@ -44,10 +44,19 @@ std::vector<unsigned char> encode_index(const store_index& index);
 /// (a CRC mismatch); `where` names the file in the message.
 store_index decode_index(const unsigned char* data, std::size_t size, const std::string& where);
 
+/// How write_index_atomically went, for a caller that must not reuse a generation.
+struct index_write {
+  bool fake_dir_sync_failure = false;  ///< in: the directory fsync fails with EIO (a test seam)
+  bool renamed = false;                ///< out: the new index took the old one's name
+};
+
 /// Writes `index` as kIndexTempName in `dirfd`, fsyncs it, renames it over kIndexName and fsyncs
-/// the directory. On failure the previous index is intact and the temporary file removed.
+/// the directory. On a failure before the rename the previous index is intact and the temporary
+/// file removed; after it (the directory fsync), the new index may or may not survive a crash,
+/// and `w->renamed` says so.
 /// @throws io_error naming `dir` and the failed step.
-void write_index_atomically(int dirfd, const std::string& dir, const store_index& index);
+void write_index_atomically(int dirfd, const std::string& dir, const store_index& index,
+                            index_write* w = nullptr);
 
 /// Reads and decodes kIndexName from `dirfd`. @throws io_error (ENOENT when absent) / checksum_error.
 store_index read_index(int dirfd, const std::string& dir);

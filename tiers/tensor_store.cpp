@@ -20,10 +20,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 
 #include "terrace/error.hpp"
 #include "tiers/crc32c.hpp"
@@ -394,7 +396,8 @@ class tensor_store_impl {
       }
       unpark();  // the versions this index does not take: released by its commit
       snapshot_seq = ++seq_;
-      index.generation = generation_ + 1;
+      // One past any generation an index has carried, committed or not (written_generation_).
+      index.generation = std::max(generation_, written_generation_) + 1;
       // Stamped after the snapshot, the parked versions it took stay until the next commit.
       for (auto& [id, e] : taken_parked) retire(e);
     }
@@ -412,7 +415,16 @@ class tensor_store_impl {
         throw io_error(sys("cannot fdatasync " + names_[i], e), e);
       }
     }
-    write_index_atomically(dirfd_.fd, dir_, index);
+    index_write w;
+    w.fake_dir_sync_failure = fake_index_sync_failure_.exchange(false);
+    try {
+      write_index_atomically(dirfd_.fd, dir_, index, &w);
+    } catch (...) {
+      // Renamed but not known durable: a crash may still recover this generation, so its number
+      // is never given to other contents (the next checkpoint takes the one after).
+      if (w.renamed) written_generation_ = index.generation;
+      throw;
+    }
     // 4. Committed: what was freed before the snapshot is no longer referenced by any index.
     std::lock_guard lock(mutex_);
     generation_ = index.generation;
@@ -480,6 +492,8 @@ class tensor_store_impl {
   void inject_fault(const io_fault& f) {
     if (f.what == io_fault::kind::sync_eio) {
       fake_sync_failure_.store(true);
+    } else if (f.what == io_fault::kind::index_sync_eio) {
+      fake_index_sync_failure_.store(true);
     } else {
       engine_->inject(f);
     }
@@ -576,6 +590,27 @@ class tensor_store_impl {
     }
   }
 
+  // The lock file says no live process has the store open; a killed one may still have writes in
+  // flight, which the kernel finishes after its exit released that lock. io_uring holds the swap
+  // file's open file description until they complete, and with it this lock, taken on the
+  // descriptor the engine writes through: waiting for it keeps a new opener from allocating space
+  // those writes may still land in (a committed tensor written there would read back corrupt).
+  void lock_swap_file(int fd, const std::string& path) {
+    using namespace std::chrono_literals;
+    const auto deadline = std::chrono::steady_clock::now() + 30s;
+    while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int e = errno;
+      if (e == EINTR) continue;
+      if (e != EWOULDBLOCK) throw io_error(sys("cannot lock " + path, e), e);
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw io_error("terrace: " + path + " is still locked after 30 s: a process that had the " +
+                           "store open is still writing it",
+                       e);
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+
   void open_files(const std::filesystem::path& dir, const tensor_store_options& opt, const store_index& index,
                   bool create) {
     file_size_ = index.file_size;
@@ -599,6 +634,7 @@ class tensor_store_impl {
       }
       fds_.push_back(fd);
       names_.push_back(path);
+      lock_swap_file(fd, path);
       if (create) {
         created_.emplace_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd), base);
         // Preallocated: a write inside the file never meets ENOSPC, so a full disk is reported
@@ -609,6 +645,9 @@ class tensor_store_impl {
           const int e = errno;
           throw io_error(sys("cannot preallocate " + human_bytes(index.file_size) + " for " + path, e), e);
         }
+        // Its size durable before the index that names it commits (generation 0, just below),
+        // whatever the file system orders on its own: a lost size would make the store unopenable.
+        if (::fsync(fd) != 0) throw io_error(sys("cannot fsync " + path, errno), errno);
         if (::fsync(dfd) != 0) throw io_error(sys("cannot fsync directory " + d.string(), errno), errno);
       } else {
         struct ::stat st {};
@@ -634,6 +673,8 @@ class tensor_store_impl {
   std::vector<std::pair<int, std::string>> created_;  // during the constructor only
   bool sync_failed_ = false;                 // under checkpoint_mutex_
   std::atomic<bool> fake_sync_failure_{false};  // the sync_eio seam
+  std::atomic<bool> fake_index_sync_failure_{false};  // the index_sync_eio seam
+  std::uint64_t written_generation_ = 0;     // the last generation renamed into place; under checkpoint_mutex_
   std::uint64_t file_size_ = 0;
   std::uint64_t block_size_ = 0;
   bool direct_ = true;

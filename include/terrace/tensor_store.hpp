@@ -60,6 +60,9 @@ struct io_fault {
     /// the next checkpoint's fdatasync fails with EIO (faked by the store; reads, writes, skip
     /// and count do not apply)
     sync_eio,
+    /// the next checkpoint's directory fsync, after its index was renamed into place, fails with
+    /// EIO (faked by the store; reads, writes, skip and count do not apply)
+    index_sync_eio,
   };
   kind what = kind::none;
   bool reads = true;    ///< applies to reads
@@ -132,7 +135,9 @@ class tensor_store {
   void erase(const std::string& id);
 
   /// @brief Waits for all transfers, makes the data durable (fdatasync) and commits a new index
-  /// atomically (write, fsync, rename, fsync directory). Puts that failed are not in it.
+  /// atomically (write, fsync, rename, fsync directory). Puts that failed are not in it. A put
+  /// issued while it waits is not in it either: a tensor such a put replaces is taken as it stood
+  /// when the checkpoint began.
   /// @returns the new generation (one more than the last).
   /// @throws io_error when the data cannot be made durable or the index cannot be written; the
   /// last committed checkpoint stays. After a failed fdatasync every later checkpoint() throws
