@@ -425,9 +425,10 @@ TERRACE_API void terrace_empty_cache(void) {
 TERRACE_API void terrace_set_memory_fraction(double fraction, int device) {
   const auto call = [&] { return describe_call("terrace_set_memory_fraction", fraction, device); };
   const int rc = guarded(call, [&] {
-    // Checked before the allocator is created: a bad call must not create one.
-    if (!(fraction > 0.0 && fraction <= 1.0)) {
-      fail("terrace: the memory fraction must be in (0, 1]; the cap is unchanged");
+    // Checked before the allocator is created: a bad call must not create one. 0 is PyTorch's
+    // too (set_per_process_memory_fraction takes 0..1): no new memory at all.
+    if (!(fraction >= 0.0 && fraction <= 1.0)) {
+      fail("terrace: the memory fraction must be in [0, 1]; the cap is unchanged");
     }
     slot_for(device).allocator->set_memory_fraction(fraction);
   });

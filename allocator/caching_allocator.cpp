@@ -931,6 +931,7 @@ class allocator_impl {
 
   void reset_accumulated_stats() {
     std::lock_guard<std::mutex> lock(mutex_);
+    stats_at_reset_ = stats_;  // check_invariants: current == then's current + allocated - freed
 #define TERRACE_RESET_ACC(field, name) \
   for (stat & s : stats_.field) s.reset_accumulated();
     TERRACE_POOL_STATS(TERRACE_RESET_ACC)
@@ -941,7 +942,7 @@ class allocator_impl {
   }
 
   void set_memory_fraction(double fraction) {
-    TERRACE_EXPECTS(fraction > 0.0 && fraction <= 1.0, "memory fraction must be in (0, 1]");
+    TERRACE_EXPECTS(fraction >= 0.0 && fraction <= 1.0, "memory fraction must be in [0, 1]");
     std::lock_guard<std::mutex> lock(mutex_);
     memory_fraction_ = fraction;
   }
@@ -1126,23 +1127,28 @@ class allocator_impl {
     if (pending_blocks != pending_.size()) fail("pending list disagrees with block states");
     for (int i = 0; i < 3; ++i) {
       const std::string pool = stat_pool_names[i];
-      auto check = [&](const stat& s, std::int64_t want, const char* name) {
+      auto check = [&](const stat& s, const stat& at_reset, std::int64_t want, const char* name) {
         if (s.current != want) {
           fail(std::string(name) + "." + pool + ".current is " + std::to_string(s.current) +
                ", recount gives " + std::to_string(want));
         }
-        if (s.current != s.allocated - s.freed) fail(std::string(name) + " current != allocated - freed");
+        if (s.current != at_reset.current + s.allocated - s.freed) {
+          fail(std::string(name) + " current != current at the last reset + allocated - freed");
+        }
         if (s.peak < s.current) fail(std::string(name) + " peak below current");
       };
-      check(stats_.allocation[i], alloc_n[i], "allocation");
-      check(stats_.allocated_bytes[i], alloc_b[i], "allocated_bytes");
-      check(stats_.requested_bytes[i], req_b[i], "requested_bytes");
-      check(stats_.active[i], active_n[i], "active");
-      check(stats_.active_bytes[i], active_b[i], "active_bytes");
-      check(stats_.inactive_split[i], split_n[i], "inactive_split");
-      check(stats_.inactive_split_bytes[i], split_b[i], "inactive_split_bytes");
-      check(stats_.reserved_bytes[i], reserved[i], "reserved_bytes");
-      check(stats_.segment[i], segs[i], "segment");
+#define TERRACE_CHECK_STAT(field, want) \
+  check(stats_.field[i], stats_at_reset_.field[i], want[i], #field)
+      TERRACE_CHECK_STAT(allocation, alloc_n);
+      TERRACE_CHECK_STAT(allocated_bytes, alloc_b);
+      TERRACE_CHECK_STAT(requested_bytes, req_b);
+      TERRACE_CHECK_STAT(active, active_n);
+      TERRACE_CHECK_STAT(active_bytes, active_b);
+      TERRACE_CHECK_STAT(inactive_split, split_n);
+      TERRACE_CHECK_STAT(inactive_split_bytes, split_b);
+      TERRACE_CHECK_STAT(reserved_bytes, reserved);
+      TERRACE_CHECK_STAT(segment, segs);
+#undef TERRACE_CHECK_STAT
     }
     // allocated + pending + cached free (mapped) bytes account for every reserved byte.
     std::int64_t free_mapped = 0;
@@ -1218,6 +1224,7 @@ class allocator_impl {
   std::vector<event_ref> event_pool_;
   std::vector<block*> spare_blocks_;
   allocator_stats stats_;
+  allocator_stats stats_at_reset_;  // stats_ at the last reset_accumulated_stats (check_invariants)
   std::vector<trace_event> trace_;
   std::size_t trace_head_ = 0;
 };

@@ -360,7 +360,13 @@ TEST(CachingAllocator, MemoryFractionCapsReservedMemory) {
   EXPECT_THROW(a.allocate(40 * MiB), out_of_memory);
   void* p = a.allocate(30 * MiB);
   a.deallocate(p);
-  EXPECT_THROW(a.set_memory_fraction(0.0), logic_error);
+  // 0, as PyTorch allows: nothing new is reserved, and what is cached still serves.
+  a.set_memory_fraction(0.0);
+  void* q = a.allocate(20 * MiB);
+  EXPECT_EQ(q, p);
+  EXPECT_THROW(a.allocate(20 * MiB), out_of_memory);
+  a.deallocate(q);
+  EXPECT_THROW(a.set_memory_fraction(-0.1), logic_error);
   EXPECT_THROW(a.set_memory_fraction(1.5), logic_error);
   a.check_invariants();
 }
@@ -420,10 +426,16 @@ TEST(CachingAllocator, ResetPeakAndAccumulatedStats) {
   EXPECT_EQ(a.stats().allocated_bytes[0].peak, static_cast<std::int64_t>(8 * MiB));
   a.reset_accumulated_stats();
   auto s = a.stats();
-  EXPECT_EQ(s.allocation[0].allocated, 1);
+  // PyTorch's resetAccumulatedStats: allocated and freed start again from 0, current stays.
+  EXPECT_EQ(s.allocation[0].current, 1);
+  EXPECT_EQ(s.allocation[0].allocated, 0);
   EXPECT_EQ(s.allocation[0].freed, 0);
+  EXPECT_EQ(s.allocated_bytes[0].allocated, 0);
   EXPECT_EQ(s.num_device_alloc, 0);
+  a.check_invariants();
   a.deallocate(p);
+  EXPECT_EQ(a.stats().allocation[0].freed, 1);
+  EXPECT_EQ(a.stats().allocated_bytes[0].freed, static_cast<std::int64_t>(8 * MiB));
   a.check_invariants();
 }
 

@@ -68,8 +68,10 @@ class caching_allocator {
   /// @throws terrace::device_error
   void empty_cache();
 
-  /// @brief Caps reserved memory at `fraction` of the device capacity.
-  /// @throws terrace::logic_error unless 0 < fraction <= 1.
+  /// @brief Caps reserved memory at `fraction` of the device capacity (PyTorch's
+  /// set_per_process_memory_fraction: 0 lets no new memory be reserved; what is cached stays
+  /// usable). The config key `memory_fraction` must be above 0.
+  /// @throws terrace::logic_error unless 0 <= fraction <= 1.
   void set_memory_fraction(double fraction);
 
   allocator_stats stats() const;

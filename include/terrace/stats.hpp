@@ -13,7 +13,9 @@
 
 namespace terrace {
 
-/// @brief One counter. `allocated` and `freed` only grow; `current == allocated - freed`.
+/// @brief One counter. `allocated` and `freed` grow until reset_accumulated() zeroes them, as
+/// PyTorch's resetAccumulatedStats does; `current - allocated + freed` is then what was current
+/// at that reset.
 struct stat {
   std::int64_t current = 0;
   std::int64_t peak = 0;
@@ -31,7 +33,7 @@ struct stat {
   }
   void reset_peak() noexcept { peak = current; }
   void reset_accumulated() noexcept {
-    allocated = current;
+    allocated = 0;
     freed = 0;
   }
 };
