@@ -453,7 +453,6 @@ struct tier_manager::impl {
         if (!finish_read_ahead(t)) continue;
       }
       if (t.host == nullptr || !t.host_written) continue;  // on NVMe only, or never written
-      stay_home(t);  // wanted soon after all (evicted ahead, not landed yet)
       // Under the default window (a quarter of the budget) one prefetch of any size may be in
       // flight, so that a model of a few large layers is still brought up ahead of use.
       if (in_flight + t.bytes > options.prefetch_window && (in_flight > 0 || !default_window)) return;
@@ -461,6 +460,10 @@ struct tier_manager::impl {
       if (!make_room(t.bytes + taken_before, id, k)) return;
       void* block = device_block(id, k, /*soft=*/true);
       if (block == nullptr) return;
+      // Wanted soon after all (evicted ahead, not landed yet): it stays home. Only here, once it
+      // is brought up: before the window's checks, a walk that stopped there waited for the put
+      // and undid the eviction for nothing.
+      stay_home(t);
       bring_up(id, block, true);
       t.prefetched = true;
       ++counters.prefetches;
@@ -474,7 +477,8 @@ struct tier_manager::impl {
 
   // The home copy used farthest in the future that can move to NVMe now: not on the device (its
   // copies there would need it), not being read from NVMe, not `chosen` already.
-  tensor_id host_victim(tensor_id keep, std::size_t later_than, const std::vector<tensor_id>& chosen) const {
+  tensor_id host_victim(tensor_id keep, std::size_t later_than, const std::vector<tensor_id>& chosen,
+                        bool copies_done_only) const {
     tensor_id best = static_cast<tensor_id>(-1);
     std::size_t best_next = 0;
     std::uint64_t best_last = 0;
@@ -482,6 +486,7 @@ struct tier_manager::impl {
       const tensor& t = tensors[i];
       if (i == keep || t.host == nullptr || t.dev != nullptr || t.nvme_reading || t.leaving) continue;
       if (std::find(chosen.begin(), chosen.end(), i) != chosen.end()) continue;
+      if (copies_done_only && !copies_done(t)) continue;
       const std::size_t next = next_use(t);
       if (later_than != kNever && next <= later_than) continue;
       if (best == static_cast<tensor_id>(-1) || next > best_next ||
@@ -554,6 +559,11 @@ struct tier_manager::impl {
     counters.host_bytes = static_cast<std::int64_t>(host_bytes);
   }
 
+  // Whether no copy up or down touches t's home buffer any more (settle_copies would not wait).
+  bool copies_done(const tensor& t) const {
+    return (t.up.native == nullptr || device.query(t.up)) && (!t.down_pending || device.query(t.down));
+  }
+
   // A copy up or down may still touch the home buffer of a tensor about to leave: both first.
   void settle_copies(tensor& t) {
     if (t.up.native != nullptr) device.synchronize(t.up);
@@ -606,7 +616,10 @@ struct tier_manager::impl {
   // the host budget once they land; clean ones (already on NVMe) are freed at once. False if not
   // enough can leave, or the store refuses a put.
   bool start_leaving(std::size_t bytes, tensor_id keep, std::size_t later_than) {
-    const auto [chosen, enough] = host_victims(bytes, keep, later_than, leaving_bytes);
+    // Only home copies no copy still touches: this runs inside acquire, which must not wait for a
+    // copy (a gradient just offloaded is the farthest-needed home copy while its copy down runs).
+    const auto [chosen, enough] =
+        host_victims(bytes, keep, later_than, leaving_bytes, /*copies_done_only=*/true);
     if (!enough) return false;
     for (tensor_id id : chosen) {
       tensor& t = tensors[id];
@@ -670,10 +683,11 @@ struct tier_manager::impl {
   // The home copies to move out (host_victim, in turn) so that `bytes` more fit the host budget
   // once they and the `going` bytes already on their way have left; and whether that is enough.
   std::pair<std::vector<tensor_id>, bool> host_victims(std::size_t bytes, tensor_id keep,
-                                                       std::size_t later_than, std::size_t going) const {
+                                                       std::size_t later_than, std::size_t going,
+                                                       bool copies_done_only = false) const {
     std::vector<tensor_id> chosen;
     while (host_bytes - going + bytes > options.host_budget) {
-      const tensor_id v = host_victim(keep, later_than, chosen);
+      const tensor_id v = host_victim(keep, later_than, chosen, copies_done_only);
       if (v == static_cast<tensor_id>(-1)) return {std::move(chosen), false};
       chosen.push_back(v);
       going += tensors[v].bytes;
@@ -719,7 +733,7 @@ struct tier_manager::impl {
           land_reads();
           continue;
         }
-        const tensor_id home = host_victim(id, kNever, {});
+        const tensor_id home = host_victim(id, kNever, {}, false);
         if (home != static_cast<tensor_id>(-1)) {
           evict_hosts({home});
           continue;
