@@ -867,6 +867,17 @@ struct offload_engine::impl {
       std::promise<void> copied;
       grads_copied = copied.get_future();
       grads_in_copy = false;
+      // No thread for the update (std::system_error): it is this step's failed update, which the
+      // next call finishes from the gradients' home copies; otherwise it would be lost, unseen.
+      struct unstarted_update {
+        impl* engine;
+        bool started = false;
+        ~unstarted_update() {
+          if (started) return;
+          engine->grads_copied = {};
+          engine->failed = failed_phase::update;
+        }
+      } start{this};
       pending = std::async(std::launch::async, [this, c = std::move(copied)]() mutable {
         try {
           return run_update(/*delayed=*/true, &c);
@@ -880,6 +891,7 @@ struct offload_engine::impl {
           throw;
         }
       });
+      start.started = true;
     } else {
       try {
         u = run_update(/*delayed=*/false);
