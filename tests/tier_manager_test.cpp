@@ -372,6 +372,28 @@ TEST(TierManager, OffScheduleAcquiresAreServedAndCounted) {
   r.tm->check_invariants();
 }
 
+// Found in review: pos + 1 + resync_distance wrapped around for a distance of SIZE_MAX ("search
+// all of it"), which then searched nothing.
+TEST(TierManager, AnUnboundedResyncDistanceSearchesTheWholeSchedule) {
+  rig r(2 * MiB);
+  r.tm.reset();
+  tier_manager_options to;
+  to.device_budget = 2 * MiB;
+  to.resync_distance = SIZE_MAX;
+  r.tm = std::make_unique<tier_manager>(*r.dev, *r.memory, *r.host, to);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(r.tm->add("q" + std::to_string(i), 64 * KiB));
+  r.tm->set_schedule(ids);
+  // q0, then q3 (q1 and q2 skipped: a miss that resynchronises after q3), then the next
+  // iteration's q0, in step again.
+  for (tensor_id id : {ids[0], ids[3], ids[0]}) {
+    r.tm->acquire(id, r.compute);
+    r.tm->release(id, r.compute);
+  }
+  EXPECT_EQ(r.tm->stats().schedule_misses, 1);
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, HostUpdatesReachTheDeviceAndWritesNeedNoCopyUp) {
   rig r(1 * MiB);
   const tensor_id w = r.tm->add("w", 64 * KiB, pattern(64 * KiB, 1).data());

@@ -269,7 +269,10 @@ struct tier_manager::impl {
       return;
     }
     ++counters.schedule_misses;
-    const std::size_t limit = std::min(schedule.size(), pos + 1 + options.resync_distance);
+    // Saturated: a distance of SIZE_MAX (search it all) must not wrap around to nothing.
+    const std::size_t limit = options.resync_distance >= schedule.size()
+                                  ? schedule.size()
+                                  : std::min(schedule.size(), pos + 1 + options.resync_distance);
     for (std::size_t k = pos + 1; k < limit; ++k) {
       if (schedule[k] == id) {
         pos = k + 1;
