@@ -147,6 +147,11 @@ class tier_manager {
   /// says the caller overwrites the whole home copy: nothing is read back from NVMe or copied down
   /// from the device, the device copy is dropped and the home copy counts as modified (no
   /// host_modified needed). Copies in flight that touch the home buffer are waited for first.
+  /// The caller writes the buffer after this returns, outside the manager's lock: while another
+  /// thread's acquire may prefetch the tensor (copy it up), call host_modified(id) once the writing
+  /// is done, so that a copy taken mid-write is dropped. (Under a host budget such a thread may
+  /// even move the home copy to NVMe, invalidating the pointer: see read_home. The engine writes
+  /// from the thread that acquires, where no prefetch runs meanwhile.)
   /// @throws logic_error as host_data(id); out_of_memory when the home copy was on NVMe and the
   ///         host budget has no room for it.
   void* host_data(tensor_id id, access mode);
