@@ -578,6 +578,20 @@ offload_engine_options probe_options(const std::filesystem::path& dir, std::size
   return o;
 }
 
+// An engine whose run is faulted and its uninterrupted reference: the same layers and options
+// (`o`'s nvme_dir is replaced), each over a store directory of its own.
+struct engine_and_reference {
+  engine_and_reference(const std::string& name, const std::vector<std::size_t>& layers,
+                       offload_engine_options o)
+      : ref_dir(name + "-ref"), dir(name), ref(layers, in(o, ref_dir)), e(layers, in(o, dir)) {}
+  static offload_engine_options in(offload_engine_options o, const testing::scratch_dir& d) {
+    o.nvme_dir = d.path();
+    return o;
+  }
+  testing::scratch_dir ref_dir, dir;
+  probe_engine ref, e;
+};
+
 // Layers of 4096, 3000 and 5000 elements in chunks of 1024: one chunk is one store transfer
 // (12 KiB), so `skip` counts chunks.
 const std::vector<std::size_t> kSmallLayers = {4096, 3000, 5000};
@@ -615,9 +629,8 @@ TEST(OffloadEngineFaults, AFailedOptimizerPhaseIsFinishedWithItsOwnGradients) {
                              scenario{false, 0}, scenario{false, 1}, scenario{false, 7},
                              scenario{false, 11}}) {
     SCOPED_TRACE(std::string(sc.reads ? "read" : "write") + " fault, skip " + std::to_string(sc.skip));
-    testing::scratch_dir ref_dir("fault-ref"), dir("fault-inplace");
-    probe_engine ref(kSmallLayers, probe_options(ref_dir.path(), 1024));
-    probe_engine e(kSmallLayers, probe_options(dir.path(), 1024));
+    engine_and_reference pair("fault-inplace", kSmallLayers, probe_options({}, 1024));
+    probe_engine &ref = pair.ref, &e = pair.e;
     std::vector<float> want;
     for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
     const std::vector<float> got = run_with_fault(e, 4, 2, eio_after(sc.reads, sc.skip));
@@ -649,13 +662,11 @@ TEST(OffloadEngineFaults, AFailedStagedPhaseUpdatesNoLayerTwice) {
   for (const scenario& sc : {scenario{true, 15, "batch 1, layer 1"}, scenario{true, 24, "batch 2's first read"},
                              scenario{false, 22, "batch 1's last write"}, scenario{false, 36, "batch 2, part-way"}}) {
     SCOPED_TRACE(std::string(sc.reads ? "read" : "write") + " fault at " + sc.where);
-    testing::scratch_dir ref_dir("staged-ref"), dir("staged-fault");
-    offload_engine_options o = probe_options(ref_dir.path(), kChunk);
+    offload_engine_options o = probe_options({}, kChunk);
     o.host_budget = 256u << 20;  // room for every home copy: only the optimizer touches NVMe
     o.checkpoints = false;
-    probe_engine ref(layers, o);
-    o.nvme_dir = dir.path();
-    probe_engine e(layers, o);
+    engine_and_reference pair("staged-fault", layers, o);
+    probe_engine &ref = pair.ref, &e = pair.e;
     std::vector<float> want;
     for (std::size_t s = 0; s < 3; ++s) want.push_back(ref.step(kProbeBatches[s]));
     const std::vector<float> got = run_with_fault(e, 3, 1, eio_after(sc.reads, sc.skip));
@@ -673,12 +684,10 @@ TEST(OffloadEngineFaults, AFailedStagedPhaseUpdatesNoLayerTwice) {
 TEST(OffloadEngineFaults, AFailedDelayedUpdateIsFinishedWithItsOwnGradients) {
   for (bool reads : {true, false}) {
     SCOPED_TRACE(reads ? "read fault" : "write fault");
-    testing::scratch_dir ref_dir("dpu-fault-ref"), dir("dpu-fault");
-    offload_engine_options o = probe_options(ref_dir.path(), 1024);
+    offload_engine_options o = probe_options({}, 1024);
     o.delayed_update = true;
-    probe_engine ref(kSmallLayers, o);
-    o.nvme_dir = dir.path();
-    probe_engine e(kSmallLayers, o);
+    engine_and_reference pair("dpu-fault", kSmallLayers, o);
+    probe_engine &ref = pair.ref, &e = pair.e;
     std::vector<float> want;
     want.push_back(ref.step(kProbeBatches[0]));
     ref.engine->finish_update();
@@ -713,12 +722,10 @@ TEST(OffloadEngineFaults, AModelThatThrowsLeavesNothingAcquired) {
     for (const bool in_backward : {false, true}) {
       SCOPED_TRACE(std::string(delayed ? "delayed_update, " : "in place, ") +
                    (in_backward ? "backward" : "forward"));
-      testing::scratch_dir ref_dir("model-fault-ref"), dir("model-fault");
-      offload_engine_options o = probe_options(ref_dir.path(), 1024);
+      offload_engine_options o = probe_options({}, 1024);
       o.delayed_update = delayed;
-      probe_engine ref(kSmallLayers, o);
-      o.nvme_dir = dir.path();
-      probe_engine e(kSmallLayers, o);
+      engine_and_reference pair("model-fault", kSmallLayers, o);
+      probe_engine &ref = pair.ref, &e = pair.e;
       std::vector<float> want;
       for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
 
