@@ -8,7 +8,11 @@
 // transfer of them is still in flight) instead of returning to the allocator. Every free is stamped
 // with a sequence number; a checkpoint stamps its snapshot, and once it commits every extent freed
 // before that snapshot is released. New data therefore only ever lands in space no committed index
-// points at, so a crash at any moment leaves the committed generation's bytes intact.
+// points at, so a crash at any moment leaves the committed generation's bytes intact. A version a
+// put replaces while a checkpoint waits for earlier puts is parked until the snapshot, which takes
+// it if the new put is still in flight (a snapshot holds every tensor in some whole version).
+// Each swap file is locked on the engine's own descriptor, so a new opener also waits for the
+// writes a killed owner left in flight.
 #include "terrace/stats.hpp"
 #include "terrace/tensor_store.hpp"
 
