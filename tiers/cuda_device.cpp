@@ -111,8 +111,14 @@ PFN_cuCtxGetCurrent_v4000 ctx_get_current() noexcept {
 
 device_scope::device_scope(int device) noexcept : device_(device) {
   int current = -1;
-  if (cudaGetDevice(&current) == cudaSuccess && current == device) return;  // the common case
-  (void)cudaGetLastError();
+  const cudaError_t got = cudaGetDevice(&current);
+  if (got == cudaSuccess && current == device) return;  // the common case
+  if (got != cudaSuccess) {
+    // Only our own failure is cleared: an error the embedder has yet to read (a launch of its
+    // own that failed) must survive a call into terrace.
+    (void)cudaGetLastError();
+    current = -1;
+  }
   if (current >= 0) {
     CUcontext context = nullptr;
     const auto get_current = ctx_get_current();
@@ -355,8 +361,12 @@ void cuda_backend::do_record(event_ref e, stream_ref s) {
 
 bool cuda_backend::do_query(event_ref e) {
   TERRACE_EXPECTS(e.native != nullptr, "cuda query() on a null event");
-  // No device scope: the allocator polls events on every allocation, and an event query does not
-  // depend on the current device.
+  // The device scope although the answer does not depend on the current device: on a thread with
+  // no context yet, a runtime call makes the primary context of the thread's current device
+  // (device 0), and every rank of a multi-GPU job would hold one there. One cudaGetDevice when
+  // the device is already current.
+  device_scope scope(device());
+  scope.check();
   const cudaError_t error = cudaEventQuery(native(e));
   if (error == cudaSuccess) return true;
   if (error == cudaErrorNotReady) {
@@ -382,6 +392,8 @@ void cuda_backend::do_wait(stream_ref s, event_ref e) {
 
 void cuda_backend::do_synchronize_event(event_ref e) {
   TERRACE_EXPECTS(e.native != nullptr, "cuda synchronize() on a null event");
+  device_scope scope(device());  // as do_query
+  scope.check();
   if (const cudaError_t error = cudaEventSynchronize(native(e)); error != cudaSuccess) {
     throw_cuda_error(error, "cudaEventSynchronize(" + hex(e.native) + ")", device());
   }

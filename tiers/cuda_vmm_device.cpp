@@ -19,8 +19,9 @@
 // need to grow, and cudaMalloc is one call where a mapped segment would be an address reservation,
 // one allocation per page and an access change.
 //
-// The driver API is reached only through cudaGetDriverEntryPointByVersion, at the ABI version each
-// function has had since CUDA 10.2, so nothing links libcuda and any driver from 10.2 on serves.
+// The driver API is reached only through cudaGetDriverEntryPointByVersion (CUDA 12.5 and later),
+// at the ABI version each function has had since CUDA 10.2, so nothing links libcuda; the floor on
+// the driver is the one the statically linked runtime sets, not these functions.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
