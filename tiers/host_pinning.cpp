@@ -19,11 +19,20 @@
 namespace terrace {
 namespace {
 
-std::string memlock_limit_text() {
+// What to do about a refused mlock: raise a finite limit; under an unlimited one (root, or
+// CAP_IPC_LOCK) the host itself had no memory to lock.
+std::string memlock_advice() {
   rlimit limit{};
-  if (::getrlimit(RLIMIT_MEMLOCK, &limit) != 0) return "unknown";
-  if (limit.rlim_cur == RLIM_INFINITY) return "unlimited";
-  return detail::describe_bytes(static_cast<std::size_t>(limit.rlim_cur));
+  const bool known = ::getrlimit(RLIMIT_MEMLOCK, &limit) == 0;
+  if (known && limit.rlim_cur == RLIM_INFINITY) {
+    return "the locked-memory limit is unlimited, so the host had no memory to lock and populate "
+           "that many pages: ask for a smaller pinned pool or free host memory";
+  }
+  const std::string now =
+      known ? detail::describe_bytes(static_cast<std::size_t>(limit.rlim_cur)) : "unknown";
+  return "the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK) is " + now +
+         ": raise it (e.g. `ulimit -l unlimited`, or memlock in /etc/security/limits.conf) or ask "
+         "for a smaller pinned pool";
 }
 
 }  // namespace
@@ -43,10 +52,8 @@ void* device_backend::do_reserve_pinned_host(std::size_t bytes) {
     if (err == ENOMEM || err == EPERM || err == EAGAIN) {
       throw out_of_memory(
           "terrace: pinned host memory for device '" + properties_.name + "': mlock of " +
-          detail::describe_bytes(bytes) + " refused (" + std::strerror(err) +
-          "); the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK) is " + memlock_limit_text() +
-          ": raise it (e.g. `ulimit -l unlimited`, or memlock in /etc/security/limits.conf) or "
-          "ask for a smaller pinned pool");
+          detail::describe_bytes(bytes) + " refused (" + std::strerror(err) + "); " +
+          memlock_advice());
     }
     throw device_error("terrace: pinned host memory for device '" + properties_.name +
                        "': mlock of " + detail::describe_bytes(bytes) + " failed: " +

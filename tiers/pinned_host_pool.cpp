@@ -132,9 +132,11 @@ struct pinned_host_pool::impl {
   region& grow(std::size_t rounded, bool tight_only = false) {
     const std::size_t tight = tight_region(rounded);
     const std::size_t size = tight_only ? tight : std::max(options.region_size, tight);
-    if (options.capacity != 0 && reserved() + size > options.capacity) {
+    // Compared as what is left, so that a request near SIZE_MAX cannot wrap past the cap.
+    const std::size_t left = options.capacity - std::min(reserved(), options.capacity);
+    if (options.capacity != 0 && size > left) {
       // A smaller region that still fits the request may be within the cap.
-      if (reserved() + tight > options.capacity) {
+      if (tight > left) {
         throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
                             " would be exceeded");
       }

@@ -213,7 +213,11 @@ class sim_stream {
     // The copy holds the link for the modelled time, or for as long as the memcpy really took.
     // The end is reckoned from `start`, not from now, so a late wakeup of this thread (a timer's
     // oversleep on the previous copy) is made up here.
-    link_free_at_ = start + std::max(modelled, took);
+    // Saturated: copies queued back to back on a vanishing bandwidth add up centuries, past the
+    // clock's range.
+    const clock_type::duration held = std::max(modelled, took);
+    link_free_at_ = held > clock_type::time_point::max() - start ? clock_type::time_point::max()
+                                                                 : start + held;
     // The bytes have moved; what is left is modelled time, which destroying the stream cuts short
     // (stop_and_join would otherwise wait out a pathological bandwidth's century).
     std::unique_lock<std::mutex> lock(m_);
@@ -495,12 +499,15 @@ class sim_device final : public device_backend {
       if (default_stream_) streams.push_back(default_stream_);
       for (const auto& [key, s] : streams_) streams.push_back(s);
     }
-    std::string first_error;
+    // drain() hands each stream's error over once: every one goes into the exception (keeping
+    // only the first lost the others for good, and their streams then synchronised clean).
+    std::string errors;
     for (const auto& s : streams) {
       std::string error = s->drain();
-      if (first_error.empty()) first_error = std::move(error);
+      if (error.empty()) continue;
+      errors += (errors.empty() ? "" : "; ") + error;
     }
-    if (!first_error.empty()) throw device_error("terrace: device 'sim': " + first_error);
+    if (!errors.empty()) throw device_error("terrace: device 'sim': " + errors);
   }
 
   // -------------------------------------------------------------- events
