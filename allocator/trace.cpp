@@ -33,6 +33,15 @@ std::string dump(const json& j) {
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+// A value quoted in an error: scalars as written, an array or object by its size only. The
+// serializer recurses once per level, so a line nested a million levels deep (which the parser
+// takes without recursion) overflowed the stack while its error was being written.
+std::string quote(const json& j) {
+  if (j.is_array()) return "an array of " + std::to_string(j.size()) + " elements";
+  if (j.is_object()) return "an object of " + std::to_string(j.size()) + " members";
+  return dump(j);
+}
+
 json event_to_json(const trace_event& e) {
   return json{{"action", to_string(e.action)},
               {"time_ns", e.time_ns},
@@ -57,7 +66,7 @@ std::uint64_t get_u64(const json& j, const char* key, bool required, std::size_t
   }
   if (!it->is_number_unsigned()) {
     bad_line(line, std::string("field \"") + key + "\" must be an unsigned integer, got " +
-                       dump(*it));
+                       quote(*it));
   }
   return it->get<std::uint64_t>();
 }
@@ -94,14 +103,14 @@ std::vector<trace_event> read_trace_jsonl(std::istream& in) {
     } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large
       bad_line(line, std::string("malformed JSON: ") + e.what());
     }
-    if (!j.is_object()) bad_line(line, "expected a JSON object, got " + dump(j));
+    if (!j.is_object()) bad_line(line, "expected a JSON object, got " + quote(j));
 
     trace_event e;
     const auto action = j.find("action");
     if (action == j.end()) bad_line(line, "missing field \"action\"");
-    if (!action->is_string()) bad_line(line, "field \"action\" must be a string, got " + dump(*action));
+    if (!action->is_string()) bad_line(line, "field \"action\" must be a string, got " + quote(*action));
     const auto parsed = parse_trace_action(action->get_ref<const std::string&>());
-    if (!parsed) bad_line(line, "unknown action " + dump(*action));
+    if (!parsed) bad_line(line, "unknown action " + quote(*action));
     e.action = *parsed;
     e.time_ns = get_u64(j, "time_ns", true, line);
     e.stream = static_cast<std::uintptr_t>(get_u64(j, "stream", true, line));
@@ -109,7 +118,7 @@ std::vector<trace_event> read_trace_jsonl(std::istream& in) {
     e.size = get_u64(j, "size", true, line);
     e.requested = get_u64(j, "requested", false, line);
     if (const auto tag = j.find("tag"); tag != j.end()) {
-      if (!tag->is_string()) bad_line(line, "field \"tag\" must be a string, got " + dump(*tag));
+      if (!tag->is_string()) bad_line(line, "field \"tag\" must be a string, got " + quote(*tag));
       e.tag = tag->get<std::string>();
     }
     events.push_back(std::move(e));

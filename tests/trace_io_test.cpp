@@ -177,6 +177,23 @@ TEST(TraceJsonlErrors, NotAnObject) {
   expect_read_error("42\n", 1, "expected a JSON object");
 }
 
+// Found in review: the parser takes a line nested 300 000 levels deep without recursing, but
+// the error message dumped it, and the serializer recursed once per level: a stack overflow.
+TEST(TraceJsonlErrors, ADeeplyNestedLineIsRefusedWithoutQuotingItWhole) {
+  constexpr std::size_t kDepth = 300'000;  // the serializer overflowed 8 MiB of stack near 50 000
+  for (const bool as_action : {false, true}) {
+    const std::string nested = std::string(kDepth, '[') + std::string(kDepth, ']');
+    std::istringstream in(as_action ? R"({"action": )" + nested + "}\n" : nested + "\n");
+    try {
+      read_trace_jsonl(in);
+      FAIL() << "a nested line was accepted";
+    } catch (const logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("an array of 1 elements"), std::string::npos)
+          << std::string(e.what()).substr(0, 200);
+    }
+  }
+}
+
 TEST(TraceJsonlErrors, UnknownOrMistypedAction) {
   expect_read_error(kGood + "\n" +
                         R"({"action":"malloc","time_ns":1,"stream":0,"addr":1,"size":1})",

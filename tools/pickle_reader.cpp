@@ -91,10 +91,11 @@ std::string key_text(const node& n) {
 // small files; what a real snapshot never does is double its size at every level.
 class json_builder {
  public:
-  explicit json_builder(std::size_t input_bytes)
+  json_builder(std::size_t input_bytes, const pickle_digest* digest)
       : max_values_(std::max<std::size_t>(16 * input_bytes, std::size_t{1} << 20)),
         max_text_(std::max<std::size_t>(256 * input_bytes, std::size_t{1} << 28)),
-        input_bytes_(input_bytes) {}
+        input_bytes_(input_bytes),
+        digest_(digest) {}
 
   nlohmann::json build(const node& n, int depth) {
     if (depth > kMaxDepth) {
@@ -117,7 +118,9 @@ class json_builder {
         for (const auto& [k, v] : n.pairs) {
           std::string key = key_text(*k);
           count(key.size());
-          o[std::move(key)] = build(*v, depth + 1);
+          nlohmann::json value = build(*v, depth + 1);
+          if (digest_ != nullptr && key == digest_->key) value = digest_->of(value);
+          o[std::move(key)] = std::move(value);
         }
         return o;
       }
@@ -141,6 +144,7 @@ class json_builder {
   const std::size_t max_values_;
   const std::size_t max_text_;
   const std::size_t input_bytes_;
+  const pickle_digest* digest_;
   std::size_t values_ = 0;
   std::size_t text_ = 0;
 };
@@ -166,15 +170,20 @@ const char* refused(std::uint8_t op) {
 
 class machine {
  public:
-  machine(std::string_view data, const std::string& source) : d_(data), source_(source) {}
+  machine(std::string_view data, const std::string& source, const pickle_digest* digest)
+      : d_(data), source_(source), digest_(digest) {}
   machine(const machine&) = delete;
   machine& operator=(const machine&) = delete;
-  // A cycle (a memoised container appended to itself) would keep its nodes alive forever. Every
-  // node a cycle can pass through is reachable from the memo, so emptying every node reachable
-  // from the memo and the stack frees them all.
+  // A cycle (a container appended to itself, through the memo or DUP, possibly via others) would
+  // keep its nodes alive forever, and a cycle need not be reachable from the memo or the stack
+  // any more (DUP, append, POP). Every container the machine made is known: emptying each one
+  // still alive, with what the memo and the stack hold, frees them all.
   ~machine() {
     std::vector<node_ptr> work(stack_.begin(), stack_.end());
     for (auto& [idx, n] : memo_) work.push_back(std::move(n));
+    for (const auto& c : containers_) {
+      if (node_ptr n = c.lock()) work.push_back(std::move(n));
+    }
     stack_.clear();
     memo_.clear();
     while (!work.empty()) {
@@ -199,7 +208,7 @@ class machine {
         case '.': {                  // STOP
           node_ptr top = pop();
           try {
-            return json_builder(d_.size()).build(*top, 0);
+            return json_builder(d_.size(), digest_).build(*top, 0);
           } catch (const logic_error& e) {
             fail(e.what());
           }
@@ -228,32 +237,32 @@ class machine {
         case 0x8c: case 'C': push_text(le(1)); break;
         case 'X': case 'B': push_text(le(4)); break;
         case 0x8d: case 0x8e: push_text(le(8)); break;
-        case '}': push(make(node::dict)); break;
-        case ']': case ')': case 0x8f: push(make(node::list)); break;
+        case '}': push(make_container(node::dict)); break;
+        case ']': case ')': case 0x8f: push(make_container(node::list)); break;
         case '(': push(make(node::mark)); break;
         case 0x85: case 0x86: case 0x87: {
           const std::size_t n = op - 0x84u;
-          auto t = make(node::list);
+          auto t = make_container(node::list);
           t->items.resize(n);
           for (std::size_t k = n; k-- > 0;) t->items[k] = pop();
           push(t);
           break;
         }
         case 't': case 0x91: {  // TUPLE, FROZENSET
-          auto t = make(node::list);
+          auto t = make_container(node::list);
           t->items = pop_to_mark();
           push(t);
           break;
         }
         case 'l': {  // LIST
-          auto t = make(node::list);
+          auto t = make_container(node::list);
           t->items = pop_to_mark();
           push(t);
           break;
         }
         case 'd': {  // DICT
           auto items = pop_to_mark();
-          auto t = make(node::dict);
+          auto t = make_container(node::dict);
           set_items(*t, items);
           push(t);
           break;
@@ -295,6 +304,11 @@ class machine {
  private:
   [[noreturn]] void fail(const std::string& why) const {
     throw logic_error(source_ + ": pickle byte " + std::to_string(op_at_) + ": " + why);
+  }
+  node_ptr make_container(node::kind k) {
+    node_ptr n = make(k);
+    containers_.push_back(n);
+    return n;
   }
   static std::string hex(std::uint8_t op) {
     char buf[8];
@@ -373,16 +387,19 @@ class machine {
 
   std::string_view d_;
   const std::string& source_;
+  const pickle_digest* digest_;
   std::size_t pos_ = 0;
   std::size_t op_at_ = 0;
   std::vector<node_ptr> stack_;
   std::unordered_map<std::uint64_t, node_ptr> memo_;
+  std::vector<std::weak_ptr<node>> containers_;  // every list and dict made (~machine)
 };
 
 }  // namespace
 
-nlohmann::json read_pickle(std::string_view data, const std::string& source) {
-  return machine(data, source).run();
+nlohmann::json read_pickle(std::string_view data, const std::string& source,
+                           const pickle_digest* digest) {
+  return machine(data, source, digest).run();
 }
 
 }  // namespace terrace::tools

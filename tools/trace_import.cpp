@@ -39,6 +39,15 @@ std::string read_file(const std::string& path) {
 // sequences become U+FFFD rather than failing the error message itself, as in allocator/trace.cpp.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
+// A value quoted in an error: scalars as written, an array or object by its size only (the
+// serializer recurses once per level: a value nested a million levels deep, which the parser
+// takes without recursion, overflowed the stack while its error was being written).
+std::string quote(const json& j) {
+  if (j.is_array()) return "an array of " + std::to_string(j.size()) + " elements";
+  if (j.is_object()) return "an object of " + std::to_string(j.size()) + " members";
+  return dump(j);
+}
+
 // Runs one event's parser; a JSON type mismatch its checks did not name becomes a logic_error
 // naming the file and the event.
 template <class F>
@@ -91,7 +100,7 @@ std::uint64_t as_u64(const json& v, const std::string& where, std::uint64_t max 
   if (!x || *x > max) {
     throw logic_error(where + ": expected an unsigned integer" +
                       (max == UINT64_MAX ? std::string() : " up to " + std::to_string(max)) +
-                      ", got " + dump(v));
+                      ", got " + quote(v));
   }
   return *x;
 }
@@ -128,7 +137,7 @@ trace_event snapshot_event(const json& e, const std::string& where) {
   if (!e.is_object() || !e.contains("action")) throw logic_error(where + ": no action");
   const json& a = e.at("action");
   const auto action = a.is_string() ? parse_trace_action(a.get<std::string>()) : std::nullopt;
-  if (!action) throw logic_error(where + ": unknown action " + dump(a));
+  if (!action) throw logic_error(where + ": unknown action " + quote(a));
   trace_event ev;
   ev.action = *action;
   ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
@@ -139,7 +148,10 @@ trace_event snapshot_event(const json& e, const std::string& where) {
     ev.time_ns = as_u64(e.at("time_us"), where + " time_us", UINT64_MAX / 1000) * 1000;
   }
   if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
-  if (ev.tag.empty() && e.contains("frames")) ev.tag = frames_text(e.at("frames"));
+  if (ev.tag.empty() && e.contains("frames")) {
+    const json& f = e.at("frames");  // a pickle's frames arrive as their text (read_pickle's digest)
+    ev.tag = f.is_string() ? f.get<std::string>() : frames_text(f);
+  }
   return ev;
 }
 
@@ -186,11 +198,14 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
                                 std::to_string(i) + "]";
       trace_event ev = per_event(where, [&] { return snapshot_event(e, where); });
       const auto size = static_cast<std::int64_t>(ev.size);
-      if (ev.action == trace_action::segment_alloc || ev.action == trace_action::segment_map) {
-        seg_running += size;
-      } else if (ev.action == trace_action::segment_free ||
-                 ev.action == trace_action::segment_unmap) {
-        seg_running -= size;
+      // Each size is at most kMaxSize, but a run of them must not overflow the totals either.
+      const bool grows =
+          ev.action == trace_action::segment_alloc || ev.action == trace_action::segment_map;
+      const bool shrinks =
+          ev.action == trace_action::segment_free || ev.action == trace_action::segment_unmap;
+      if ((grows && __builtin_add_overflow(seg_running, size, &seg_running)) ||
+          (shrinks && __builtin_sub_overflow(seg_running, size, &seg_running))) {
+        throw logic_error(where + ": the segment events' sizes add up past 2^63 bytes");
       }
       seg_peak_rel = std::max(seg_peak_rel, seg_running);
       t.events.push_back(std::move(ev));
@@ -220,7 +235,12 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
     }
     t.torch_reserved_now = now;
     // Reserved at the window's start was `now` minus what the trace's segment events added.
-    t.torch_reserved_peak = std::max(now, now - seg_delta + seg_peak_rel);
+    std::int64_t before = 0, peak = 0;
+    if (__builtin_sub_overflow(now, seg_delta, &before) ||
+        __builtin_add_overflow(before, seg_peak_rel, &peak)) {
+      throw logic_error(source + ": the segments and the segment events disagree past 2^63 bytes");
+    }
+    t.torch_reserved_peak = std::max(now, peak);
   }
   return t;
 }
@@ -228,7 +248,12 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
 }  // namespace
 
 imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::string& source) {
-  return from_snapshot(read_pickle(bytes, source), source, "torch-snapshot-pickle");
+  // Every event and block carries its stack as a list of shared frame dicts (PyTorch writes each
+  // distinct frame once and refers to it again in 5 bytes): built whole, a snapshot recorded with
+  // stacks took about a hundred times its size in memory. Only the frames' text is used, so each
+  // list becomes it as it is read.
+  const pickle_digest frames{"frames", [](const json& f) { return json(frames_text(f)); }};
+  return from_snapshot(read_pickle(bytes, source, &frames), source, "torch-snapshot-pickle");
 }
 
 json parse_json(std::string_view text, const std::string& source) {
@@ -281,7 +306,7 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
                                                 : false;
       if (!fits) {
         throw logic_error(where + ": Bytes must be an integer from -" + std::to_string(kMaxSize) +
-                          " to " + std::to_string(kMaxSize) + ", got " + dump(b));
+                          " to " + std::to_string(kMaxSize) + ", got " + quote(b));
       }
       const auto bytes = b.get<std::int64_t>();
       trace_event ev;
@@ -292,7 +317,7 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
         const json& ts = e.at("ts");
         const double us = ts.is_number() ? ts.get<double>() : -1.0;
         if (!(us >= 0 && us * 1000.0 < 18446744073709551616.0)) {
-          throw logic_error(where + ": ts must be a time >= 0 in microseconds, got " + dump(ts));
+          throw logic_error(where + ": ts must be a time >= 0 in microseconds, got " + quote(ts));
         }
         ev.time_ns = static_cast<std::uint64_t>(us * 1000.0);
       }
@@ -396,6 +421,10 @@ imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
     ev.addr = number(f[static_cast<std::size_t>(col_ptr)], "pointer", UINT64_MAX);
     ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size", kMaxSize);
     if (col_stream >= 0) ev.stream = number(f[static_cast<std::size_t>(col_stream)], "stream", UINT64_MAX);
+    // A request of 0 bytes returns a null pointer and its free frees it: nothing was held (two
+    // of them live at once would otherwise be two allocations of address 0, an inconsistent
+    // trace). The Kineto reader drops 0-byte events likewise.
+    if (ev.size == 0 || ev.addr == 0) continue;
     ev.time_ns = t.events.size();
     t.events.push_back(ev);
   }
