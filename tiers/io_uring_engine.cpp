@@ -38,8 +38,10 @@ class uring_engine final : public io_engine {
   uring_engine(const engine_options& options, std::vector<engine_file> files)
       : opt_(options), files_(std::move(files)) {
     TERRACE_EXPECTS(!files_.empty(), "the engine needs at least one file");
-    TERRACE_EXPECTS(opt_.block_size >= kDirectAlign && opt_.block_size % kDirectAlign == 0,
-                    "block_size must be a positive multiple of 4 KiB");
+    // At most 256 MiB, as the store creates them: an SQE's length is 32 bits.
+    TERRACE_EXPECTS(opt_.block_size >= kDirectAlign && opt_.block_size % kDirectAlign == 0 &&
+                        opt_.block_size <= (std::size_t{256} << 20),
+                    "block_size must be a positive multiple of 4 KiB, at most 256 MiB");
     TERRACE_EXPECTS(opt_.queue_depth >= 1 && opt_.queue_depth <= 4096, "queue_depth must be 1..4096");
     for (const auto& f : files_) any_direct_ = any_direct_ || f.direct;
 
@@ -55,6 +57,14 @@ class uring_engine final : public io_engine {
       throw io_error(std::string("terrace: io_uring setup failed") + (opt_.sqpoll ? " (SQPOLL)" : "") +
                          ": " + errno_text(-rc),
                      -rc);
+    }
+    // Before Linux 5.11 an SQPOLL ring takes only registered files: the wake read on the eventfd
+    // would fail with EBADF at once, again and again, and the ring thread would spin for good.
+    if (opt_.sqpoll && (params.features & IORING_FEAT_SQPOLL_NONFIXED) == 0) {
+      io_uring_queue_exit(&ring_);
+      throw io_error("terrace: SQPOLL needs Linux 5.11 or newer (IORING_FEAT_SQPOLL_NONFIXED); "
+                     "open the store without sqpoll",
+                     EOPNOTSUPP);
     }
 
     // Registered files save a file-table lookup and reference count per I/O.
@@ -210,16 +220,39 @@ class uring_engine final : public io_engine {
     return sqe;
   }
 
+  // Submits every prepared SQE. The kernel may take fewer than were queued (memory pressure, or
+  // an entry that fails setup ends the batch): what is left would otherwise wait in the ring until
+  // the next submission, which may never come if the ring thread then sleeps on a completion.
   void submit_pending() {
     for (;;) {
       const int rc = io_uring_submit(&ring_);
-      if (rc >= 0) return;
+      if (rc >= 0) {
+        if (io_uring_sq_ready(&ring_) == 0) return;
+        if (rc == 0) std::this_thread::yield();
+        continue;
+      }
       if (rc == -EINTR || rc == -EAGAIN || rc == -EBUSY) {
         if (rc != -EINTR) std::this_thread::yield();
         continue;
       }
       std::fprintf(stderr, "terrace: io_uring_submit failed fatally: %s\n", errno_text(-rc).c_str());
       std::abort();
+    }
+  }
+
+  // The wake read is always pending, into wake_buf_, a member: under SQPOLL it belongs to the
+  // kernel's thread, which could complete it after the engine is freed. Before the ring thread
+  // leaves, the read is completed (a poke of our own) and its completion reaped.
+  void land_wake_read() {
+    poke();
+    for (;;) {
+      io_uring_cqe* cqe = nullptr;
+      const int rc = io_uring_wait_cqe(&ring_, &cqe);
+      if (rc == -EINTR || rc == -EAGAIN) continue;
+      if (rc < 0) return;  // the ring is gone: nothing of ours is pending
+      const bool wake = io_uring_cqe_get_data(cqe) == nullptr;
+      io_uring_cqe_seen(&ring_, cqe);
+      if (wake) return;
     }
   }
 
@@ -460,7 +493,10 @@ class uring_engine final : public io_engine {
       submit_pending();  // the ring first, then the hooks: a refill never waits for a checksum
       flush_hooks();
       active_.remove_if([](const std::shared_ptr<request_state>& r) { return r->io_done; });
-      if (stop && active_.empty() && inflight_ == 0) break;
+      if (stop && active_.empty() && inflight_ == 0) {
+        land_wake_read();
+        break;
+      }
 
       io_uring_cqe* cqe = nullptr;
       int rc = io_uring_wait_cqe(&ring_, &cqe);

@@ -168,7 +168,8 @@ class tensor_store_impl {
     } else {
       ::unlinkat(dirfd_.fd, kIndexTempName, 0);  // an uncommitted checkpoint
       index = read_index(dirfd_.fd, dir_);
-      if (index.block_size < kDirectAlign || index.block_size % kDirectAlign || index.files == 0 ||
+      if (index.block_size < kDirectAlign || index.block_size % kDirectAlign ||
+          index.block_size > (std::uint64_t{256} << 20) || index.files == 0 ||
           index.file_size % index.block_size)
         throw io_error("terrace: index " + dir_ + "/index is malformed: bad geometry");
     }
