@@ -151,25 +151,40 @@ struct adam_optimizer::impl {
     return static_cast<unsigned>(std::min<std::size_t>(pool.size(), useful));
   }
 
-  // Read-only pass over the gradients: (sum of squares, finite), combined in thread order.
+  // Read-only pass over the gradients: (sum of squares, finite). Each tensor is scanned in chunks
+  // of grad_scan_t's own float block from its start, each chunk's sum kept apart, and the sums
+  // added in one fixed order: the norm, and the clip coefficient taken from it, do not depend on
+  // how the chunks were shared between threads (pieces cut anywhere summed their blocks from
+  // their own starts, and the partial sums were added in thread order: the norm's last bits
+  // changed with the thread count).
   detail::grad_scan_result scan(std::span<const adam_tensor> tensors, std::size_t total, dtype grad_dtype) {
+    constexpr std::size_t kChunk = 4096;  // = grad_scan_t's block
+    std::vector<std::size_t> first(tensors.size() + 1, 0);  // each tensor's first chunk
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      first[t + 1] = first[t] + (tensors[t].size + kChunk - 1) / kChunk;
+    }
+    const std::size_t chunks = first.back();
+    std::vector<double> sums(chunks, 0.0);
+    std::vector<std::uint8_t> finite(pool.size(), 1);
     const unsigned parts = parts_for(total);
-    const std::vector<position> cuts = split(tensors, total, parts);
-    std::vector<detail::grad_scan_result> partial(pool.size(), {0.0, true});
     pool.run([&](unsigned k) {
       if (k >= parts) return;
-      for_each_piece(tensors, cuts[k], cuts[k + 1], [&](std::size_t t, std::size_t b, std::size_t e) {
+      const std::size_t end = chunks * (k + 1) / parts;
+      std::size_t c = chunks * k / parts;
+      std::size_t t = static_cast<std::size_t>(std::upper_bound(first.begin(), first.end(), c) - first.begin()) - 1;
+      for (; c < end; ++c) {
+        while (c >= first[t + 1]) ++t;
+        const std::size_t b = (c - first[t]) * kChunk;
+        const std::size_t n = std::min(tensors[t].size - b, kChunk);
         const auto* g = static_cast<const std::byte*>(tensors[t].grad) + b * size_of(grad_dtype);
-        const detail::grad_scan_result r = kernels->scan(g, grad_dtype, e - b);
-        partial[k].sum_squares += r.sum_squares;
-        partial[k].finite = partial[k].finite && r.finite;
-      });
-    });
+        const detail::grad_scan_result r = kernels->scan(g, grad_dtype, n);
+        sums[c] = r.sum_squares;
+        if (!r.finite) finite[k] = 0;
+      }
+    }, parts);
     detail::grad_scan_result all{0.0, true};
-    for (const auto& r : partial) {
-      all.sum_squares += r.sum_squares;
-      all.finite = all.finite && r.finite;
-    }
+    for (const double x : sums) all.sum_squares += x;
+    for (const std::uint8_t f : finite) all.finite = all.finite && f != 0;
     return all;
   }
 
@@ -301,7 +316,7 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
       };
       k.update(s, c, span);
     });
-  });
+  }, parts);
   impl_->steps.store(t, std::memory_order_relaxed);
   return true;
 }

@@ -33,9 +33,9 @@ void thread_pool::stop_and_join() noexcept {
   for (auto& t : workers_) t.join();
 }
 
-void thread_pool::run_erased(void (*call)(void*, unsigned), void* fn) {
+void thread_pool::run_erased(void (*call)(void*, unsigned), void* fn, unsigned parts) {
   std::lock_guard run_lock(run_mutex_);
-  if (size_ == 1) {
+  if (size_ == 1 || parts <= 1) {
     call(fn, 0);
     return;
   }

@@ -10,6 +10,7 @@
 // parameters takes tens of milliseconds; the condition-variable wake-up (~10 us) is noise there.
 #pragma once
 
+#include <climits>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -30,16 +31,18 @@ class thread_pool {
   unsigned size() const noexcept { return size_; }
 
   /// Runs fn(i) for every i in [0, size()): i == 0 on the calling thread, the rest on the pool.
-  /// Returns when all have returned. Calls from several threads are serialised.
-  /// REQUIRES: fn does not throw.
+  /// Returns when all have returned. Calls from several threads are serialised. With `parts` 1,
+  /// only fn(0) runs, on the calling thread, and no worker is woken (a job too small to split
+  /// would otherwise pay a wake-up and a wait per worker).
+  /// REQUIRES: fn does not throw; fn(i) for i >= parts does nothing.
   template <class Fn>
-  void run(Fn&& fn) {
+  void run(Fn&& fn, unsigned parts = UINT_MAX) {
     auto* target = &fn;
-    run_erased([](void* f, unsigned i) { (*static_cast<decltype(target)>(f))(i); }, target);
+    run_erased([](void* f, unsigned i) { (*static_cast<decltype(target)>(f))(i); }, target, parts);
   }
 
  private:
-  void run_erased(void (*call)(void*, unsigned), void* fn);
+  void run_erased(void (*call)(void*, unsigned), void* fn, unsigned parts);
   void work(unsigned index);
   void stop_and_join() noexcept;
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <thread>
@@ -332,6 +333,28 @@ TEST_P(AdamPerIsa, GradNormMatchesFloat64) {
     const grad_norm_result r = adam.grad_norm(views, grad, 8.0f);
     EXPECT_TRUE(r.finite);
     EXPECT_NEAR(r.norm, std::sqrt(sum) / 8.0, 1e-5 * std::sqrt(sum) / 8.0) << to_string(grad);
+  }
+}
+
+// Found in review: the scan's pieces were cut anywhere and summed from their own starts, and the
+// partial sums added in thread order, so the norm (and the clip coefficient from it) changed in
+// its last bits with the thread count.
+TEST_P(AdamPerIsa, GradNormIsTheSameBitsForEveryThreadCount) {
+  for (dtype grad : {dtype::f32, dtype::bf16}) {
+    auto tensors = make_tensors({100001, 5, 70000, 300000}, dtype::f32, grad, false);
+    auto rng = testing::rng(12);
+    std::vector<adam_tensor> views;
+    for (auto& t : tensors) {
+      fill_grads(t, rng, 8.0f);
+      views.push_back(t.view());
+    }
+    std::vector<double> norms;
+    for (unsigned threads : {1u, 2u, 3u}) {
+      adam_optimizer adam(small_options(GetParam(), dtype::f32, threads));
+      norms.push_back(adam.grad_norm(views, grad, 8.0f).norm);
+    }
+    EXPECT_EQ(std::memcmp(&norms[0], &norms[1], sizeof(double)), 0) << norms[0] << " " << norms[1];
+    EXPECT_EQ(std::memcmp(&norms[0], &norms[2], sizeof(double)), 0) << norms[0] << " " << norms[2];
   }
 }
 

@@ -124,8 +124,9 @@ constexpr float clip_coefficient(double norm, double max_norm) noexcept {
 /// CPUID) and split over a small pool of threads owned by the optimizer.
 ///
 /// One step reads every buffer once and writes each output once; the work is cut over the
-/// concatenation of all tensors, so many small tensors cost what one large one does. Results do
-/// not depend on the thread count. Calls on one object are serialised; distinct objects may step
+/// concatenation of all tensors, so many small tensors cost what one large one does. Results,
+/// grad_norm's included, do not depend on the thread count. Calls on one object are serialised;
+/// distinct objects may step
 /// concurrently.
 class adam_optimizer {
  public:
