@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -108,6 +109,43 @@ TEST_F(AdamGpu, SkipFlagLeavesStateUnchanged) {
     cuda_ok(cudaMemcpy(back.data(), ptr, n * 4, cudaMemcpyDeviceToHost), "copy back");
     EXPECT_EQ(std::memcmp(back.data(), host.data(), n * 4), 0);
   }
+}
+
+// The device-side overflow check (found in review: the skip flag had nothing on the device to
+// set it). Each dtype's inf and NaN, at the first and the last element (the grid-stride tail).
+TEST_F(AdamGpu, TheNonfiniteCheckSetsTheSkipFlag) {
+  struct bad_value {
+    int dtype;
+    std::size_t bytes;
+    std::uint32_t one, inf, nan;  // bit patterns of 1.0, +inf and a quiet NaN
+  };
+  constexpr std::size_t n = 100003;
+  for (const bad_value& b : {bad_value{kernels::adam_gpu_f32, 4, 0x3f800000u, 0x7f800000u, 0x7fc00000u},
+                             bad_value{kernels::adam_gpu_bf16, 2, 0x3f80u, 0x7f80u, 0x7fc0u},
+                             bad_value{kernels::adam_gpu_f16, 2, 0x3c00u, 0x7c00u, 0x7e00u}}) {
+    SCOPED_TRACE("dtype " + std::to_string(b.dtype));
+    std::vector<unsigned char> host(n * b.bytes);
+    const auto put = [&](std::size_t i, std::uint32_t bits) { std::memcpy(&host[i * b.bytes], &bits, b.bytes); };
+    device_buffer dg(host.size()), flag(sizeof(int));
+    const auto check = [&] {
+      cuda_ok(cudaMemcpy(dg.ptr, host.data(), host.size(), cudaMemcpyHostToDevice), "copy");
+      cuda_ok(cudaMemset(flag.ptr, 0, sizeof(int)), "zero the flag");
+      cuda_ok(kernels::flag_nonfinite(dg.ptr, b.dtype, n, static_cast<int*>(flag.ptr), nullptr), "check");
+      int got = -1;
+      cuda_ok(cudaMemcpy(&got, flag.ptr, sizeof got, cudaMemcpyDeviceToHost), "flag back");
+      return got;
+    };
+    for (std::size_t i = 0; i < n; ++i) put(i, b.one);
+    EXPECT_EQ(check(), 0);
+    for (std::size_t at : {std::size_t{0}, n - 1}) {
+      for (std::uint32_t bad : {b.inf, b.nan}) {
+        put(at, bad);
+        EXPECT_EQ(check(), 1) << "element " << at << ", bits " << bad;
+        put(at, b.one);
+      }
+    }
+  }
+  EXPECT_EQ(kernels::flag_nonfinite(nullptr, 7, 1, nullptr, nullptr), cudaErrorInvalidValue);
 }
 
 }  // namespace
