@@ -225,7 +225,10 @@ class cpu_char_model final : public char_model {
 
   // ---------------------------------------------------------------------- backward
   void backward_output(const layer_shape& s, const std::uint16_t* params, float* grad) {
+    // Every allocation before the in-place logits gradient below: a call that failed for memory
+    // is retried, and a retry after it would subtract the one-hot and divide a second time.
     const auto w = widen(params, s.elements());
+    dh_ = activation(batch() * s.in, "char_model.dh");
     // d logits = (softmax - onehot) / batch, in place over the probabilities (no longer needed).
     const float inv_batch = 1.0f / static_cast<float>(batch());
     for (std::size_t b = 0; b < batch(); ++b) {
@@ -235,7 +238,6 @@ class cpu_char_model final : public char_model {
     }
     gemm_weight_grad(h_.back(), probs_, grad, s.in, s.out);
     bias_grad(probs_, grad + s.in * s.out, s.out);
-    dh_ = activation(batch() * s.in, "char_model.dh");
     gemm_input_grad(probs_, w.p, dh_, s.in, s.out, 0.0f);
   }
 

@@ -418,13 +418,16 @@ class cuda_char_model final : public char_model {
 
   // ---------------------------------------------------------------------- backward
   void backward_output(const layer_shape& s, const std::uint16_t* params, float* grad) {
+    // Every allocation before the logits gradient overwrites the probabilities in place: a call
+    // that failed for memory is retried, and a retry after that kernel would subtract the
+    // one-hot and divide by the batch a second time.
     const scratch w = widen(params, s.in * s.out);
+    dh_ = activation(batch() * s.in, "char_model.dh");
     xent_backward_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
         probs_, tokens_, config_.batch, config_.vocab, row());
     launch_check("xent_backward_kernel");
     gemm_weight_grad(h_.back(), probs_, grad, s.in, s.out);
     bias_grad(probs_, grad + s.in * s.out, s.out);
-    dh_ = activation(batch() * s.in, "char_model.dh");
     gemm_input_grad(probs_, w.p, dh_, s.in, s.out, 0.0f);
   }
 
