@@ -31,6 +31,7 @@
 #include <limits>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -619,10 +620,13 @@ struct tier_manager::impl {
   // the host budget once they land; clean ones (already on NVMe) are freed at once. False if not
   // enough can leave, or the store refuses a put.
   bool start_leaving(std::size_t bytes, tensor_id keep, std::size_t later_than) {
-    // Only home copies no copy still touches: this runs inside acquire, which must not wait for a
-    // copy (a gradient just offloaded is the farthest-needed home copy while its copy down runs).
-    const auto [chosen, enough] =
+    // Home copies no copy still touches first: this runs inside acquire, which should not wait
+    // for a copy (a gradient just offloaded is the farthest-needed home copy while its copy down
+    // runs). Only if they are not enough, the others too, whose copies settle_copies waits for:
+    // a read started ahead is worth that wait (its use would otherwise read on demand).
+    auto [chosen, enough] =
         host_victims(bytes, keep, later_than, leaving_bytes, /*copies_done_only=*/true);
+    if (!enough) std::tie(chosen, enough) = host_victims(bytes, keep, later_than, leaving_bytes);
     if (!enough) return false;
     for (tensor_id id : chosen) {
       tensor& t = tensors[id];
