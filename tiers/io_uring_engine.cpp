@@ -223,11 +223,13 @@ class uring_engine final : public io_engine {
   // Submits every prepared SQE. The kernel may take fewer than were queued (memory pressure, or
   // an entry that fails setup ends the batch): what is left would otherwise wait in the ring until
   // the next submission, which may never come if the ring thread then sleeps on a completion.
+  // Under SQPOLL the kernel's thread takes them as it runs (the ring's head moves later), so
+  // there the published entries are enough.
   void submit_pending() {
     for (;;) {
       const int rc = io_uring_submit(&ring_);
       if (rc >= 0) {
-        if (io_uring_sq_ready(&ring_) == 0) return;
+        if (opt_.sqpoll || io_uring_sq_ready(&ring_) == 0) return;
         if (rc == 0) std::this_thread::yield();
         continue;
       }
