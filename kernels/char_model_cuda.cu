@@ -22,6 +22,7 @@
 #include "kernels/char_model_impl.hpp"
 #include "kernels/cublas_table.hpp"
 #include "terrace/error.hpp"
+#include "tiers/cuda_context.hpp"
 
 namespace terrace::model::detail {
 namespace {
@@ -188,22 +189,26 @@ void cublas_check(const cublas_api& blas, cublasStatus_t s, const char* what) {
 }
 
 // Makes the model's device current for a call and restores the caller's after: the backends are
-// used from any thread, and an embedder must not find its current device changed.
+// used from any thread, and an embedder must not find its current device changed. Restored only
+// if the thread had a context (as tiers' device_scope): otherwise cudaSetDevice(0) on the way out
+// would make device 0's primary context on a thread that never used it.
 class device_guard {
  public:
   explicit device_guard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    int current = -1;
+    cuda_check(cudaGetDevice(&current), "cudaGetDevice");
+    if (current == device) return;
+    if (::terrace::detail::thread_has_cuda_context()) previous_ = current;
+    cuda_check(cudaSetDevice(device), "cudaSetDevice");
   }
   ~device_guard() {
-    int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+    if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
   }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
 
  private:
-  int previous_ = 0;
+  int previous_ = -1;
 };
 
 using clock_type = std::chrono::steady_clock;

@@ -20,6 +20,7 @@
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
 #include "tiers/cuda_common.hpp"
+#include "tiers/cuda_context.hpp"
 
 namespace terrace::detail {
 
@@ -109,6 +110,12 @@ PFN_cuCtxGetCurrent_v4000 ctx_get_current() noexcept {
 
 // ============================================================================ device scope
 
+bool thread_has_cuda_context() noexcept {
+  CUcontext context = nullptr;
+  const auto get_current = ctx_get_current();
+  return get_current == nullptr || (get_current(&context) == CUDA_SUCCESS && context != nullptr);
+}
+
 device_scope::device_scope(int device) noexcept : device_(device) {
   int current = -1;
   const cudaError_t got = cudaGetDevice(&current);
@@ -119,13 +126,7 @@ device_scope::device_scope(int device) noexcept : device_(device) {
     (void)cudaGetLastError();
     current = -1;
   }
-  if (current >= 0) {
-    CUcontext context = nullptr;
-    const auto get_current = ctx_get_current();
-    if (get_current == nullptr || (get_current(&context) == CUDA_SUCCESS && context != nullptr)) {
-      previous_ = current;
-    }
-  }
+  if (current >= 0 && thread_has_cuda_context()) previous_ = current;
   error_ = cudaSetDevice(device);
   if (error_ != cudaSuccess) {
     (void)cudaGetLastError();
