@@ -221,4 +221,32 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
   }
 }
 
+// Found in review: any folder named `store` in --dir was taken for the engine's store, and
+// --fresh deleted it whole, a user's files included. Only the store's own files are ever
+// removed now, and a folder holding anything else is refused before one is touched.
+TEST(TrainCli, FreshNeverDeletesFilesTerraceDidNotWrite) {
+  scratch_dir dir("cli-fresh");
+  const std::string d = " --no-report --dir '" + dir.path().string() + "' ";
+  const auto mine = dir.path() / "store" / "notes.txt";
+  std::filesystem::create_directories(mine.parent_path());
+  std::ofstream(mine) << "a user's own file\n";
+  run_result r = train("--fresh --steps 1" + d);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("not a terrace store"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(mine));
+  // A real store with a foreign file in it: refused whole, the store left intact.
+  std::filesystem::remove_all(mine.parent_path());
+  ASSERT_EQ(train("--steps 1" + d).exit_code, 0);
+  std::ofstream(dir.path() / "store" / "notes.txt") << "mine\n";
+  r = train("--fresh --steps 1" + d);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("which terrace did not write"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "store" / "notes.txt"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "store" / "index"));
+  // Without it, --fresh clears the store and trains; --fresh with --resume is refused.
+  std::filesystem::remove(dir.path() / "store" / "notes.txt");
+  EXPECT_EQ(train("--fresh --steps 1" + d).exit_code, 0);
+  EXPECT_NE(train("--fresh --resume --steps 2" + d).exit_code, 0);
+}
+
 }  // namespace

@@ -335,8 +335,8 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
   cmd->add_option("--checkpoint-every", o.checkpoint_every,
                   "checkpoint every this many steps (0: only at the end)")
       ->capture_default_str();
-  cmd->add_flag("--resume", o.resume, "continue from the last checkpoint in --dir");
-  cmd->add_flag("--fresh", o.fresh, "discard a checkpoint in --dir and start over");
+  CLI::Option* resume = cmd->add_flag("--resume", o.resume, "continue from the last checkpoint in --dir");
+  cmd->add_flag("--fresh", o.fresh, "discard a checkpoint in --dir and start over")->excludes(resume);
   cmd->add_flag("--resident", o.resident,
                 "budgets so large that nothing is offloaded (the peer run)");
   cmd->add_flag("--recompute", o.model.recompute_blocks,

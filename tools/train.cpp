@@ -3,6 +3,7 @@
 // steps with checkpoints, draws the progress bar and writes the memory report.
 #include "tools/train.hpp"
 
+#include <fcntl.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -11,9 +12,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fcntl.h>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
@@ -28,25 +29,51 @@ std::string bytes(std::int64_t b) { return format_bytes(b); }
 
 // ------------------------------------------------------------------------------- the directory
 
-// The engine keeps its store in <dir>/store (offload_engine_options::nvme_dir).
+// The engine keeps its store in <dir>/store (offload_engine_options::nvme_dir). A folder of that
+// name is the store only when it holds the store's index: a user's own `store` folder must never
+// be taken for one (--fresh would delete it).
 bool holds_store(const fs::path& dir) {
   std::error_code ec;
-  return fs::exists(dir / "store", ec);
+  return fs::is_regular_file(dir / "store" / "index", ec);
 }
 
-// Removes the engine's store folder and nothing else, after making sure no other process has it
-// open (the store's own lock).
+// A file the tensor store writes in its folder: index, index.tmp, lock, swap.N.
+bool is_store_file(const std::string& name) {
+  if (name == "index" || name == "index.tmp" || name == "lock") return true;
+  if (name.size() <= 5 || name.rfind("swap.", 0) != 0) return false;
+  return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Removes the engine's store and nothing else: its files, then its folder, holding the store's
+// own lock throughout (no other process may have it open, nor open it meanwhile). A folder that
+// holds anything else is refused whole, before a file is touched.
 void remove_store(const fs::path& dir) {
-  const fs::path lock = dir / "store" / "lock";
-  const int fd = ::open(lock.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-  if (fd >= 0) {
-    const bool busy = ::flock(fd, LOCK_EX | LOCK_NB) != 0;
-    ::close(fd);  // closing releases the lock
-    if (busy) throw train_setup_error("the store in " + dir.string() + " is open in another process");
-  }
+  const fs::path folder = dir / "store";
+  std::vector<fs::path> files;
   std::error_code ec;
-  fs::remove_all(dir / "store", ec);
-  if (ec) throw train_setup_error("cannot remove " + (dir / "store").string() + ": " + ec.message());
+  for (const auto& entry : fs::directory_iterator(folder, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!is_store_file(name) || entry.is_symlink() || !entry.is_regular_file()) {
+      throw train_setup_error(folder.string() + " holds '" + name + "', which terrace did not write: "
+                              "it is left alone; remove it or choose another --dir");
+    }
+    files.push_back(entry.path());
+  }
+  if (ec) throw train_setup_error("cannot read " + folder.string() + ": " + ec.message());
+  const fs::path lock = folder / "lock";
+  const int fd = ::open(lock.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    throw train_setup_error("the store in " + dir.string() + " is open in another process");
+  }
+  for (const fs::path& f : files) {
+    if (f != lock) fs::remove(f, ec);
+    if (ec) break;
+  }
+  if (!ec) fs::remove(lock, ec);
+  if (fd >= 0) ::close(fd);  // the lock goes with it, after every file
+  if (!ec) fs::remove(folder, ec);
+  if (ec) throw train_setup_error("cannot remove " + folder.string() + ": " + ec.message());
 }
 
 void prepare_dir(const train_options& o) {
@@ -61,7 +88,13 @@ void prepare_dir(const train_options& o) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) throw train_setup_error("cannot create " + dir.string() + ": " + ec.message());
-  if (!holds_store(dir)) return;
+  if (!holds_store(dir)) {
+    if (fs::exists(dir / "store", ec)) {
+      throw train_setup_error((dir / "store").string() + " exists and is not a terrace store "
+                              "(no index): it is left alone; choose another --dir");
+    }
+    return;
+  }
   // A fresh run over an earlier one's checkpoint: the default directory is the demo's scratch and
   // is reused; a directory the user named is only cleared when asked.
   if (!o.dir_is_default && !o.fresh) {
@@ -325,6 +358,9 @@ train_result run_train(const train_options& options) {
     r.store_capacity = store->capacity();
     r.store_used = store->used_bytes();
   }
+  // A resume already at (or past) --steps trained nothing: the last run's trace and report stay
+  // as they are rather than being replaced by ones of the engine's setup alone.
+  if (r.steps.empty()) return r;
   if (!o.save_trace.empty()) {
     const memory_snapshot snap = engine->device_memory().snapshot();
     std::ofstream out(o.save_trace, std::ios::binary);
