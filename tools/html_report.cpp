@@ -31,6 +31,16 @@ std::string esc(const std::string& s) {
   return o;
 }
 
+// A tag or stack as the page shows it: at most 200 bytes (cut at a UTF-8 character boundary),
+// escaped. Frames from a trace can be any length, and each appears twice on the page.
+std::string shown_tag(const std::string& tag) {
+  constexpr std::size_t kMax = 200;
+  if (tag.size() <= kMax) return esc(tag);
+  std::size_t cut = kMax;
+  while (cut > 0 && (static_cast<unsigned char>(tag[cut]) & 0xC0) == 0x80) --cut;
+  return esc(tag.substr(0, cut)) + "\u2026";
+}
+
 struct series {
   std::string name, color;
   bool dashed = false;
@@ -93,6 +103,7 @@ std::string segment_map(const memory_snapshot& snap) {
   const std::size_t shown = std::min<std::size_t>(segs.size(), 60);
   const double w = 900, row = 16, label = 150;
   std::uint64_t largest = segs.front()->total_size;
+  if (largest == 0) return "<p>No segments.</p>";
   std::string o = fmt::format(
       "<svg class=\"chart\" viewBox=\"0 0 {} {}\" width=\"{}\" height=\"{}\" role=\"img\" "
       "aria-label=\"segment map\">",
@@ -104,19 +115,47 @@ std::string segment_map(const memory_snapshot& snap) {
     o += fmt::format("<text x=\"0\" y=\"{:.0f}\" class=\"tick\">{}{}</text>", y + 11,
                      esc(format_bytes(static_cast<std::int64_t>(s.total_size))),
                      s.blocks.size() == 1 || s.allocated_size == 0 ? "" : "");
+    // Neighbouring blocks of one state narrower than a pixel are drawn as one rectangle: a
+    // segment of a million small blocks would otherwise be a million sub-pixel rectangles.
+    struct run {
+      const snapshot_block* first = nullptr;
+      const char* cls = nullptr;
+      double x = 0, end = 0;
+      std::size_t blocks = 0;
+      std::uint64_t bytes = 0;
+    } r;
+    const auto flush = [&] {
+      if (r.blocks == 0) return;
+      const std::string title =
+          r.blocks == 1 ? esc(format_bytes(static_cast<std::int64_t>(r.bytes))) + " " + esc(r.first->state) +
+                              (r.first->tag.empty() ? "" : " " + shown_tag(r.first->tag))
+                        : fmt::format("{} blocks, {} {}", r.blocks,
+                                      esc(format_bytes(static_cast<std::int64_t>(r.bytes))), esc(r.first->state));
+      o += fmt::format("<rect x=\"{:.1f}\" y=\"{:.0f}\" width=\"{:.1f}\" height=\"12\" class=\"{}\">"
+                       "<title>{}</title></rect>",
+                       r.x, y, std::max(0.5, r.end - r.x), r.cls, title);
+      r = run{};
+    };
     for (const auto& b : s.blocks) {
       if (b.addr < s.addr) continue;
       const double x = label + scale * static_cast<double>(b.addr - s.addr);
-      const double bw = std::max(0.5, scale * static_cast<double>(b.size));
+      const double bw = scale * static_cast<double>(b.size);
       const char* cls = b.state == "active_allocated" ? "live"
                         : b.state == "inactive"        ? "free"
                         : b.state == "unmapped"        ? "unmapped"
                                                        : "pending";
-      o += fmt::format("<rect x=\"{:.1f}\" y=\"{:.0f}\" width=\"{:.1f}\" height=\"12\" class=\"{}\">"
-                       "<title>{} {}{}</title></rect>",
-                       x, y, bw, cls, esc(format_bytes(static_cast<std::int64_t>(b.size))), b.state,
-                       b.tag.empty() ? "" : " " + esc(b.tag));
+      const bool joins = r.blocks > 0 && r.cls == cls && bw < 1.0 && r.end - r.x < 1.0;
+      if (!joins) {
+        flush();
+        r.first = &b;
+        r.cls = cls;
+        r.x = x;
+      }
+      r.end = x + bw;
+      ++r.blocks;
+      r.bytes += b.size;
     }
+    flush();
   }
   o += "</svg>";
   if (shown < segs.size()) o += fmt::format("<p>{} smaller segments not shown.</p>", segs.size() - shown);
@@ -240,7 +279,7 @@ std::string render_html_report(const report_input& in) {
        "frames</th></tr>";
   for (const auto& h : in.holders) {
     o += fmt::format("<tr><td>{}</td><td>0x{:x}</td><td class=\"t\">{}</td></tr>",
-                     esc(format_bytes(static_cast<std::int64_t>(h.bytes))), h.addr, esc(h.tag));
+                     esc(format_bytes(static_cast<std::int64_t>(h.bytes))), h.addr, shown_tag(h.tag));
   }
   o += "</table>\n</body></html>\n";
   return o;
