@@ -90,6 +90,9 @@ TEST(TrainCli, ResumeContinuesTheLossCurve) {
                   parts_log.string() + "'")
                 .exit_code,
             0);
+  // A run killed after its checkpoint had logged steps the checkpoint did not keep (found in
+  // review: the resumed run appended them again, so they appeared twice).
+  std::ofstream(parts_log, std::ios::app) << "4 0x1p+0 killed\n5 0x1p+0 killed\n";
   const run_result resumed = train("--steps 6 --no-report --resume --dir '" +
                                    parts.path().string() + "' --log '" + parts_log.string() + "'");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;

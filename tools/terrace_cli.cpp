@@ -352,8 +352,9 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
                   "write the device allocator's recorded trace here (terrace JSON lines, for "
                   "`terrace compare` and `terrace replay`)");
   cmd->add_option("--log", args.log,
-                  "append one line per step: step, loss (exact, as a hex float), loss, seconds, "
-                  "bytes up, down, NVMe read, written, exposed wait, transfer seconds");
+                  "write one line per step: step, loss (exact, as a hex float), loss, seconds, "
+                  "bytes up, down, NVMe read, written, exposed wait, transfer seconds (a fresh run "
+                  "starts it anew; --resume keeps the steps its checkpoint holds)");
   cmd->add_flag("--quiet", args.quiet, "no progress bar");
   return cmd;
 }

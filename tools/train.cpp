@@ -76,6 +76,29 @@ void remove_store(const fs::path& dir) {
   if (ec) throw train_setup_error("cannot remove " + folder.string() + ": " + ec.message());
 }
 
+// The per-step log holds each step once: the steps after `last` (a resumed run's checkpoint;
+// 0 for a fresh run) are dropped before this run logs them again. A killed run logged steps its
+// last checkpoint did not keep; appended to, the log held them twice.
+void keep_logged_steps(const fs::path& path, std::int64_t last) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return;
+  std::ifstream in(path);
+  std::string kept;
+  for (std::string line; std::getline(in, line);) {
+    char* end = nullptr;
+    const long long step = std::strtoll(line.c_str(), &end, 10);
+    if (end != line.c_str() && step >= 1 && step <= last) kept += line + "\n";
+  }
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << kept;
+    if (!out.flush()) throw train_setup_error("cannot write the log '" + tmp.string() + "'");
+  }
+  fs::rename(tmp, path, ec);
+  if (ec) throw train_setup_error("cannot replace the log '" + path.string() + "': " + ec.message());
+}
+
 void prepare_dir(const train_options& o) {
   const fs::path& dir = o.dir;
   if (o.resume) {
@@ -295,6 +318,7 @@ train_result run_train(const train_options& options) {
 
   std::FILE* log = nullptr;
   if (!o.log.empty()) {
+    keep_logged_steps(o.log, engine->step_count());
     log = std::fopen(o.log.c_str(), "a");
     if (log == nullptr) {
       throw train_setup_error("cannot open the log '" + o.log.string() + "': " +

@@ -80,8 +80,9 @@ struct train_options {
   /// The device allocator's recorded trace, written as terrace JSON lines (trace.hpp) for
   /// `terrace compare` / `terrace replay` and the planner's tests. Empty: not written.
   std::filesystem::path save_trace;
-  /// One line per step (appended, flushed): step, loss as a C99 hex float (exact), loss, seconds,
-  /// bytes up, down, NVMe read, NVMe written, exposed wait, transfer seconds. Empty: none.
+  /// One line per step (flushed): step, loss as a C99 hex float (exact), loss, seconds, bytes up,
+  /// down, NVMe read, NVMe written, exposed wait, transfer seconds. Empty: none. A fresh run
+  /// starts it anew; a resumed one keeps the lines of the steps its checkpoint holds.
   std::filesystem::path log;
   /// Called after every step (after its checkpoint, if any, with `checkpointed` set).
   std::function<void(const offload_step_stats& step, bool checkpointed)> on_step;
