@@ -224,6 +224,20 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
   }
 }
 
+// Found in review: a report or trace that could not be written after training threw past the
+// summary (exit 1 with no summary, or 2 for a logic error, which means "could not train"), and
+// the report was truncated before it was written. Now the summary comes first, then the error,
+// exit 1; the checkpoint is saved.
+TEST(TrainCli, AReportThatCannotBeWrittenAfterTrainingKeepsTheSummary) {
+  scratch_dir dir("cli-report-fail");
+  const run_result r = train("--steps 1 --dir '" + dir.path().string() +
+                             "' --report '" + (dir.path() / "no-such-dir" / "r.html").string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("steps           1..1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("error after training"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "store" / "index"));
+}
+
 // Found in review: any folder named `store` in --dir was taken for the engine's store, and
 // --fresh deleted it whole, a user's files included. Only the store's own files are ever
 // removed now, and a folder holding anything else is refused before one is touched.

@@ -379,6 +379,11 @@ int run_train(train_args& args) {
   try {
     const auto result = terrace::tools::run_train(o);
     fmt::print("{}", terrace::tools::format_train_summary(o, result));
+    if (!result.output_error.empty()) {
+      fmt::print(stderr, "terrace train: error after training (its checkpoint is saved): {}\n",
+                 result.output_error);
+      return kExitFailure;
+    }
   } catch (const terrace::tools::train_setup_error& e) {
     fmt::print(stderr, "terrace train: error: {}\n", e.what());
     return kExitBadInput;

@@ -385,20 +385,27 @@ train_result run_train(const train_options& options) {
   // A resume already at (or past) --steps trained nothing: the last run's trace and report stay
   // as they are rather than being replaced by ones of the engine's setup alone.
   if (r.steps.empty()) return r;
-  if (!o.save_trace.empty()) {
-    const memory_snapshot snap = engine->device_memory().snapshot();
-    std::ofstream out(o.save_trace, std::ios::binary);
-    if (out) write_trace_jsonl(out, snap.trace);
-    out.close();
-    // Training is done at this point: a trace that cannot be written is an error, not a setup one.
-    if (!out) throw io_error("cannot write the trace '" + o.save_trace.string() + "'");
-    r.trace = o.save_trace;
-  }
-  if (o.write_report) {
-    r.report = o.report.empty() ? o.dir / "memory-report.html" : o.report;
-    r.report_summary = write_memory_report(
-        engine->device_memory().snapshot(), engine->device_memory().config(), r.report,
-        "terrace train: " + model_text(o.model) + " on " + device->properties().name);
+  // Training is done and checkpointed from here: a trace or report that cannot be written (a full
+  // disk, a bad path, a replay of the report that fails) is reported after the summary, with exit
+  // 1, and never costs the summary or passes for a setup error.
+  try {
+    if (!o.save_trace.empty()) {
+      const memory_snapshot snap = engine->device_memory().snapshot();
+      std::ofstream out(o.save_trace, std::ios::binary);
+      if (out) write_trace_jsonl(out, snap.trace);
+      out.close();
+      if (!out) throw io_error("cannot write the trace '" + o.save_trace.string() + "'");
+      r.trace = o.save_trace;
+    }
+    if (o.write_report) {
+      const fs::path report = o.report.empty() ? o.dir / "memory-report.html" : o.report;
+      r.report_summary = write_memory_report(
+          engine->device_memory().snapshot(), engine->device_memory().config(), report,
+          "terrace train: " + model_text(o.model) + " on " + device->properties().name);
+      r.report = report;
+    }
+  } catch (const std::exception& e) {
+    r.output_error = e.what();
   }
   return r;
 }

@@ -112,6 +112,9 @@ struct train_result {
   std::filesystem::path report;           ///< written (empty when not)
   std::filesystem::path trace;            ///< the saved device trace (empty when not)
   std::string report_summary;             ///< the report's plain-text summary
+  /// Why the trace or the report could not be written after training (empty: both were, or none
+  /// was asked for). The training itself and its checkpoint are done.
+  std::string output_error;
 };
 
 /// @brief `<build dir>/train-state` for the running executable (its folder's parent when it lives

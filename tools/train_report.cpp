@@ -4,6 +4,7 @@
 // file). The trace is replayed under the three policies over the null backend, exactly as
 // `terrace report` does, so the page compares what the run reserved with what expandable segments
 // and the planned policy would have.
+#include <filesystem>
 #include <fstream>
 #include <stdexcept>
 
@@ -23,11 +24,21 @@ std::string write_memory_report(const memory_snapshot& recorded, const allocator
   base.config = config;
   base.config.record_trace = false;
   const report_input in = make_report_input(events, base, title, "terrace trace (recorded live by terrace train)");
-  std::ofstream out(path, std::ios::binary);
-  if (!out) throw std::runtime_error("cannot write the memory report '" + path.string() + "'");
-  out << render_html_report(in);
+  // Written beside, then renamed over: a failed write leaves the last report whole, never half.
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  std::ofstream out(tmp, std::ios::binary);
+  if (out) out << render_html_report(in);
   out.close();
-  if (!out) throw std::runtime_error("cannot write the memory report '" + path.string() + "'");
+  std::error_code ec;
+  if (!out) {
+    std::filesystem::remove(tmp, ec);
+    throw std::runtime_error("cannot write the memory report '" + path.string() + "'");
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    std::filesystem::remove(tmp, ec);
+    throw std::runtime_error("cannot write the memory report '" + path.string() + "'");
+  }
   return report_summary(in);
 }
 
