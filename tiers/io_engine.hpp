@@ -31,6 +31,9 @@
 namespace terrace::detail {
 
 inline constexpr std::size_t kDirectAlign = 4096;
+/// The largest transfer block: an SQE's length is 32 bits, and the engine's bounce buffers hold
+/// two blocks at least.
+inline constexpr std::size_t kMaxBlockSize = std::size_t{256} << 20;
 
 /// The shared state behind terrace::io_handle. Set once by the engine thread.
 struct io_completion {

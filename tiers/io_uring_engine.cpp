@@ -38,9 +38,8 @@ class uring_engine final : public io_engine {
   uring_engine(const engine_options& options, std::vector<engine_file> files)
       : opt_(options), files_(std::move(files)) {
     TERRACE_EXPECTS(!files_.empty(), "the engine needs at least one file");
-    // At most 256 MiB, as the store creates them: an SQE's length is 32 bits.
     TERRACE_EXPECTS(opt_.block_size >= kDirectAlign && opt_.block_size % kDirectAlign == 0 &&
-                        opt_.block_size <= (std::size_t{256} << 20),
+                        opt_.block_size <= kMaxBlockSize,
                     "block_size must be a positive multiple of 4 KiB, at most 256 MiB");
     TERRACE_EXPECTS(opt_.queue_depth >= 1 && opt_.queue_depth <= 4096, "queue_depth must be 1..4096");
     for (const auto& f : files_) any_direct_ = any_direct_ || f.direct;

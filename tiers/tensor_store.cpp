@@ -152,7 +152,7 @@ class tensor_store_impl {
       : dir_(dir.string()) {
     TERRACE_EXPECTS(opt.files >= 1 && opt.files <= 256, "files must be 1..256");
     TERRACE_EXPECTS(opt.block_size >= kDirectAlign && opt.block_size % kDirectAlign == 0 &&
-                        opt.block_size <= (std::size_t{256} << 20),
+                        opt.block_size <= kMaxBlockSize,
                     "block_size must be a multiple of 4 KiB, at most 256 MiB");
     dirfd_.fd = open_directory(dir);
     lock_store();
@@ -169,7 +169,7 @@ class tensor_store_impl {
       ::unlinkat(dirfd_.fd, kIndexTempName, 0);  // an uncommitted checkpoint
       index = read_index(dirfd_.fd, dir_);
       if (index.block_size < kDirectAlign || index.block_size % kDirectAlign ||
-          index.block_size > (std::uint64_t{256} << 20) || index.files == 0 ||
+          index.block_size > kMaxBlockSize || index.files == 0 ||
           index.file_size % index.block_size)
         throw io_error("terrace: index " + dir_ + "/index is malformed: bad geometry");
     }

@@ -89,14 +89,7 @@ void keep_logged_steps(const fs::path& path, std::int64_t last) {
     const long long step = std::strtoll(line.c_str(), &end, 10);
     if (end != line.c_str() && step >= 1 && step <= last) kept += line + "\n";
   }
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << kept;
-    if (!out.flush()) throw train_setup_error("cannot write the log '" + tmp.string() + "'");
-  }
-  fs::rename(tmp, path, ec);
-  if (ec) throw train_setup_error("cannot replace the log '" + path.string() + "': " + ec.message());
+  if (!replace_file(path, kept)) throw train_setup_error("cannot write the log '" + path.string() + "'");
 }
 
 void prepare_dir(const train_options& o) {

@@ -24,22 +24,24 @@ std::string write_memory_report(const memory_snapshot& recorded, const allocator
   base.config = config;
   base.config.record_trace = false;
   const report_input in = make_report_input(events, base, title, "terrace trace (recorded live by terrace train)");
-  // Written beside, then renamed over: a failed write leaves the last report whole, never half.
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  std::ofstream out(tmp, std::ios::binary);
-  if (out) out << render_html_report(in);
-  out.close();
-  std::error_code ec;
-  if (!out) {
-    std::filesystem::remove(tmp, ec);
-    throw std::runtime_error("cannot write the memory report '" + path.string() + "'");
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
+  if (!replace_file(path, render_html_report(in))) {
     throw std::runtime_error("cannot write the memory report '" + path.string() + "'");
   }
   return report_summary(in);
+}
+
+bool replace_file(const std::filesystem::path& path, std::string_view contents) {
+  const std::filesystem::path tmp = path.string() + ".tmp";
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (out) out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+  out.close();
+  std::error_code ec;
+  if (out) std::filesystem::rename(tmp, path, ec);
+  if (!out || ec) {
+    std::filesystem::remove(tmp, ec);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace terrace::tools
