@@ -48,7 +48,7 @@ __global__ void adam_kernel(float* __restrict__ param, float* __restrict__ exp_a
        i += stride) {
     float g = load<G>(grad, i) * s.grad_mul;
     float p = param[i];
-    g = fmaf(s.coupled_wd, p, g);
+    if (s.coupled_wd != 0.0f) g = fmaf(s.coupled_wd, p, g);  // as torch: 0 * inf would be NaN
     p = p * s.decay;
     const float m = fmaf(s.beta1, exp_avg[i], s.one_minus_beta1 * g);
     const float v = fmaf(s.beta2, exp_avg_sq[i], (s.one_minus_beta2 * g) * g);

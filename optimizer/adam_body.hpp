@@ -71,9 +71,10 @@ struct adam_vectors {
       : grad_mul(V::set1(s.grad_mul)), coupled_wd(V::set1(s.coupled_wd)), decay(V::set1(s.decay)),
         beta1(V::set1(s.beta1)), one_minus_beta1(V::set1(s.one_minus_beta1)), beta2(V::set1(s.beta2)),
         one_minus_beta2(V::set1(s.one_minus_beta2)), inv_bc2_sqrt(V::set1(s.inv_bc2_sqrt)),
-        eps(V::set1(s.eps)), neg_step_size(V::set1(-s.step_size)) {}
+        eps(V::set1(s.eps)), neg_step_size(V::set1(-s.step_size)), coupled(s.coupled_wd != 0.0f) {}
   F grad_mul, coupled_wd, decay, beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps,
       neg_step_size;
+  bool coupled;  // torch adds the penalty only for a nonzero decay: 0 * inf would be NaN
 };
 
 // The update of V::N consecutive elements starting at i. The order of operations follows
@@ -97,7 +98,7 @@ inline void adam_elements(const adam_vectors<V>& k, const adam_span& a, std::siz
   }
   F g = V::mul(load<V, G>(a.grad, i), k.grad_mul);
   F p = V::load_f32(a.param + i);
-  g = V::fmadd(k.coupled_wd, p, g);
+  if (k.coupled) g = V::fmadd(k.coupled_wd, p, g);  // same for every element: predicted
   p = V::mul(p, k.decay);
   F m = load<V, S>(a.exp_avg, i);
   F v = load<V, S>(a.exp_avg_sq, i);

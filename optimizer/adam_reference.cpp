@@ -31,8 +31,8 @@ void adam_step(const adam_options& o, std::int64_t step, std::span<const double>
     }
     if (o.mode == adam_mode::adamw) {
       p *= 1.0 - lr * wd;  // decoupled: decay the weight itself
-    } else {
-      g += wd * p;  // coupled: an L2 penalty in the gradient
+    } else if (wd != 0) {
+      g += wd * p;  // coupled: an L2 penalty in the gradient (torch skips it for 0: 0 * inf)
     }
     m = beta1 * m + (1.0 - beta1) * g;
     v = beta2 * v + (1.0 - beta2) * g * g;

@@ -553,6 +553,51 @@ TEST(AdamLion, SignOfZeroInfinityAndNan) {
   }
 }
 
+// An infinite or NaN weight with no weight decay, as torch: Adam adds no penalty (0 * inf would
+// put NaN in the moments), AdamW decays by 1. The moments are those of the gradient alone, the
+// weight stays what it was; every ISA and the reference alike.
+TEST(AdamNonfiniteWeights, ZeroDecayLeavesTheMomentsThoseOfTheGradient) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (adam_mode mode : {adam_mode::adam, adam_mode::adamw}) {
+    for (simd_isa isa : available_isas()) {
+      adam_options o;
+      o.mode = mode;
+      o.lr = 0.125;
+      o.weight_decay = 0.0;
+      o.isa = isa;
+      o.threads = 1;
+      adam_optimizer adam(o);
+      constexpr std::size_t n = 37;  // SIMD body and tail
+      std::vector<float> p(n, 1.0f), m(n, 0.0f), v(n, 0.0f), g(n, 0.5f);
+      p[2] = inf;
+      p[17] = -inf;
+      p[36] = std::numeric_limits<float>::quiet_NaN();
+      const adam_tensor t{p.data(), m.data(), v.data(), g.data(), nullptr, n};
+      ASSERT_TRUE(adam.step(std::span<const adam_tensor>(&t, 1)));
+      const std::string what = std::string(mode == adam_mode::adam ? "adam" : "adamw") + " isa " +
+                               std::string(to_string(isa));
+      for (std::size_t i : {2ul, 17ul, 36ul}) {
+        EXPECT_EQ(m[i], m[0]) << what << " element " << i;
+        EXPECT_EQ(v[i], v[0]) << what << " element " << i;
+      }
+      EXPECT_TRUE(std::isfinite(m[0]) && std::isfinite(v[0])) << what;
+      EXPECT_EQ(p[2], inf) << what;
+      EXPECT_EQ(p[17], -inf) << what;
+      EXPECT_TRUE(std::isnan(p[36])) << what;
+
+      reference::adam_state r;
+      r.param = {static_cast<double>(inf)};
+      r.exp_avg = {0.0};
+      r.exp_avg_sq = {0.0};
+      const std::vector<double> rg{0.5};
+      reference::adam_step(o, 1, rg, 1.0, r);
+      EXPECT_FLOAT_EQ(static_cast<float>(r.exp_avg[0]), m[0]) << what;
+      EXPECT_FLOAT_EQ(static_cast<float>(r.exp_avg_sq[0]), v[0]) << what;
+      EXPECT_TRUE(std::isinf(r.param[0])) << what;
+    }
+  }
+}
+
 // --------------------------------------------------------------------------------- conversions
 
 TEST(AdamConversions, HalfTypesRoundToNearestEven) {
