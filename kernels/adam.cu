@@ -9,6 +9,8 @@
 
 #include <algorithm>
 
+#include "kernels/launch.cuh"
+
 namespace terrace::kernels {
 
 namespace {
@@ -62,23 +64,23 @@ __global__ void adam_kernel(float* __restrict__ param, float* __restrict__ exp_a
 }
 
 template <int G, int C, bool Copy>
-cudaError_t launch(float* p, float* m, float* v, const void* g, void* c, std::size_t n,
+cudaError_t launch_step(float* p, float* m, float* v, const void* g, void* c, std::size_t n,
                    const adam_gpu_scalars& s, const int* skip, cudaStream_t stream) {
   // Enough blocks to fill any current GPU several times over; the grid-stride loop does the rest.
   const std::size_t blocks = std::min<std::size_t>((n + threads_per_block - 1) / threads_per_block, 65536);
-  adam_kernel<G, C, Copy><<<static_cast<unsigned>(blocks), threads_per_block, 0, stream>>>(p, m, v, g, c, n, s, skip);
-  return cudaGetLastError();
+  return launch(adam_kernel<G, C, Copy>, static_cast<unsigned>(blocks), threads_per_block, stream, p, m, v, g,
+                c, n, s, skip);
 }
 
 template <int G>
 cudaError_t launch_copy(float* p, float* m, float* v, const void* g, void* c, int copy_dtype,
                         std::size_t n, const adam_gpu_scalars& s, const int* skip,
                         cudaStream_t stream) {
-  if (c == nullptr) return launch<G, adam_gpu_f32, false>(p, m, v, g, c, n, s, skip, stream);
+  if (c == nullptr) return launch_step<G, adam_gpu_f32, false>(p, m, v, g, c, n, s, skip, stream);
   switch (copy_dtype) {
-    case adam_gpu_f32: return launch<G, adam_gpu_f32, true>(p, m, v, g, c, n, s, skip, stream);
-    case adam_gpu_bf16: return launch<G, adam_gpu_bf16, true>(p, m, v, g, c, n, s, skip, stream);
-    case adam_gpu_f16: return launch<G, adam_gpu_f16, true>(p, m, v, g, c, n, s, skip, stream);
+    case adam_gpu_f32: return launch_step<G, adam_gpu_f32, true>(p, m, v, g, c, n, s, skip, stream);
+    case adam_gpu_bf16: return launch_step<G, adam_gpu_bf16, true>(p, m, v, g, c, n, s, skip, stream);
+    case adam_gpu_f16: return launch_step<G, adam_gpu_f16, true>(p, m, v, g, c, n, s, skip, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -96,10 +98,9 @@ __global__ void nonfinite_kernel(const void* __restrict__ grad, std::size_t n, i
 }
 
 template <int G>
-cudaError_t launch_check(const void* grad, std::size_t n, int* flag, cudaStream_t stream) {
+cudaError_t launch_flag(const void* grad, std::size_t n, int* flag, cudaStream_t stream) {
   const std::size_t blocks = std::min<std::size_t>((n + threads_per_block - 1) / threads_per_block, 4096);
-  nonfinite_kernel<G><<<static_cast<unsigned>(blocks), threads_per_block, 0, stream>>>(grad, n, flag);
-  return cudaGetLastError();
+  return launch(nonfinite_kernel<G>, static_cast<unsigned>(blocks), threads_per_block, stream, grad, n, flag);
 }
 
 }  // namespace
@@ -108,9 +109,9 @@ cudaError_t flag_nonfinite(const void* grad, int grad_dtype, std::size_t n, int*
                            cudaStream_t stream) noexcept {
   if (n == 0) return cudaSuccess;
   switch (grad_dtype) {
-    case adam_gpu_f32: return launch_check<adam_gpu_f32>(grad, n, flag, stream);
-    case adam_gpu_bf16: return launch_check<adam_gpu_bf16>(grad, n, flag, stream);
-    case adam_gpu_f16: return launch_check<adam_gpu_f16>(grad, n, flag, stream);
+    case adam_gpu_f32: return launch_flag<adam_gpu_f32>(grad, n, flag, stream);
+    case adam_gpu_bf16: return launch_flag<adam_gpu_bf16>(grad, n, flag, stream);
+    case adam_gpu_f16: return launch_flag<adam_gpu_f16>(grad, n, flag, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/char_model_impl.hpp"
+#include "kernels/launch.cuh"
 #include "kernels/cublas_table.hpp"
 #include "terrace/error.hpp"
 #include "tiers/cuda_context.hpp"
@@ -177,10 +178,6 @@ __global__ void embedding_backward_kernel(const std::uint8_t* __restrict__ token
 void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw_cuda(e, what);
 }
-void launch_check(const char* kernel) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw_cuda(e, std::string("launching ") + kernel);
-}
 void cublas_check(const cublas_api& blas, cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {
     throw device_error(std::string("terrace: char_model (cuda): ") + what + " failed: " +
@@ -332,8 +329,9 @@ class cuda_char_model final : public char_model {
   }
   scratch widen(const std::uint16_t* params, std::size_t n) {
     auto* w = static_cast<float*>(memory_.allocate(n * sizeof(float), stream_, "char_model.weights_f32"));
-    widen_kernel<<<blocks_for(n), threads_per_block, 0, native_>>>(params, w, n);
-    if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    if (const cudaError_t e =
+            kernels::launch(widen_kernel, blocks_for(n), threads_per_block, native_, params, w, n);
+        e != cudaSuccess) {
       memory_.deallocate(w, stream_);
       throw_cuda(e, "launching widen_kernel");
     }
@@ -371,26 +369,27 @@ class cuda_char_model final : public char_model {
                  "cublasSgemm(input grad)");
   }
   void bias_grad(const float* d, float* db, std::size_t cols) {
-    column_sum_kernel<<<blocks_for(cols), threads_per_block, 0, native_>>>(d, db, batch(), cols);
-    launch_check("column_sum_kernel");
+    cuda_check(kernels::launch(column_sum_kernel, blocks_for(cols), threads_per_block, native_, d, db,
+                               batch(), cols),
+               "launching column_sum_kernel");
   }
 
   // ----------------------------------------------------------------------- forward
   void forward_embedding(const std::uint16_t* table) {
     const std::size_t n = batch() * static_cast<std::size_t>(config_.context) * config_.embed;
     x0_ = activation(n, "char_model.x0");
-    gather_kernel<<<blocks_for(n), threads_per_block, 0, native_>>>(tokens_, table, x0_, config_.batch,
-                                                                    config_.context, config_.embed);
-    launch_check("gather_kernel");
+    cuda_check(kernels::launch(gather_kernel, blocks_for(n), threads_per_block, native_, tokens_, table, x0_,
+                               config_.batch, config_.context, config_.embed),
+               "launching gather_kernel");
   }
 
   void forward_input(const layer_shape& s, const std::uint16_t* params) {
     const scratch w = widen(params, s.in * s.out);
     float* h = activation(batch() * s.out, "char_model.h");
     gemm_forward(x0_, w.p, h, s.in, s.out);
-    bias_relu_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
-        h, params + s.in * s.out, batch(), s.out);
-    launch_check("bias_relu_kernel");
+    cuda_check(kernels::launch(bias_relu_kernel, blocks_for(batch() * s.out), threads_per_block, native_, h,
+                               params + s.in * s.out, batch(), s.out),
+               "launching bias_relu_kernel");
     h_.assign(1, h);
   }
 
@@ -403,9 +402,9 @@ class cuda_char_model final : public char_model {
     float* r = config_.recompute_blocks ? r_scratch.p : activation(batch() * s.out, "char_model.r");
     float* next = activation(batch() * s.out, "char_model.h");
     gemm_forward(h, w.p, r, s.in, s.out);
-    block_forward_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
-        r, params + s.in * s.out, h, next, batch(), s.out);
-    launch_check("block_forward_kernel");
+    cuda_check(kernels::launch(block_forward_kernel, blocks_for(batch() * s.out), threads_per_block, native_,
+                               r, params + s.in * s.out, h, next, batch(), s.out),
+               "launching block_forward_kernel");
     if (r_.empty()) r_.push_back(nullptr);  // r_[0] unused: blocks count from 1
     r_.push_back(config_.recompute_blocks ? nullptr : r);
     h_.push_back(next);
@@ -416,9 +415,9 @@ class cuda_char_model final : public char_model {
     probs_ = activation(batch() * s.out, "char_model.probs");
     row_loss_ = activation(batch(), "char_model.row_loss");
     gemm_forward(h_.back(), w.p, probs_, s.in, s.out);
-    softmax_xent_kernel<<<unsigned(batch()), threads_per_block, 0, native_>>>(
-        probs_, params + s.in * s.out, tokens_, row_loss_, config_.vocab, row());
-    launch_check("softmax_xent_kernel");
+    cuda_check(kernels::launch(softmax_xent_kernel, unsigned(batch()), threads_per_block, native_, probs_,
+                               params + s.in * s.out, tokens_, row_loss_, config_.vocab, row()),
+               "launching softmax_xent_kernel");
   }
 
   // ---------------------------------------------------------------------- backward
@@ -428,9 +427,9 @@ class cuda_char_model final : public char_model {
     // one-hot and divide by the batch a second time.
     const scratch w = widen(params, s.in * s.out);
     dh_ = activation(batch() * s.in, "char_model.dh");
-    xent_backward_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
-        probs_, tokens_, config_.batch, config_.vocab, row());
-    launch_check("xent_backward_kernel");
+    cuda_check(kernels::launch(xent_backward_kernel, blocks_for(batch() * s.out), threads_per_block, native_,
+                               probs_, tokens_, config_.batch, config_.vocab, row()),
+               "launching xent_backward_kernel");
     gemm_weight_grad(h_.back(), probs_, grad, s.in, s.out);
     bias_grad(probs_, grad + s.in * s.out, s.out);
     gemm_input_grad(probs_, w.p, dh_, s.in, s.out, 0.0f);
@@ -442,15 +441,15 @@ class cuda_char_model final : public char_model {
     const scratch again = allocate_scratch(r == nullptr ? batch() * s.out : 0, "char_model.r_scratch");
     if (r == nullptr) {  // recompute_blocks: make r again from the block's input
       gemm_forward(h_[static_cast<std::size_t>(block) - 1], w.p, again.p, s.in, s.out);
-      bias_relu_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
-          again.p, params + s.in * s.out, batch(), s.out);
-      launch_check("bias_relu_kernel");
+      cuda_check(kernels::launch(bias_relu_kernel, blocks_for(batch() * s.out), threads_per_block, native_,
+                                 again.p, params + s.in * s.out, batch(), s.out),
+                 "launching bias_relu_kernel");
       r = again.p;
     }
     const scratch dr = allocate_scratch(batch() * s.out, "char_model.dr");
-    relu_backward_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
-        dh_, r, dr.p, batch() * s.out);
-    launch_check("relu_backward_kernel");
+    cuda_check(kernels::launch(relu_backward_kernel, blocks_for(batch() * s.out), threads_per_block, native_,
+                               dh_, r, dr.p, batch() * s.out),
+               "launching relu_backward_kernel");
     gemm_weight_grad(h_[static_cast<std::size_t>(block) - 1], dr.p, grad, s.in, s.out);
     bias_grad(dr.p, grad + s.in * s.out, s.out);
     gemm_input_grad(dr.p, w.p, dh_, s.in, s.out, 1.0f);
@@ -458,9 +457,9 @@ class cuda_char_model final : public char_model {
 
   void backward_input(const layer_shape& s, const std::uint16_t* params, float* grad) {
     const scratch w = widen(params, s.in * s.out);
-    relu_backward_kernel<<<blocks_for(batch() * s.out), threads_per_block, 0, native_>>>(
-        dh_, h_.front(), dh_, batch() * s.out);
-    launch_check("relu_backward_kernel");
+    cuda_check(kernels::launch(relu_backward_kernel, blocks_for(batch() * s.out), threads_per_block, native_,
+                               dh_, h_.front(), dh_, batch() * s.out),
+               "launching relu_backward_kernel");
     gemm_weight_grad(x0_, dh_, grad, s.in, s.out);
     bias_grad(dh_, grad + s.in * s.out, s.out);
     dx0_ = activation(batch() * s.in, "char_model.dx0");
@@ -469,9 +468,9 @@ class cuda_char_model final : public char_model {
 
   void backward_embedding(float* grad) {
     const std::size_t n = static_cast<std::size_t>(config_.vocab) * config_.embed;
-    embedding_backward_kernel<<<blocks_for(n), threads_per_block, 0, native_>>>(
-        tokens_, dx0_, grad, config_.vocab, config_.batch, config_.context, config_.embed);
-    launch_check("embedding_backward_kernel");
+    cuda_check(kernels::launch(embedding_backward_kernel, blocks_for(n), threads_per_block, native_, tokens_,
+                               dx0_, grad, config_.vocab, config_.batch, config_.context, config_.embed),
+               "launching embedding_backward_kernel");
   }
 
   const cublas_api& blas_;

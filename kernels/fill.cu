@@ -3,6 +3,8 @@
 // not the point (a grid-stride byte loop still fills gigabytes in milliseconds).
 #include "kernels/fill.hpp"
 
+#include "kernels/launch.cuh"
+
 #include <algorithm>
 
 namespace terrace::kernels {
@@ -65,25 +67,22 @@ cudaError_t load_kernels() {
 cudaError_t fill_pattern(void* dst, std::size_t bytes, std::uint32_t seed,
                          cudaStream_t stream) noexcept {
   if (bytes == 0) return cudaSuccess;
-  fill_kernel<<<blocks_for(bytes), threads_per_block, 0, stream>>>(static_cast<std::uint8_t*>(dst),
-                                                                   bytes, seed);
-  return cudaGetLastError();
+  return launch(fill_kernel, blocks_for(bytes), threads_per_block, stream, static_cast<std::uint8_t*>(dst),
+                bytes, seed);
 }
 
 cudaError_t count_pattern_mismatches(const void* src, std::size_t bytes, std::uint32_t seed,
                                      unsigned long long* device_counter,
                                      cudaStream_t stream) noexcept {
   if (bytes == 0) return cudaSuccess;
-  check_kernel<<<blocks_for(bytes), threads_per_block, 0, stream>>>(
-      static_cast<const std::uint8_t*>(src), bytes, seed, device_counter);
-  return cudaGetLastError();
+  return launch(check_kernel, blocks_for(bytes), threads_per_block, stream,
+                static_cast<const std::uint8_t*>(src), bytes, seed, device_counter);
 }
 
 cudaError_t wait_for_host_flag(const volatile std::uint32_t* flag, std::uint64_t timeout_ns,
                                cudaStream_t stream) noexcept {
   if (const cudaError_t e = load_kernels()) return e;
-  wait_kernel<<<1, 1, 0, stream>>>(flag, timeout_ns);
-  return cudaGetLastError();
+  return launch(wait_kernel, 1, 1, stream, flag, timeout_ns);
 }
 
 }  // namespace terrace::kernels

@@ -5,7 +5,9 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -109,6 +111,49 @@ TEST_F(AdamGpu, SkipFlagLeavesStateUnchanged) {
     cuda_ok(cudaMemcpy(back.data(), ptr, n * 4, cudaMemcpyDeviceToHost), "copy back");
     EXPECT_EQ(std::memcmp(back.data(), host.data(), n * 4), 0);
   }
+}
+
+// A launch returns its own status: an error the caller left pending (here cudaSetDevice(-1)'s) is
+// neither reported as the kernel's nor cleared from under the caller (found in review: the launch
+// check was cudaGetLastError(), which did both).
+TEST_F(AdamGpu, ALaunchNeitherReportsNorClearsTheCallersPendingError) {
+  constexpr std::size_t n = 1024;
+  device_buffer dp(n * 4), dm(n * 4), dv(n * 4), dg(n * 4);
+  for (void* ptr : {dp.ptr, dm.ptr, dv.ptr, dg.ptr}) cuda_ok(cudaMemset(ptr, 0, n * 4), "zero");
+  ASSERT_NE(cudaSetDevice(-1), cudaSuccess);  // leaves cudaErrorInvalidDevice pending
+  const auto s = detail::make_adam_scalars(adam_options{}, 1, 1.0f, 1.0f);
+  EXPECT_EQ(kernels::adam_step(static_cast<float*>(dp.ptr), static_cast<float*>(dm.ptr),
+                               static_cast<float*>(dv.ptr), dg.ptr, kernels::adam_gpu_f32, nullptr,
+                               kernels::adam_gpu_bf16, n, to_gpu(s), nullptr, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidDevice);
+  cuda_ok(cudaDeviceSynchronize(), "sync");
+}
+
+// As torch and the CPU kernels: no weight decay adds no penalty term, so an infinite weight does
+// not put NaN (0 * inf) into the moments.
+TEST_F(AdamGpu, ZeroWeightDecayKeepsAnInfiniteWeightsMomentsFinite) {
+  constexpr std::size_t n = 257;
+  std::vector<float> p(n, 1.0f), g(n, 0.5f), m(n), v(n);
+  p[3] = std::numeric_limits<float>::infinity();
+  device_buffer dp(n * 4), dm(n * 4), dv(n * 4), dg(n * 4);
+  cuda_ok(cudaMemcpy(dp.ptr, p.data(), n * 4, cudaMemcpyHostToDevice), "copy p");
+  cuda_ok(cudaMemcpy(dg.ptr, g.data(), n * 4, cudaMemcpyHostToDevice), "copy g");
+  cuda_ok(cudaMemset(dm.ptr, 0, n * 4), "zero m");
+  cuda_ok(cudaMemset(dv.ptr, 0, n * 4), "zero v");
+  adam_options o;
+  o.mode = adam_mode::adam;
+  o.weight_decay = 0.0;
+  const auto s = detail::make_adam_scalars(o, 1, 1.0f, 1.0f);
+  cuda_ok(kernels::adam_step(static_cast<float*>(dp.ptr), static_cast<float*>(dm.ptr),
+                             static_cast<float*>(dv.ptr), dg.ptr, kernels::adam_gpu_f32, nullptr,
+                             kernels::adam_gpu_bf16, n, to_gpu(s), nullptr, nullptr),
+          "adam_step");
+  cuda_ok(cudaMemcpy(m.data(), dm.ptr, n * 4, cudaMemcpyDeviceToHost), "copy back m");
+  cuda_ok(cudaMemcpy(v.data(), dv.ptr, n * 4, cudaMemcpyDeviceToHost), "copy back v");
+  EXPECT_EQ(m[3], m[0]);
+  EXPECT_EQ(v[3], v[0]);
+  EXPECT_TRUE(std::isfinite(m[0]) && std::isfinite(v[0]));
 }
 
 // The device-side overflow check (found in review: the skip flag had nothing on the device to
