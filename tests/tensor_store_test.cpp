@@ -28,6 +28,7 @@
 #include "scratch_dir.hpp"
 #include "terrace/error.hpp"
 #include "terrace/tensor_store.hpp"
+#include "tiers/io_engine.hpp"
 #include "tiers/store_index.hpp"
 
 namespace terrace {
@@ -353,6 +354,58 @@ TEST(TensorStore, ShortTransfersAndEagainAreCompleted) {
     expect_tensor(s, "s", v);
     s.checkpoint();
   }
+}
+
+// The engine itself: a refused piece (EAGAIN) is tried again after pauses doubling from 50 us, so
+// a refusal that lasts neither spins the ring thread nor fails at once; one that outlasts
+// max_refusals fails the transfer with EAGAIN and says so. The pauses are lower bounds: this
+// checks only that they happened.
+TEST(IoUringEngine, RefusedTransfersBackOffThenFailWithTheirError) {
+  scratch_dir dir("refusals");
+  const std::string name = (dir.path() / "file").string();
+  const int fd = ::open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(MiB)), 0);
+  detail::engine_options eo;
+  eo.block_size = 64 * KiB;
+  eo.file_size = MiB;
+  eo.max_refusals = 6;
+  {
+    auto engine = detail::make_io_uring_engine(eo, {{fd, false, name}});
+    std::vector<std::byte> data(64 * KiB, std::byte{7});
+    const auto write = [&](int refusals) {
+      io_fault f;
+      f.what = io_fault::kind::eagain;
+      f.reads = false;
+      f.count = refusals;
+      engine->inject(f);
+      detail::io_request r;
+      r.op = detail::io_op::write;
+      r.buffer = data.data();
+      r.size = data.size();
+      r.what = "write of " + std::to_string(refusals) + " refusals";
+      const auto start = std::chrono::steady_clock::now();
+      auto c = engine->submit(std::move(r));
+      std::unique_lock lock(c->mutex);
+      c->cv.wait(lock, [&] { return c->done.load(); });
+      return std::make_pair(c->error, std::chrono::steady_clock::now() - start);
+    };
+    // 6 refusals: tried a 7th time, after 50 + 100 + ... + 1600 us of pauses.
+    const auto [ok, ok_took] = write(6);
+    EXPECT_EQ(ok, nullptr);
+    EXPECT_GE(ok_took, std::chrono::microseconds(3150));
+    // 7 refusals: the 7th fails it, with EAGAIN and the count.
+    const auto [failed, failed_took] = write(7);
+    ASSERT_NE(failed, nullptr);
+    try {
+      std::rethrow_exception(failed);
+    } catch (const io_error& e) {
+      EXPECT_EQ(e.code(), EAGAIN);
+      EXPECT_NE(std::string(e.what()).find("7 times in a row"), std::string::npos) << e.what();
+    }
+    EXPECT_GE(failed_took, std::chrono::microseconds(3150));
+  }
+  ::close(fd);
 }
 
 TEST(TensorStore, ErrorsForMissingDirectoryUnknownIdsAndMisuse) {

@@ -7,7 +7,7 @@
 // offset L lives in file (L / B) % N at offset (L / B / N) * B + L % B. A request is cut into
 // blocks of `block_size` bytes (counted from the request's start); up to `queue_depth` pieces are
 // in flight at once across all requests. One engine thread owns the ring: it submits, reaps, retries
-// short transfers, EINTR and EAGAIN; a second engine thread runs the per-block hooks (checksums), so
+// short transfers and EINTR at once and EAGAIN after a growing pause; a second engine thread runs the per-block hooks (checksums), so
 // the ring thread never computes over data; submitters only enqueue, so they never block on the
 // device.
 //
@@ -63,6 +63,9 @@ struct engine_options {
   unsigned queue_depth = 16;
   bool sqpoll = false;
   std::uint64_t file_size = 0;  // bytes per file, a multiple of block_size
+  // Refusals (EAGAIN) of one piece in a row, each after a pause doubling from 50 us to 50 ms,
+  // before the transfer fails with that error: 200 is about 10 s.
+  int max_refusals = 200;
 };
 
 enum class io_op { read, write };

@@ -2,7 +2,8 @@
 // The io_uring engine: the only file in terrace that calls io_uring_*. See io_engine.hpp for the
 // contract. One thread owns the ring. Submitters append to an inbox and poke an eventfd whose read
 // is always pending in the ring, so the engine thread sleeps in exactly one place
-// (io_uring_wait_cqe) and wakes for either a completion or new work. A second thread runs the
+// (io_uring_wait_cqe) and wakes for either a completion or new work (or, while a refused piece
+// waits out its pause, that pause's end). A second thread runs the
 // per-block hooks (the tensor store's CRC32C): the ring thread never computes over data, so a
 // completion is answered by a refill at once rather than after a checksum of 1 MiB (measured
 // 2026-11-23: CRCs were 60% of the ring thread's CPU time on 256 MiB transfers).
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,7 +28,13 @@
 namespace terrace::detail {
 namespace {
 
-constexpr int kMaxRetries = 10000;  // EAGAIN/EINTR/short resubmissions of one piece before giving up
+// A piece the kernel refuses (EAGAIN: out of request slots or memory for the moment) is tried
+// again after a pause that doubles from 50 us to 50 ms, so that a refusal lasting a while neither
+// spins the engine thread nor fails the transfer at once; after engine_options::max_refusals in a
+// row it fails with that error. A short transfer made progress: its rest goes out at once.
+constexpr std::chrono::microseconds kFirstBackoff{50};
+constexpr std::chrono::microseconds kMaxBackoff{50'000};
+constexpr int kMaxShortTransfers = 10000;  // resubmissions of a piece's rest, each with progress
 constexpr std::uint64_t kWakeTag = 0;
 
 std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
@@ -42,6 +50,7 @@ class uring_engine final : public io_engine {
                         opt_.block_size <= kMaxBlockSize,
                     "block_size must be a positive multiple of 4 KiB, at most 256 MiB");
     TERRACE_EXPECTS(opt_.queue_depth >= 1 && opt_.queue_depth <= 4096, "queue_depth must be 1..4096");
+    TERRACE_EXPECTS(opt_.max_refusals >= 0, "max_refusals must be >= 0");
     for (const auto& f : files_) any_direct_ = any_direct_ || f.direct;
 
     io_uring_params params{};
@@ -200,7 +209,8 @@ class uring_engine final : public io_engine {
     std::uint64_t file_offset = 0;
     std::byte* buf = nullptr;
     std::size_t len = 0;  // still to transfer
-    int retries = 0;
+    int refusals = 0;     // EAGAIN/EINTR in a row
+    int short_transfers = 0;
   };
 
   void stop_engine_thread() {
@@ -439,17 +449,29 @@ class uring_engine final : public io_engine {
     const std::shared_ptr<request_state> r = b->r;  // outlives `b`
     const bool write = r->req.op == io_op::write;
     res = apply_fault(p, res);
-    if (res == -EAGAIN || res == -EINTR || (res > 0 && static_cast<std::size_t>(res) < p->len)) {
-      if (res > 0) {
-        p->buf += res;
-        p->file_offset += static_cast<std::uint64_t>(res);
-        p->len -= static_cast<std::size_t>(res);
+    std::string gave_up;
+    if (res == -EAGAIN || res == -EINTR) {
+      if (++p->refusals <= opt_.max_refusals) {
+        if (res == -EINTR) {
+          queue_piece(p);  // interrupted, not refused: nothing to wait for
+        } else {
+          const auto pause = std::min(kMaxBackoff, kFirstBackoff * (1 << std::min(p->refusals - 1, 10)));
+          backoff_.push_back({std::chrono::steady_clock::now() + pause, p});
+        }
+        return;
       }
-      if (++p->retries <= kMaxRetries) {
+      gave_up = ", " + std::to_string(opt_.max_refusals + 1) + " times in a row";
+    } else if (res > 0 && static_cast<std::size_t>(res) < p->len) {
+      p->buf += res;
+      p->file_offset += static_cast<std::uint64_t>(res);
+      p->len -= static_cast<std::size_t>(res);
+      p->refusals = 0;
+      if (++p->short_transfers <= kMaxShortTransfers) {
         queue_piece(p);
         return;
       }
       res = -EIO;
+      gave_up = " (" + std::to_string(kMaxShortTransfers) + " short transfers of one block)";
     }
     if (res <= 0) {
       const engine_file& f = files_[p->file];
@@ -457,6 +479,7 @@ class uring_engine final : public io_engine {
                         std::to_string(p->len) + " bytes at offset " + std::to_string(p->file_offset) +
                         " of " + f.name + " failed: ";
       msg += res < 0 ? errno_text(-res) : (write ? "the device accepted no bytes" : "unexpected end of file");
+      msg += gave_up;
       fail(r.get(), std::make_exception_ptr(io_error(msg, res < 0 ? -res : 0)));
     }
     delete p;
@@ -485,6 +508,29 @@ class uring_engine final : public io_engine {
     }
   }
 
+  static __kernel_timespec to_timespec(std::chrono::steady_clock::duration d) {
+    const auto ns = std::max<std::int64_t>(
+        0, std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
+    return {ns / 1'000'000'000, ns % 1'000'000'000};
+  }
+
+  std::chrono::steady_clock::time_point next_backoff() const {
+    auto first = backoff_.front().at;
+    for (const refused& r : backoff_) first = std::min(first, r.at);
+    return first;
+  }
+
+  // Puts the refused pieces whose pause is over back in the ring.
+  void resubmit_refused() {
+    if (backoff_.empty()) return;
+    const auto now = std::chrono::steady_clock::now();
+    std::erase_if(backoff_, [&](const refused& r) {
+      if (r.at > now) return false;
+      queue_piece(r.p);
+      return true;
+    });
+  }
+
   void run() {
     arm_wake();
     submit_pending();
@@ -496,6 +542,7 @@ class uring_engine final : public io_engine {
         inbox_.clear();
         stop = stop_;
       }
+      resubmit_refused();
       fill();
       submit_pending();  // the ring first, then the hooks: a refill never waits for a checksum
       flush_hooks();
@@ -506,8 +553,14 @@ class uring_engine final : public io_engine {
       }
 
       io_uring_cqe* cqe = nullptr;
-      int rc = io_uring_wait_cqe(&ring_, &cqe);
-      if (rc == -EINTR || rc == -EAGAIN) continue;
+      int rc;
+      if (backoff_.empty()) {
+        rc = io_uring_wait_cqe(&ring_, &cqe);
+      } else {  // wake for the first refused piece's retry if nothing completes before
+        __kernel_timespec until = to_timespec(next_backoff() - std::chrono::steady_clock::now());
+        rc = io_uring_wait_cqe_timeout(&ring_, &cqe, &until);
+      }
+      if (rc == -EINTR || rc == -EAGAIN || rc == -ETIME) continue;
       if (rc < 0) {
         std::fprintf(stderr, "terrace: io_uring_wait_cqe failed fatally: %s\n", errno_text(-rc).c_str());
         std::abort();
@@ -517,7 +570,9 @@ class uring_engine final : public io_engine {
       auto& batch = cqe_batch_;
       batch.clear();
       io_uring_for_each_cqe(&ring_, head, cqe) {
-        batch.emplace_back(io_uring_cqe_get_data(cqe), cqe->res);
+        // A kernel without IORING_FEAT_EXT_ARG gets io_uring_wait_cqe_timeout's timeout as an
+        // entry of liburing's own, which completes here too.
+        if (cqe->user_data != LIBURING_UDATA_TIMEOUT) batch.emplace_back(io_uring_cqe_get_data(cqe), cqe->res);
         ++seen;
       }
       io_uring_cq_advance(&ring_, seen);
@@ -552,6 +607,11 @@ class uring_engine final : public io_engine {
   unsigned inflight_ = 0;                             // pieces in the ring (engine thread only)
   std::vector<hook_job> hooks_out_;                   // engine thread only: for flush_hooks()
   std::vector<std::pair<void*, int>> cqe_batch_;      // engine thread only
+  struct refused {
+    std::chrono::steady_clock::time_point at;  // when to try again
+    piece* p;
+  };
+  std::vector<refused> backoff_;  // engine thread only: refused pieces waiting out their pause
 
   std::mutex hook_mutex_;
   std::condition_variable hook_cv_;
