@@ -7,9 +7,9 @@
 // offset L lives in file (L / B) % N at offset (L / B / N) * B + L % B. A request is cut into
 // blocks of `block_size` bytes (counted from the request's start); up to `queue_depth` pieces are
 // in flight at once across all requests. One engine thread owns the ring: it submits, reaps, retries
-// short transfers and EINTR at once and EAGAIN after a growing pause; a second engine thread runs the per-block hooks (checksums), so
-// the ring thread never computes over data; submitters only enqueue, so they never block on the
-// device.
+// short transfers and EINTR at once and EAGAIN after a growing pause; a second engine thread runs
+// the per-block hooks (checksums), so the ring thread never computes over data; submitters only
+// enqueue, so they never block on the device.
 //
 // REQUIRES (direct files): logical offsets are multiples of kDirectAlign. Buffers and lengths may be
 // anything: blocks whose memory or length is not aligned go through registered bounce buffers.
