@@ -222,6 +222,7 @@ class allocator_impl {
   // A miss: new memory from the device; on failure release the cache and retry once; then OOM.
   block* obtain_new_memory(bool small, std::uintptr_t stream, std::size_t rounded,
                            std::size_t requested) {
+    address_space_refusal_.clear();
     maybe_collect_garbage(rounded);
     if (block* b = try_new_memory(small, stream, rounded)) return b;
     ++stats_.num_alloc_retries;
@@ -477,7 +478,16 @@ class allocator_impl {
     // (the range would stay behind, reserved and empty, until the next empty_cache).
     if (reserved_total() + round_up(rounded, granularity_) > allowed_bytes()) return nullptr;
     const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
-    void* p = device_.reserve_address_range(range);
+    void* p = nullptr;
+    try {
+      p = device_.reserve_address_range(range);
+    } catch (const out_of_memory& e) {
+      // Address space, not memory, ran out (ranges as large as the device, one per stream and
+      // pool): the caller's retry after releasing the cache frees the ranges left empty, and
+      // the out-of-memory report says which of the two ran out.
+      address_space_refusal_ = e.what();
+      return nullptr;
+    }
     segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
     seg->head->mapped = false;  // address space only: kept out of the free set
     seg->unmapped.insert(seg->head);
@@ -785,6 +795,10 @@ class allocator_impl {
         << ", largest free block " << format_bytes(static_cast<std::size_t>(s.largest_free_block))
         << ";\n  fragmentation " << s.fragmentation << " (1 - active/reserved), external "
         << s.external_fragmentation << " (1 - largest free/unused)." << "\n";
+    if (!address_space_refusal_.empty()) {
+      out << "  address space, not memory, ran out: every stream and pool of expandable segments\n"
+          << "  holds a range as large as the device (" << address_space_refusal_ << ").\n";
+    }
     std::vector<const block*> top;
     top.reserve(live_.size());
     for (const auto& [addr, b] : live_) top.push_back(b);
@@ -1220,6 +1234,7 @@ class allocator_impl {
   std::unordered_map<std::uintptr_t, block*> live_;
   std::map<std::uintptr_t, segment*> segments_;
   std::map<expandable_key, std::vector<segment*>> expandable_;
+  std::string address_space_refusal_;  // the backend's words, when a miss found no address space
   std::vector<pending_free> pending_;
   std::vector<event_ref> event_pool_;
   std::vector<block*> spare_blocks_;

@@ -322,8 +322,9 @@ class model_device final : public device_backend {
       violate("reserve_address_range of " + std::to_string(bytes) + " bytes, not whole pages");
     }
     const std::uintptr_t p = take_address_space(round_up(std::max<std::size_t>(bytes, 1), g), g);
-    // As the backends say: out of address space is a device_error, not out of memory.
-    if (p == 0) throw device_error("model device: address space exhausted");
+    // As the backends say: out of address space is out_of_memory (the allocator frees its empty
+    // ranges and retries).
+    if (p == 0) throw out_of_memory("model device: address space exhausted");
     ranges_.emplace(p, round_up(std::max<std::size_t>(bytes, 1), g));
     return reinterpret_cast<void*>(p);
   }

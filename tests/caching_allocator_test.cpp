@@ -653,6 +653,40 @@ TEST(CachingAllocator, ExpandableSegmentsRefuseARequestLargerThanTheDeviceAsOutO
   }
 }
 
+TEST(CachingAllocator, ExpandableSegmentsOutOfAddressSpaceGiveBackEmptyRangesThenReportOom) {
+  // Each (stream, pool) gets a range as large as the device: on a null device of 2 PiB, the 8 PiB
+  // of address space hold three. A fourth stream's request was the backend's device_error even
+  // when a range sat empty in the cache; now the retry gives that range back, and with none to
+  // give the request is out of memory, with its report.
+  device_options o;
+  o.capacity = std::size_t{1} << 51;
+  o.map_granularity = 2 * MiB;
+  auto dev = make_device("null", o);
+  caching_allocator a(*dev, expandable_config());
+  std::vector<stream_ref> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(dev->create_stream());
+  std::vector<void*> live;
+  for (int i = 0; i < 3; ++i) live.push_back(a.allocate(64 * MiB, streams[static_cast<std::size_t>(i)]));
+  EXPECT_EQ(a.stats().segment[0].current, 3);
+  try {
+    a.allocate(64 * MiB, streams[3]);
+    FAIL() << "a fourth range fit";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("address space, not memory, ran out"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(a.stats().num_ooms, 1);
+  a.deallocate(live[2], streams[2]);  // its range is cached, its pages still mapped
+  void* p = a.allocate(64 * MiB, streams[3]);
+  EXPECT_EQ(a.stats().segment[0].current, 3) << "the empty range went back for the new stream's";
+  EXPECT_EQ(a.stats().num_ooms, 1);
+  a.deallocate(p, streams[3]);
+  a.deallocate(live[0], streams[0]);
+  a.deallocate(live[1], streams[1]);
+  a.empty_cache();
+  a.check_invariants();
+  for (stream_ref s : streams) dev->destroy_stream(s);
+}
+
 TEST(CachingAllocator, ExpandableSegmentsHonourTheGarbageCollectionThreshold) {
   // Free pages cached on one stream used to stay mapped past the threshold while another stream
   // mapped more: the setting was ignored under expandable segments.

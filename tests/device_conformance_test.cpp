@@ -291,6 +291,22 @@ TEST(NullDevice, HandsOutAHugePeakWithoutTouchingMemory) {
   EXPECT_EQ(dev->used_bytes(), 0u);
 }
 
+// Out of address space is out of memory, as the contract says: the allocator then gives back
+// the ranges it left empty and tries again (a range per stream and pool, each as large as the
+// device, can use up even the null device's 8 PiB).
+TEST(NullDevice, ExhaustedAddressSpaceIsOutOfMemory) {
+  auto dev = make_device("null");
+  void* half = dev->reserve_address_range(std::size_t{1} << 52);
+  try {
+    dev->reserve_address_range(std::size_t{1} << 52);
+    FAIL() << "a second 4 PiB range fit in the null device's address space";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("address space exhausted"), std::string::npos) << e.what();
+  }
+  dev->release_address_range(half, std::size_t{1} << 52);
+  dev->release_address_range(dev->reserve_address_range(std::size_t{1} << 52), std::size_t{1} << 52);
+}
+
 TEST(NullDevice, ReleasedAddressesAreReused) {
   auto dev = make_device("null");
   void* a = dev->reserve(1 * MiB);

@@ -178,8 +178,14 @@ class cuda_vmm_backend final : public cuda_backend {
     device_scope scope(device());
     scope.check();
     CUdeviceptr base = 0;
-    check(api_.address_reserve(&base, driver.bytes, alignment, 0, 0),
-          "cuMemAddressReserve(" + describe_bytes(driver.bytes) + ", alignment " + describe_bytes(alignment) + ")");
+    const std::string call =
+        "cuMemAddressReserve(" + describe_bytes(driver.bytes) + ", alignment " + describe_bytes(alignment) + ")";
+    if (const CUresult r = api_.address_reserve(&base, driver.bytes, alignment, 0, 0); r == CUDA_ERROR_OUT_OF_MEMORY) {
+      throw out_of_memory("terrace: device '" + properties_.name + "' (CUDA device " + std::to_string(device()) +
+                          "): address space exhausted: " + call + " failed with " + api_.text(r));
+    } else {
+      check(r, call);
+    }
     const CUdeviceptr address = (base + p - 1) / p * p;
     try {
       std::lock_guard lock(mutex_);

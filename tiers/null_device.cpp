@@ -148,8 +148,8 @@ class null_device final : public device_backend {
     std::lock_guard<std::mutex> lock(mutex_);
     const std::uintptr_t p = space_.take(bytes, vmm_.granularity());
     if (p == 0) {
-      throw device_error("terrace: device 'null': address space exhausted: no room for a range of " +
-                         describe_bytes(bytes));
+      throw out_of_memory("terrace: device 'null': address space exhausted: no room for a range of " +
+                          describe_bytes(bytes));
     }
     vmm_.add_range(p, bytes);
     return reinterpret_cast<void*>(p);

@@ -368,8 +368,11 @@ class sim_device final : public device_backend {
     void* raw = ::mmap(nullptr, bytes + g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
                        -1, 0);
     if (raw == MAP_FAILED) {
-      throw device_error("terrace: device 'sim': address space exhausted: reserving " +
-                         describe_bytes(bytes) + " failed (" + errno_text(errno) + ")");
+      const int e = errno;
+      const std::string what = "terrace: device 'sim': reserving an address range of " + describe_bytes(bytes) +
+                               " failed (" + errno_text(e) + ")";
+      if (e == ENOMEM) throw out_of_memory(what + ": address space exhausted");
+      throw device_error(what);
     }
     const auto raw_base = reinterpret_cast<std::uintptr_t>(raw);
     const std::uintptr_t base = (raw_base + g - 1) / g * g;

@@ -84,7 +84,8 @@ class device_backend {
 
   // ------------------------------------------------- virtual memory (supports_vmm only)
   /// @brief Reserves address space without physical memory. `bytes` is a multiple of
-  /// map_granularity. @throws device_error if unsupported or the address space is exhausted.
+  /// map_granularity. @throws terrace::out_of_memory when the address space is exhausted;
+  /// device_error if unsupported or on any other failure.
   void* reserve_address_range(std::size_t bytes);
   /// @brief Returns an address range. REQUIRES: every page in it is unmapped. Never throws.
   void release_address_range(void* p, std::size_t bytes) noexcept {
