@@ -394,6 +394,26 @@ TEST(TierManager, AnUnboundedResyncDistanceSearchesTheWholeSchedule) {
   r.tm->check_invariants();
 }
 
+// Found in review: the resync search stopped at the schedule's end. An iteration that skipped
+// its last accesses, followed by the next one without begin_iteration, left every acquire of
+// that next iteration a miss (r2 and r3 never came up again to resynchronise on).
+TEST(TierManager, ResyncWrapsIntoTheNextIteration) {
+  rig r(2 * MiB);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(r.tm->add("r" + std::to_string(i), 64 * KiB));
+  r.tm->set_schedule(ids);
+  // r0 r1 (r2 and r3 skipped), then two iterations of r0 r1 with no begin_iteration: one miss
+  // each, at each r0, whose resync wraps to the schedule's start.
+  for (int it = 0; it < 3; ++it) {
+    for (tensor_id id : {ids[0], ids[1]}) {
+      r.tm->acquire(id, r.compute);
+      r.tm->release(id, r.compute);
+    }
+  }
+  EXPECT_EQ(r.tm->stats().schedule_misses, 2);
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, HostUpdatesReachTheDeviceAndWritesNeedNoCopyUp) {
   rig r(1 * MiB);
   const tensor_id w = r.tm->add("w", 64 * KiB, pattern(64 * KiB, 1).data());

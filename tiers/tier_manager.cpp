@@ -270,11 +270,13 @@ struct tier_manager::impl {
       return;
     }
     ++counters.schedule_misses;
-    // Saturated: a distance of SIZE_MAX (search it all) must not wrap around to nothing.
-    const std::size_t limit = options.resync_distance >= schedule.size()
-                                  ? schedule.size()
-                                  : std::min(schedule.size(), pos + 1 + options.resync_distance);
-    for (std::size_t k = pos + 1; k < limit; ++k) {
+    // The search runs on past the schedule's end into the next iteration's start: an iteration
+    // that skipped its last accesses (and began without begin_iteration) would otherwise leave
+    // `pos` behind, and every later acquire a miss until the skipped tensors came up again.
+    // Saturated: a distance of SIZE_MAX (search it all) must not overflow to nothing.
+    const std::size_t distance = std::min(options.resync_distance, schedule.size() - 1);
+    for (std::size_t d = 1; d <= distance; ++d) {
+      const std::size_t k = (pos + d) % schedule.size();
       if (schedule[k] == id) {
         pos = k + 1;
         return;
