@@ -18,16 +18,32 @@ namespace {
 
 std::size_t align_up(std::size_t n, std::size_t a) noexcept { return (n + a - 1) & ~(a - 1); }
 
+// Bytes and times past which the arithmetic could overflow: every offset the heuristics choose is
+// at most the sum of the sizes placed before it (plus the holes), the lower bound sums sizes in
+// int64, and the checker doubles times. 2^62 bytes is far past any device.
+constexpr std::uint64_t kMaxPlanned = std::uint64_t{1} << 62;
+
 void check_inputs(const std::vector<plan_interval>& items, std::size_t alignment) {
-  if (alignment == 0 || (alignment & (alignment - 1)) != 0) {
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0 || alignment > kMaxPlanned) {
     throw logic_error("terrace: plan alignment " + std::to_string(alignment) +
-                      " is not a power of two");
+                      " is not a power of two up to 2^62");
   }
+  std::uint64_t total = 0;
   for (std::size_t i = 0; i < items.size(); ++i) {
     if (items[i].end <= items[i].begin) {
       throw logic_error("terrace: plan interval " + std::to_string(i) + " ends (" +
                         std::to_string(items[i].end) + ") before it begins (" +
                         std::to_string(items[i].begin) + ")");
+    }
+    if (items[i].end > kMaxPlanned) {
+      throw logic_error("terrace: plan interval " + std::to_string(i) + " ends at time " +
+                        std::to_string(items[i].end) + ", past 2^62");
+    }
+    // Checked before aligning: align_up of a size near SIZE_MAX wraps to 0.
+    if (items[i].size > kMaxPlanned || (total += align_up(items[i].size, alignment)) > kMaxPlanned) {
+      throw logic_error("terrace: plan intervals up to " + std::to_string(i) + " hold " +
+                        "more than 2^62 bytes (interval " + std::to_string(i) + ": " +
+                        std::to_string(items[i].size) + " bytes)");
     }
   }
 }
@@ -139,6 +155,9 @@ placement_plan plan_placement(const std::vector<plan_interval>& items,
     if (h == 0 || h % alignment != 0) {
       throw logic_error("terrace: plan hole of " + std::to_string(h) +
                         " bytes is not a positive multiple of the alignment");
+    }
+    if (h > kMaxPlanned || base + h + alignment > kMaxPlanned) {
+      throw logic_error("terrace: plan holes hold more than 2^62 bytes");
     }
     hole_base.push_back(base);
     fixed.emplace_back(base + h, base + h + alignment);

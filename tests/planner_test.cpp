@@ -96,6 +96,24 @@ TEST(Planner, CheckPlacementCatchesAnOverlapAndBadIntervals) {
   EXPECT_THROW(terrace::plan_placement(items, 3), terrace::logic_error);
 }
 
+// Found in review: sizes or times near 2^64 wrapped the offset, size and time arithmetic (a size
+// of SIZE_MAX aligned to 0 bytes; two of 2^63 summed to a lower bound of 0). They are refused.
+TEST(Planner, SizesAndTimesWhereTheArithmeticWouldOverflowAreRefused) {
+  using terrace::plan_interval;
+  const std::size_t huge = std::size_t{1} << 62;
+  EXPECT_THROW(terrace::plan_placement({{SIZE_MAX, 0, 1}}), terrace::logic_error);
+  EXPECT_THROW(terrace::plan_placement({{huge, 0, 2}, {huge, 1, 3}}), terrace::logic_error);
+  EXPECT_THROW(terrace::max_live_bytes({{std::size_t{1} << 63, 0, 1}, {std::size_t{1} << 63, 0, 1}}),
+               terrace::logic_error);
+  EXPECT_THROW(terrace::plan_placement({{512, 0, UINT64_MAX}}), terrace::logic_error);
+  EXPECT_THROW(terrace::plan_placement({{512, 0, 1}}, {huge, huge}), terrace::logic_error);
+  // Up to the bound the plan is exact.
+  const auto plan = terrace::plan_placement({{huge / 2, 0, 2}, {huge / 2, 1, 3}});
+  EXPECT_EQ(plan.arena_bytes, huge);
+  EXPECT_EQ(plan.lower_bound, huge);
+  terrace::check_placement({{huge / 2, 0, 2}, {huge / 2, 1, 3}}, plan);
+}
+
 TEST(Planner, DisjointLifetimesShareSpace) {
   const std::vector<plan_interval> items = {{4096, 0, 2}, {4096, 2, 4}, {4096, 4, 6}};
   const auto plan = terrace::plan_placement(items);

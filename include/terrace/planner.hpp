@@ -42,7 +42,8 @@ struct placement_plan {
 };
 
 /// @brief Plans offsets for `items` in one arena. Sizes round up to `alignment` (a power of two).
-/// @throws terrace::logic_error for an interval with end <= begin or a bad alignment.
+/// @throws terrace::logic_error for an interval with end <= begin or ending past 2^62, sizes
+/// that sum past 2^62 bytes (where offsets could overflow), or a bad alignment.
 placement_plan plan_placement(const std::vector<plan_interval>& items, std::size_t alignment = 512);
 
 /// @brief Plans `items` into memory that is already there first: `holes` (sizes, multiples of
