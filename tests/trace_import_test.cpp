@@ -55,6 +55,42 @@ TEST(Import, KinetoMatchesTheSourceTrace) {
   EXPECT_EQ(r.peak_allocated_bytes, *t.torch_reserved_peak);  // sizes are 512-rounded already
 }
 
+// The Kineto reader builds only the memory events: everything else in the list (kernels, their
+// args, values that are not events, nested lists) is skipped, errors still name an event by its
+// place in the file's list, and lists under other keys are not read. The bare-list form too.
+TEST(Import, KinetoReadsOnlyTheMemoryEventsAndNamesThemByTheirPlace) {
+  const std::string memory =
+      R"({"ph": "i", "name": "[memory]", "ts": 2.5, "pid": 1, "args": {"Device Type": 1, "Addr": 4096,
+          "Extra": {"Bytes": -1}, "Bytes": 1024, "Total Reserved": 2097152}})";
+  const std::string kernel =
+      R"({"ph": "X", "name": "gemm", "ts": 1, "args": {"grid": [1, 2, 3], "Addr": "x", "Bytes": []}})";
+  const std::string broken = R"({"name": "[memory]", "args": {"Addr": 8192}})";
+  const std::string list = "[" + kernel + ", 7, [1, {\"name\": \"[memory]\"}], null, " + memory + ", " +
+                           kernel + "]";
+  for (const std::string& doc :
+       {R"({"deviceProperties": [{"name": "[memory]", "args": {"Addr": 1, "Bytes": 1}}], "traceEvents": )" +
+            list + R"(, "displayTimeUnit": "ms"})",
+        list}) {
+    const auto t = tr::parse_kineto_json(doc, "k.json");
+    ASSERT_EQ(t.events.size(), 1u) << doc;
+    EXPECT_EQ(t.events[0].addr, 4096u);
+    EXPECT_EQ(t.events[0].size, 1024u);
+    EXPECT_EQ(t.events[0].time_ns, 2500u);
+    EXPECT_EQ(*t.torch_reserved_peak, 2097152);
+  }
+  try {
+    tr::parse_kineto_json(R"({"traceEvents": [)" + kernel + ", 3, " + kernel + ", " + broken + "]}", "k.json");
+    FAIL() << "a memory event without Bytes was read";
+  } catch (const terrace::logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("k.json: traceEvents[3]: needs Addr and Bytes"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(tr::parse_kineto_json(R"({"traceEvents": {"name": "[memory]"}})", "k.json"), terrace::logic_error);
+  EXPECT_THROW(tr::parse_kineto_json(R"({"other": [)" + memory + "]}", "k.json"), terrace::logic_error);
+  EXPECT_THROW(tr::parse_kineto_json(R"({"traceEvents": [)" + memory, "k.json"), terrace::logic_error);
+  EXPECT_THROW(tr::parse_kineto_json(R"({"traceEvents": [1e999]})", "k.json"), terrace::logic_error);
+}
+
 // Two GPUs' memory events were replayed as one device (addresses of both, fragmentation -100%).
 // As from a snapshot, the device with the most events is read, and a note says so.
 TEST(Import, OneDeviceOfSeveralIsReadAndANoteSaysWhich) {
