@@ -257,27 +257,97 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
   return t;
 }
 
+// Every event and block of a snapshot carries its stack as a list of frame dicts; only the
+// frames' text is used, so each list becomes it as it is read. A pickle shares each distinct
+// frame (5 bytes per use), JSON spells it out at every use: built whole, a snapshot recorded with
+// stacks took about a hundred times its size in memory as a pickle, six times as JSON.
+const pickle_digest& frames_digest() {
+  static const pickle_digest digest{"frames", [](const json& f) { return json(frames_text(f)); }};
+  return digest;
+}
+
+// nlohmann's DOM parser, with one addition: a value under the digest's key is replaced by its
+// digest as soon as it is complete, as read_pickle does. (nlohmann's callback parser could do
+// that, but it searches each object's parent list after it ends: quadratic in a list of events.)
+class digesting_dom_builder final : public nlohmann::json_sax<json> {
+ public:
+  explicit digesting_dom_builder(const pickle_digest* digest) : digest_(digest) {}
+  json root;
+  std::string error;
+
+  bool null() override { return add(json(nullptr)); }
+  bool boolean(bool b) override { return add(json(b)); }
+  bool number_integer(number_integer_t n) override { return add(json(n)); }
+  bool number_unsigned(number_unsigned_t n) override { return add(json(n)); }
+  bool number_float(number_float_t x, const string_t&) override { return add(json(x)); }
+  bool string(string_t& text) override { return add(json(std::move(text))); }
+  bool binary(binary_t& b) override { return add(json::binary(std::move(b))); }
+  bool start_object(std::size_t) override { return open(json::object()); }
+  bool start_array(std::size_t) override { return open(json::array()); }
+  bool end_object() override { return close(); }
+  bool end_array() override { return close(); }
+  bool key(string_t& k) override {
+    key_ = std::move(k);
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    error = e.what();
+    return false;
+  }
+
+ private:
+  struct level {
+    json* value;
+    bool digest;  // it sits under the digest's key
+  };
+  // Puts `v` where the parser is (the root, the next list element, or under the last key).
+  json* place(json v) {
+    if (stack_.empty()) return &(root = std::move(v));
+    json& parent = *stack_.back().value;
+    if (parent.is_array()) return &parent.emplace_back(std::move(v));
+    return &(parent[key_] = std::move(v));
+  }
+  bool add(json v) {
+    const bool digest = under_digest_key();
+    json* at = place(std::move(v));
+    if (digest) *at = digest_->of(*at);
+    return true;
+  }
+  bool open(json container) {
+    const bool digest = under_digest_key();
+    stack_.push_back({place(std::move(container)), digest});
+    return true;
+  }
+  bool close() {
+    const level done = stack_.back();
+    stack_.pop_back();
+    if (done.digest) *done.value = digest_->of(*done.value);
+    return true;
+  }
+  bool under_digest_key() const {
+    return digest_ != nullptr && !stack_.empty() && stack_.back().value->is_object() && key_ == digest_->key;
+  }
+
+  const pickle_digest* digest_;
+  std::vector<level> stack_;
+  std::string key_;
+};
+
+json parse_json(std::string_view text, const std::string& source, const pickle_digest* digest = nullptr) {
+  digesting_dom_builder builder(digest);
+  // parse_error, and out_of_range for a number too large, come to parse_error().
+  if (!json::sax_parse(text, &builder)) throw logic_error(source + ": malformed JSON: " + builder.error);
+  return std::move(builder.root);
+}
+
 }  // namespace
 
 imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::string& source) {
-  // Every event and block carries its stack as a list of shared frame dicts (PyTorch writes each
-  // distinct frame once and refers to it again in 5 bytes): built whole, a snapshot recorded with
-  // stacks took about a hundred times its size in memory. Only the frames' text is used, so each
-  // list becomes it as it is read.
-  const pickle_digest frames{"frames", [](const json& f) { return json(frames_text(f)); }};
-  return from_snapshot(read_pickle(bytes, source, &frames), source, "torch-snapshot-pickle");
-}
-
-json parse_json(std::string_view text, const std::string& source) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number too large
-    throw logic_error(source + ": malformed JSON: " + e.what());
-  }
+  return from_snapshot(read_pickle(bytes, source, &frames_digest()), source, "torch-snapshot-pickle");
 }
 
 imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
-  return from_snapshot(parse_json(text, source), source, "torch-snapshot-json");
+  return from_snapshot(parse_json(text, source, &frames_digest()), source, "torch-snapshot-json");
 }
 
 // ------------------------------------------------------------------ Kineto
@@ -591,7 +661,7 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
     }
     // One line: a snapshot written compactly (whose trace events have actions too) or a
     // one-event trace; its top-level keys tell.
-    const json j = parse_json(data, path);
+    const json j = parse_json(data, path, &frames_digest());
     if (j.is_object() && j.contains("action") && !j.contains("device_traces") &&
         !j.contains("segments")) {
       return jsonl();
