@@ -257,6 +257,28 @@ imported_trace from_snapshot(const json& snap, const std::string& source, std::s
   return t;
 }
 
+// The SAX events of a scalar, each handed on as the json value it is, and the parse error kept:
+// what the two readers below share.
+class scalar_sax : public nlohmann::json_sax<json> {
+ public:
+  std::string error;
+
+  bool null() override { return value(json(nullptr)); }
+  bool boolean(bool b) override { return value(json(b)); }
+  bool number_integer(number_integer_t n) override { return value(json(n)); }
+  bool number_unsigned(number_unsigned_t n) override { return value(json(n)); }
+  bool number_float(number_float_t x, const string_t&) override { return value(json(x)); }
+  bool string(string_t& text) override { return value(json(std::move(text))); }
+  bool binary(binary_t& b) override { return value(json::binary(std::move(b))); }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    error = e.what();
+    return false;
+  }
+
+ protected:
+  virtual bool value(json v) = 0;
+};
+
 // Every event and block of a snapshot carries its stack as a list of frame dicts; only the
 // frames' text is used, so each list becomes it as it is read. A pickle shares each distinct
 // frame (5 bytes per use), JSON spells it out at every use: built whole, a snapshot recorded with
@@ -269,19 +291,11 @@ const pickle_digest& frames_digest() {
 // nlohmann's DOM parser, with one addition: a value under the digest's key is replaced by its
 // digest as soon as it is complete, as read_pickle does. (nlohmann's callback parser could do
 // that, but it searches each object's parent list after it ends: quadratic in a list of events.)
-class digesting_dom_builder final : public nlohmann::json_sax<json> {
+class digesting_dom_builder final : public scalar_sax {
  public:
   explicit digesting_dom_builder(const pickle_digest* digest) : digest_(digest) {}
   json root;
-  std::string error;
 
-  bool null() override { return add(json(nullptr)); }
-  bool boolean(bool b) override { return add(json(b)); }
-  bool number_integer(number_integer_t n) override { return add(json(n)); }
-  bool number_unsigned(number_unsigned_t n) override { return add(json(n)); }
-  bool number_float(number_float_t x, const string_t&) override { return add(json(x)); }
-  bool string(string_t& text) override { return add(json(std::move(text))); }
-  bool binary(binary_t& b) override { return add(json::binary(std::move(b))); }
   bool start_object(std::size_t) override { return open(json::object()); }
   bool start_array(std::size_t) override { return open(json::array()); }
   bool end_object() override { return close(); }
@@ -289,10 +303,6 @@ class digesting_dom_builder final : public nlohmann::json_sax<json> {
   bool key(string_t& k) override {
     key_ = std::move(k);
     return true;
-  }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
-    error = e.what();
-    return false;
   }
 
  private:
@@ -307,7 +317,7 @@ class digesting_dom_builder final : public nlohmann::json_sax<json> {
     if (parent.is_array()) return &parent.emplace_back(std::move(v));
     return &(parent[key_] = std::move(v));
   }
-  bool add(json v) {
+  bool value(json v) override {
     const bool digest = under_digest_key();
     json* at = place(std::move(v));
     if (digest) *at = digest_->of(*at);
@@ -357,20 +367,11 @@ imported_trace parse_torch_snapshot_json(std::string_view text, const std::strin
 // of the list, only the fields a memory event uses (name, ts, and five of args), and keeps the
 // event only if it is one: the rest of the document is scanned and never built. (nlohmann's
 // callback parser can drop values too, but it searches the list for each one it drops: 23 s.)
-class kineto_memory_reader final : public nlohmann::json_sax<json> {
+class kineto_memory_reader final : public scalar_sax {
  public:
   json events = json::array();         // the memory events, in order
   std::vector<std::size_t> positions;  // each one's index in the file's list
   bool found_list = false;
-  std::string error;
-
-  bool null() override { return value(json(nullptr)); }
-  bool boolean(bool b) override { return value(json(b)); }
-  bool number_integer(number_integer_t n) override { return value(json(n)); }
-  bool number_unsigned(number_unsigned_t n) override { return value(json(n)); }
-  bool number_float(number_float_t x, const string_t&) override { return value(json(x)); }
-  bool string(string_t& text) override { return value(json(std::move(text))); }
-  bool binary(binary_t&) override { return value(json(nullptr)); }
 
   bool start_object(std::size_t) override {
     if (depth_ == 0) root_is_object_ = true;
@@ -402,10 +403,6 @@ class kineto_memory_reader final : public nlohmann::json_sax<json> {
     if (depth_ == 1 || (in_element_ && depth_ <= element_depth_ + 2)) key_ = std::move(k);
     return true;
   }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
-    error = e.what();
-    return false;
-  }
 
  private:
   bool at_element() const { return element_depth_ >= 0 && depth_ == element_depth_; }
@@ -429,7 +426,7 @@ class kineto_memory_reader final : public nlohmann::json_sax<json> {
     positions.push_back(index);
   }
   // A scalar: an element of the list (not an event), or a field the memory events use.
-  bool value(json v) {
+  bool value(json v) override {
     if (at_element()) {
       start_element(false);
       finish_element(false);
