@@ -180,12 +180,13 @@ class cuda_vmm_backend final : public cuda_backend {
     CUdeviceptr base = 0;
     const std::string call =
         "cuMemAddressReserve(" + describe_bytes(driver.bytes) + ", alignment " + describe_bytes(alignment) + ")";
-    if (const CUresult r = api_.address_reserve(&base, driver.bytes, alignment, 0, 0); r == CUDA_ERROR_OUT_OF_MEMORY) {
-      throw out_of_memory("terrace: device '" + properties_.name + "' (CUDA device " + std::to_string(device()) +
-                          "): address space exhausted: " + call + " failed with " + api_.text(r));
-    } else {
-      check(r, call);
+    const CUresult reserved = api_.address_reserve(&base, driver.bytes, alignment, 0, 0);
+    if (reserved == CUDA_ERROR_OUT_OF_MEMORY) {  // out of address space: the allocator's miss
+      throw out_of_memory("terrace: device '" + properties_.name + "' (CUDA device " +
+                          std::to_string(device()) + "): address space exhausted: " + call +
+                          " failed with " + api_.text(reserved));
     }
+    check(reserved, call);
     const CUdeviceptr address = (base + p - 1) / p * p;
     try {
       std::lock_guard lock(mutex_);

@@ -369,8 +369,8 @@ class sim_device final : public device_backend {
                        -1, 0);
     if (raw == MAP_FAILED) {
       const int e = errno;
-      const std::string what = "terrace: device 'sim': reserving an address range of " + describe_bytes(bytes) +
-                               " failed (" + errno_text(e) + ")";
+      const std::string what = "terrace: device 'sim': reserving an address range of " +
+                               describe_bytes(bytes) + " failed (" + errno_text(e) + ")";
       if (e == ENOMEM) throw out_of_memory(what + ": address space exhausted");
       throw device_error(what);
     }
