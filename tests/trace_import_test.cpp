@@ -3,13 +3,17 @@
 // the source trace, refuse malformed input with file and line (or byte), and the restricted
 // unpickler refuses code. The CLI's compare and report run end to end.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -252,6 +256,91 @@ TEST(Import, FormatsAreDetectedByContentAndAnythingElseIsRefused) {
   }
   EXPECT_THROW(tr::parse_torch_snapshot_json(R"({"hello": 1})", "h.json"), terrace::logic_error);
   std::filesystem::remove(path);
+}
+
+// Files are streamed, not read whole; the format is told from the start of the file, and the
+// first line may be longer than one read of it.
+TEST(Import, AFirstLineLongerThanOneReadIsStillToldApart) {
+  const std::string path = temp_path("long-line.trace");
+  constexpr std::size_t kRead = 1u << 16;  // trace_input reads the first line in pieces this big
+  const std::string prefix = R"({"tag":")";
+  const std::string rest = R"(","action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":512})";
+  // "action" ends before, straddles, and starts after the end of the first piece.
+  for (std::size_t start = kRead - 12; start <= kRead + 2; ++start) {
+    const std::string tag(start - prefix.size() - 2, 'x');  // `","` precedes the name
+    const std::string line = prefix + tag + rest;
+    ASSERT_EQ(line.find("\"action\""), start);
+    write(path, line + "\n" + R"({"action":"free_requested","time_ns":2,"stream":0,"addr":4096,"size":512})" + "\n");
+    const auto t = tr::import_trace(path);
+    EXPECT_EQ(t.format, "terrace-jsonl") << start;
+    ASSERT_EQ(t.events.size(), 2u) << start;
+    EXPECT_EQ(t.events[0].tag, tag);
+  }
+  // A snapshot on one line longer than a read: its events' actions are not at the top.
+  nlohmann::json events = nlohmann::json::array();
+  for (int k = 0; k < 4000; ++k) {
+    events.push_back({{"action", k % 2 ? "free_requested" : "alloc"}, {"addr", 4096}, {"size", 512}});
+  }
+  const std::string compact = nlohmann::json{{"device_traces", {events}}}.dump();
+  ASSERT_GT(compact.size(), 2 * kRead);
+  for (const std::string& text : {compact, compact + "\n", compact + "\n \n"}) {
+    write(path, text);
+    const auto t = tr::import_trace(path);
+    EXPECT_EQ(t.format, "torch-snapshot-json");
+    EXPECT_EQ(t.events.size(), 4000u);
+  }
+  std::filesystem::remove(path);
+}
+
+// A pipe cannot be read twice: it is read into memory once, and every format reads from it as
+// from a file.
+TEST(Import, APipeIsReadAsAFileIs) {
+  const auto ev = small_trace();
+  std::ostringstream jsonl;
+  terrace::write_trace_jsonl(jsonl, ev);
+  const std::string file = temp_path("as-file.trace");
+  const std::string fifo = temp_path("as-pipe.trace");
+  const nlohmann::json snapshot = terrace::fixtures::to_snapshot(ev);
+  for (const std::string& text : {jsonl.str(), terrace::fixtures::to_kineto(ev), to_rmm(ev), snapshot.dump(1),
+                                  snapshot.dump(), terrace::fixtures::to_pickle(snapshot)}) {
+    write(file, text);
+    const auto from_file = tr::import_trace(file);
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+    std::thread writer([&] { write(fifo, text); });  // opening blocks until the reader opens
+    const auto from_pipe = tr::import_trace(fifo);
+    writer.join();
+    std::filesystem::remove(fifo);
+    EXPECT_EQ(from_pipe.format, from_file.format);
+    ASSERT_EQ(from_pipe.events.size(), from_file.events.size()) << from_file.format;
+    for (std::size_t k = 0; k < from_file.events.size(); ++k) {
+      EXPECT_EQ(from_pipe.events[k].addr, from_file.events[k].addr);
+      EXPECT_EQ(from_pipe.events[k].size, from_file.events[k].size);
+      EXPECT_EQ(from_pipe.events[k].action, from_file.events[k].action);
+    }
+  }
+  std::filesystem::remove(file);
+}
+
+// A read error (here a directory; EIO alike) is said, whatever format was asked for, and is never
+// taken for the end of the input.
+TEST(Import, AnInputThatCannotBeReadIsAClearError) {
+  const std::string dir = temp_path("a-directory");
+  std::filesystem::create_directory(dir);
+  for (const char* format : {"auto", "pickle", "snapshot-json", "kineto", "rmm"}) {
+    try {
+      tr::import_trace(dir, format);
+      FAIL() << format;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_EQ(std::string(e.what()), "cannot read trace '" + dir + "': Is a directory") << format;
+    }
+  }
+  std::filesystem::remove(dir);
+  try {
+    tr::import_trace(dir);
+    FAIL() << "a missing file";
+  } catch (const terrace::logic_error& e) {
+    EXPECT_EQ(std::string(e.what()), "cannot open trace '" + dir + "': No such file or directory");
+  }
 }
 
 TEST(Import, TheSnapshotJsonInTestDataReads) {

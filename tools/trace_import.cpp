@@ -11,41 +11,20 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <map>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "terrace/error.hpp"
 #include "tools/pickle_reader.hpp"
 #include "tools/replay.hpp"
+#include "tools/trace_input.hpp"
 
 namespace terrace::tools {
 
 namespace {
 
 using json = nlohmann::json;
-
-// A regular file is read straight into one string of its size: through a stringstream the text
-// was held twice at the peak (its buffer and the copy str() returns). A pipe has no size.
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw logic_error("cannot open trace '" + path + "': " + std::strerror(errno));
-  std::string text;
-  if (const std::streamoff size = in.seekg(0, std::ios::end).tellg(); size >= 0) {
-    text.resize(static_cast<std::size_t>(size));
-    in.seekg(0);
-    in.read(text.data(), size);
-  } else {
-    in.clear();
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  if (in.bad() || (in.fail() && !in.eof())) {
-    throw logic_error("cannot read trace '" + path + "': " + std::strerror(errno));
-  }
-  return text;
-}
 
 // Values quoted in errors may hold any bytes (a pickle's strings are not checked for UTF-8): invalid
 // sequences become U+FFFD rather than failing the error message itself, as in allocator/trace.cpp.
@@ -343,11 +322,15 @@ class digesting_dom_builder final : public scalar_sax {
   std::string key_;
 };
 
-json parse_json(std::string_view text, const std::string& source, const pickle_digest* digest = nullptr) {
+json parse_json(std::istream& text, const std::string& source, const pickle_digest* digest = nullptr) {
   digesting_dom_builder builder(digest);
   // parse_error, and out_of_range for a number too large, come to parse_error().
   if (!json::sax_parse(text, &builder)) throw logic_error(source + ": malformed JSON: " + builder.error);
   return std::move(builder.root);
+}
+
+imported_trace torch_snapshot_json(std::istream& text, const std::string& source) {
+  return from_snapshot(parse_json(text, source, &frames_digest()), source, "torch-snapshot-json");
 }
 
 }  // namespace
@@ -357,7 +340,8 @@ imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::st
 }
 
 imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
-  return from_snapshot(parse_json(text, source, &frames_digest()), source, "torch-snapshot-json");
+  view_istream in(text);
+  return torch_snapshot_json(in, source);
 }
 
 // ------------------------------------------------------------------ Kineto
@@ -452,7 +436,9 @@ class kineto_memory_reader final : public scalar_sax {
   json current_;
 };
 
-imported_trace parse_kineto_json(std::string_view text, const std::string& source) {
+namespace {
+
+imported_trace kineto_json(std::istream& text, const std::string& source) {
   kineto_memory_reader reader;
   if (!json::sax_parse(text, &reader)) throw logic_error(source + ": malformed JSON: " + reader.error);
   if (!reader.found_list) throw logic_error(source + ": not a Kineto trace (no traceEvents list)");
@@ -531,12 +517,21 @@ imported_trace parse_kineto_json(std::string_view text, const std::string& sourc
   return t;
 }
 
+}  // namespace
+
+imported_trace parse_kineto_json(std::string_view text, const std::string& source) {
+  view_istream in(text);
+  return kineto_json(in, source);
+}
+
 // ------------------------------------------------------------------ RMM CSV
 
-imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
+namespace {
+
+imported_trace rmm_csv(std::istream& text, const std::string& source) {
   imported_trace t;
   t.format = "rmm-csv";
-  std::size_t pos = 0, line_no = 0;
+  std::size_t line_no = 0;
   int col_action = -1, col_ptr = -1, col_size = -1, col_stream = -1;
   auto split = [](std::string_view line) {
     std::vector<std::string_view> f;
@@ -558,10 +553,9 @@ imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
                       std::string(s) + "' (an unsigned integer up to " + std::to_string(max) +
                       ", decimal or 0x hexadecimal)");
   };
-  while (pos < text.size()) {
-    const std::size_t nl = text.find('\n', pos);
-    std::string_view line = text.substr(pos, nl == std::string_view::npos ? text.size() - pos : nl - pos);
-    pos = nl == std::string_view::npos ? text.size() : nl + 1;
+  std::string text_line;
+  while (std::getline(text, text_line)) {
+    std::string_view line = text_line;
     ++line_no;
     if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
     if (line.empty()) continue;
@@ -610,6 +604,13 @@ imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
   return t;
 }
 
+}  // namespace
+
+imported_trace parse_rmm_csv(std::string_view text, const std::string& source) {
+  view_istream in(text);
+  return rmm_csv(in, source);
+}
+
 imported_trace import_trace(const std::string& path, std::string_view format) {
   std::string fmt(format);
   if (fmt.empty() || fmt == "auto") {
@@ -624,49 +625,49 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
     t.events = load_trace(path);
     return t;
   }
-  const std::string data = read_file(path);
+  trace_input input(path);
+  const std::string_view head = input.head();
   if (fmt.empty() || fmt == "auto") {
-    if (!data.empty() && static_cast<unsigned char>(data[0]) == 0x80) fmt = "pickle";
-    else if (data.rfind("Thread,", 0) == 0) fmt = "rmm";
+    if (!head.empty() && static_cast<unsigned char>(head[0]) == 0x80) fmt = "pickle";
+    else if (head.rfind("Thread,", 0) == 0) fmt = "rmm";
     else fmt = "json";
   }
-  if (fmt == "pickle") return parse_torch_snapshot_pickle(data, path);
-  if (fmt == "rmm") return parse_rmm_csv(data, path);
-  if (fmt == "kineto") return parse_kineto_json(data, path);
-  if (fmt == "snapshot-json") return parse_torch_snapshot_json(data, path);
-  if (fmt == "json") {
+  return reading(path, [&]() -> imported_trace {
+    if (fmt == "pickle") return parse_torch_snapshot_pickle(input.all(), path);
+    if (fmt == "rmm") return rmm_csv(input.from_start(), path);
+    if (fmt == "kineto") return kineto_json(input.from_start(), path);
+    if (fmt == "snapshot-json") return torch_snapshot_json(input.from_start(), path);
+    if (fmt != "json") {
+      throw logic_error(path + ": unknown trace format '" + fmt +
+                        "' (jsonl, pickle, snapshot-json, kineto, rmm)");
+    }
     // Kineto traces carry traceEvents; snapshots carry device_traces / segments; a terrace trace
     // is one object with an action per line, and may have one line only.
-    const auto head = std::string_view(data).substr(0, 1u << 16);
-    if (head.find("\"traceEvents\"") != std::string_view::npos) return parse_kineto_json(data, path);
+    if (head.find("\"traceEvents\"") != std::string_view::npos) return kineto_json(input.from_start(), path);
     auto jsonl = [&] {
-      std::istringstream in(data);
       imported_trace t;
       t.format = "terrace-jsonl";
       try {
-        t.events = read_trace_jsonl(in);
+        t.events = read_trace_jsonl(input.from_start());
       } catch (const logic_error& e) {
         throw logic_error(path + ": " + e.what());
       }
       return t;
     };
-    const std::size_t first_line = std::min(data.find('\n'), data.size());
-    const bool one_line = data.find_first_not_of(" \t\r\n", first_line) == std::string::npos;
-    if (!one_line) {  // one document over several lines, or a JSON-lines trace
-      if (data[0] == '{' && data.find("\"action\"") < first_line) return jsonl();
-      return parse_torch_snapshot_json(data, path);
+    const first_line_facts first = input.first_line();
+    if (first.more_lines) {  // one document over several lines, or a JSON-lines trace
+      if (head[0] == '{' && first.names_action) return jsonl();
+      return torch_snapshot_json(input.from_start(), path);
     }
     // One line: a snapshot written compactly (whose trace events have actions too) or a
     // one-event trace; its top-level keys tell.
-    const json j = parse_json(data, path, &frames_digest());
+    const json j = parse_json(input.from_start(), path, &frames_digest());
     if (j.is_object() && j.contains("action") && !j.contains("device_traces") &&
         !j.contains("segments")) {
       return jsonl();
     }
     return from_snapshot(j, path, "torch-snapshot-json");
-  }
-  throw logic_error(path + ": unknown trace format '" + fmt +
-                    "' (jsonl, pickle, snapshot-json, kineto, rmm)");
+  });
 }
 
 }  // namespace terrace::tools
