@@ -408,6 +408,74 @@ TEST(IoUringEngine, RefusedTransfersBackOffThenFailWithTheirError) {
   ::close(fd);
 }
 
+// Found in review: a refused piece waiting out its pause did not count in the queue depth, so
+// the engine sent the next blocks meanwhile, and the refusals were spread over all of them
+// instead of failing the one piece refused too often. And a request that had failed kept
+// retrying its refused pieces for the whole backoff (about 10 s) before it completed.
+TEST(IoUringEngine, RefusedPiecesHoldTheirPlaceAndAFailedRequestDropsThem) {
+  scratch_dir dir("refused-depth");
+  const std::string name = (dir.path() / "file").string();
+  const int fd = ::open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(MiB)), 0);
+  detail::engine_options eo;
+  eo.block_size = 64 * KiB;
+  eo.file_size = MiB;
+  std::vector<std::byte> data(MiB, std::byte{7});
+  const auto run = [&](detail::io_engine& engine, std::size_t size, detail::block_hook hook) {
+    detail::io_request r;
+    r.op = detail::io_op::write;
+    r.buffer = data.data();
+    r.size = size;
+    r.what = "a write";
+    r.hook = std::move(hook);
+    const auto start = std::chrono::steady_clock::now();
+    auto c = engine.submit(std::move(r));
+    std::unique_lock lock(c->mutex);
+    c->cv.wait(lock, [&] { return c->done.load(); });
+    return std::make_pair(c->error, std::chrono::steady_clock::now() - start);
+  };
+  const auto refuse = [](detail::io_engine& engine, int count) {
+    io_fault f;
+    f.what = io_fault::kind::eagain;
+    f.reads = false;
+    f.count = count;
+    engine.inject(f);
+  };
+  {
+    // One piece at a time: the first block takes all 7 refusals, and the 7th fails the write.
+    eo.queue_depth = 1;
+    eo.max_refusals = 6;
+    auto engine = detail::make_io_uring_engine(eo, {{fd, false, name}});
+    refuse(*engine, 7);
+    const auto [error, took] = run(*engine, MiB, {});
+    ASSERT_NE(error, nullptr);
+    try {
+      std::rethrow_exception(error);
+    } catch (const io_error& e) {
+      EXPECT_EQ(e.code(), EAGAIN);
+      EXPECT_NE(std::string(e.what()).find("at offset 0 "), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("7 times in a row"), std::string::npos) << e.what();
+    }
+  }
+  {
+    // The checksum hook fails the request at once; its refused pieces are then dropped, not
+    // retried for the 200 refusals (about 10 s) they would otherwise be allowed.
+    eo.queue_depth = 4;
+    eo.max_refusals = 200;
+    auto engine = detail::make_io_uring_engine(eo, {{fd, false, name}});
+    refuse(*engine, 1'000'000);
+    const auto [error, took] = run(*engine, 2 * 64 * KiB, [](std::size_t offset, const std::byte*, std::size_t) {
+      if (offset == 0) throw logic_error("the hook refuses block 0");
+    });
+    ASSERT_NE(error, nullptr);
+    EXPECT_THROW(std::rethrow_exception(error), logic_error);
+    EXPECT_LT(took, std::chrono::seconds(5));
+    refuse(*engine, 0);
+  }
+  ::close(fd);
+}
+
 TEST(TensorStore, ErrorsForMissingDirectoryUnknownIdsAndMisuse) {
   scratch_dir dir("errors");
   EXPECT_THROW(tensor_store::create(dir.path() / "nope", small()), io_error);

@@ -64,7 +64,8 @@ struct engine_options {
   bool sqpoll = false;
   std::uint64_t file_size = 0;  // bytes per file, a multiple of block_size
   // Refusals (EAGAIN) of one piece in a row, each after a pause doubling from 50 us to 50 ms,
-  // before the transfer fails with that error: 200 is about 10 s.
+  // before the transfer fails with that error: 200 is about 10 s. (EINTR is not a refusal: it
+  // is resubmitted at once, up to 10,000 times in a row.)
   int max_refusals = 200;
 };
 

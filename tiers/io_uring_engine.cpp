@@ -35,6 +35,7 @@ namespace {
 constexpr std::chrono::microseconds kFirstBackoff{50};
 constexpr std::chrono::microseconds kMaxBackoff{50'000};
 constexpr int kMaxShortTransfers = 10000;  // resubmissions of a piece's rest, each with progress
+constexpr int kMaxInterruptions = 10000;   // EINTRs of one piece in a row, each resubmitted at once
 constexpr std::uint64_t kWakeTag = 0;
 
 std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
@@ -209,7 +210,8 @@ class uring_engine final : public io_engine {
     std::uint64_t file_offset = 0;
     std::byte* buf = nullptr;
     std::size_t len = 0;  // still to transfer
-    int refusals = 0;     // EAGAIN/EINTR in a row
+    int refusals = 0;       // EAGAIN in a row
+    int interruptions = 0;  // EINTR in a row
     int short_transfers = 0;
   };
 
@@ -445,19 +447,21 @@ class uring_engine final : public io_engine {
   }
 
   void complete(piece* p, int res) {
-    block_state* b = p->b;
-    const std::shared_ptr<request_state> r = b->r;  // outlives `b`
+    const std::shared_ptr<request_state> r = p->b->r;
     const bool write = r->req.op == io_op::write;
     res = apply_fault(p, res);
     std::string gave_up;
-    if (res == -EAGAIN || res == -EINTR) {
+    if (res == -EINTR) {  // interrupted, not refused: nothing to wait for
+      if (++p->interruptions <= kMaxInterruptions) {
+        queue_piece(p);
+        return;
+      }
+      gave_up = ", " + std::to_string(kMaxInterruptions + 1) + " times in a row";
+    } else if (res == -EAGAIN) {
+      p->interruptions = 0;
       if (++p->refusals <= opt_.max_refusals) {
-        if (res == -EINTR) {
-          queue_piece(p);  // interrupted, not refused: nothing to wait for
-        } else {
-          const auto pause = std::min(kMaxBackoff, kFirstBackoff * (1 << std::min(p->refusals - 1, 10)));
-          backoff_.push_back({std::chrono::steady_clock::now() + pause, p});
-        }
+        const auto pause = std::min(kMaxBackoff, kFirstBackoff * (1 << std::min(p->refusals - 1, 10)));
+        backoff_.push_back({std::chrono::steady_clock::now() + pause, p});
         return;
       }
       gave_up = ", " + std::to_string(opt_.max_refusals + 1) + " times in a row";
@@ -465,7 +469,7 @@ class uring_engine final : public io_engine {
       p->buf += res;
       p->file_offset += static_cast<std::uint64_t>(res);
       p->len -= static_cast<std::size_t>(res);
-      p->refusals = 0;
+      p->refusals = p->interruptions = 0;
       if (++p->short_transfers <= kMaxShortTransfers) {
         queue_piece(p);
         return;
@@ -482,6 +486,15 @@ class uring_engine final : public io_engine {
       msg += gave_up;
       fail(r.get(), std::make_exception_ptr(io_error(msg, res < 0 ? -res : 0)));
     }
+    end_piece(p);
+  }
+
+  // A piece is done with (transferred, failed, or dropped because its request failed); the last
+  // one of its block ends the block.
+  void end_piece(piece* p) {
+    block_state* b = p->b;
+    const std::shared_ptr<request_state> r = b->r;  // outlives `b`
+    const bool write = r->req.op == io_op::write;
     delete p;
     if (--b->pieces_left > 0) return;
     // The block is whole: hand read data to the caller and queue the hook that checks it.
@@ -501,10 +514,10 @@ class uring_engine final : public io_engine {
       // A hook that failed (on the hook thread) stops the request; with none of its blocks in
       // flight, no completion would end it, so it ends here.
       if (r->failed.load(std::memory_order_acquire)) maybe_finish(r.get());
-      while (r->next_block < r->blocks && inflight_ < opt_.queue_depth) {
+      while (r->next_block < r->blocks && busy() < opt_.queue_depth) {
         if (!start_block(r)) return;  // out of bounce slots: wait for completions
       }
-      if (inflight_ >= opt_.queue_depth) return;
+      if (busy() >= opt_.queue_depth) return;
     }
   }
 
@@ -520,15 +533,26 @@ class uring_engine final : public io_engine {
     return first;
   }
 
-  // Puts the refused pieces whose pause is over back in the ring.
+  // Pieces in the ring and pieces waiting out a refusal: a refused piece still holds its place in
+  // the queue depth, or a refused drive would be sent every block of every request at once.
+  std::size_t busy() const { return inflight_ + backoff_.size(); }
+
+  // Puts the refused pieces whose pause is over back in the ring, and drops at once those whose
+  // request has failed meanwhile (nothing would use their data).
   void resubmit_refused() {
     if (backoff_.empty()) return;
     const auto now = std::chrono::steady_clock::now();
+    std::vector<piece*> dropped;
     std::erase_if(backoff_, [&](const refused& r) {
+      if (r.p->b->r->failed.load(std::memory_order_acquire)) {
+        dropped.push_back(r.p);
+        return true;
+      }
       if (r.at > now) return false;
       queue_piece(r.p);
       return true;
     });
+    for (piece* p : dropped) end_piece(p);
   }
 
   void run() {
