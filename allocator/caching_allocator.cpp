@@ -229,6 +229,7 @@ class allocator_impl {
     release_cached_memory();
     // Waiting for the pending frees may have made a block that fits reusable.
     if (block* b = find_free_block(small, stream, rounded)) return b;
+    address_space_refusal_.clear();  // the report tells why the retry failed, not the first try
     if (block* b = try_new_memory(small, stream, rounded)) return b;
     ++stats_.num_ooms;
     if (tracing_) trace(trace_action::oom, stream, 0, rounded, requested, {});

@@ -687,6 +687,35 @@ TEST(CachingAllocator, ExpandableSegmentsOutOfAddressSpaceGiveBackEmptyRangesThe
   for (stream_ref s : streams) dev->destroy_stream(s);
 }
 
+// Found in review: the report blamed address space whenever the first try had run out of it,
+// even when the retry, after the cache gave a range back, got its range and was then refused
+// memory.
+TEST(CachingAllocator, AnOomAfterTheRetryGotItsRangeBlamesMemory) {
+  device_options o;
+  o.capacity = (std::size_t{1} << 51) - (std::size_t{1} << 45) + 32 * MiB;
+  o.map_granularity = 2 * MiB;
+  auto dev = make_device("null", o);
+  caching_allocator a(*dev, expandable_config());
+  std::vector<stream_ref> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(dev->create_stream());
+  std::vector<void*> live;
+  for (int i = 0; i < 3; ++i) live.push_back(a.allocate(64 * MiB, streams[static_cast<std::size_t>(i)]));
+  a.deallocate(live[2], streams[2]);  // its range is cached, its 64 MiB still mapped
+  void* other = dev->reserve(o.capacity - 192 * MiB);  // another user takes the rest
+  try {
+    a.allocate(128 * MiB, streams[3]);  // no range; then a range, but only 64 MiB of memory
+    FAIL() << "128 MiB fit in 64";
+  } catch (const out_of_memory& e) {
+    EXPECT_EQ(std::string(e.what()).find("address space"), std::string::npos) << e.what();
+  }
+  dev->release(other, o.capacity - 192 * MiB);
+  a.deallocate(live[0], streams[0]);
+  a.deallocate(live[1], streams[1]);
+  a.empty_cache();
+  a.check_invariants();
+  for (stream_ref s : streams) dev->destroy_stream(s);
+}
+
 TEST(CachingAllocator, ExpandableSegmentsHonourTheGarbageCollectionThreshold) {
   // Free pages cached on one stream used to stay mapped past the threshold while another stream
   // mapped more: the setting was ignored under expandable segments.

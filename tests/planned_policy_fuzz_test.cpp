@@ -181,7 +181,7 @@ class model_device final : public device_backend {
       ranges_.emplace(p, std::vector<bool>(bytes / page(), false));
       return reinterpret_cast<void*>(p);
     }
-    throw device_error("model device: no address space");
+    throw out_of_memory("model device: address space exhausted");  // the backend contract
   }
 
   void do_release_address_range(void* ptr, std::size_t bytes) noexcept override {
