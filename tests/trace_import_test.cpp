@@ -95,6 +95,44 @@ TEST(Import, KinetoReadsOnlyTheMemoryEventsAndNamesThemByTheirPlace) {
   EXPECT_THROW(tr::parse_kineto_json(R"({"traceEvents": [1e999]})", "k.json"), terrace::logic_error);
 }
 
+// Found in review: the Kineto reader kept only scalars, so a field it uses given as an object
+// or list was taken as missing (a ts of [5] became time 0, a Device Type of {} device memory),
+// and the first of a repeated key won. Read whole, such a value is refused, and the last of a
+// repeated key counts; the reader now does the same.
+TEST(Import, KinetoFieldsOfTheWrongShapeAreRefusedAndTheLastOfARepeatedKeyCounts) {
+  const auto event = [](const std::string& fields, const std::string& args) {
+    return R"({"name": "[memory]", )" + fields + R"("args": {"Addr": 4096, "Bytes": 512)" + args + "}}";
+  };
+  const auto doc = [](const std::string& events) { return R"({"traceEvents": [)" + events + "]}"; };
+  for (const std::string& bad :
+       {event(R"("ts": [5], )", ""), event(R"("ts": {"us": 5}, )", ""), event("", R"(, "Device Type": {"t": 0})"),
+        event("", R"(, "Device Id": [3])"), event("", R"(, "Total Reserved": {})"), event("", R"(, "Bytes": {"v": 1})"),
+        event("", R"(, "Addr": [4096])"),
+        R"({"name": "[memory]", "args": {"Addr": 4096, "Bytes": 512}, "args": {"Bytes": 16}})"s,
+        R"({"name": "[memory]", "args": {"Addr": 4096, "Bytes": 512}, "args": 5})"s}) {
+    EXPECT_THROW(tr::parse_kineto_json(doc(bad), "k.json"), terrace::logic_error) << bad;
+  }
+  // The name given as a list makes an event that is not a memory event (as a name of 5 does).
+  EXPECT_TRUE(tr::parse_kineto_json(doc(R"({"name": ["[memory]"], "args": {"Addr": 1, "Bytes": 1}})"), "k.json")
+                  .events.empty());
+  const auto last = tr::parse_kineto_json(doc(event(R"("ts": 1, "ts": 3, )", R"(, "Bytes": 1024)")), "k.json");
+  ASSERT_EQ(last.events.size(), 1u);
+  EXPECT_EQ(last.events[0].size, 1024u);
+  EXPECT_EQ(last.events[0].time_ns, 3000u);
+  // traceEvents named twice: the last list is read, and a last value that is not a list is no trace.
+  const std::string first = event("", "");
+  const std::string second = event("", R"(, "Addr": 8192)");
+  const auto twice = tr::parse_kineto_json(R"({"traceEvents": [)" + first + R"(], "traceEvents": [)" + second + "]}",
+                                           "k.json");
+  ASSERT_EQ(twice.events.size(), 1u);
+  EXPECT_EQ(twice.events[0].addr, 8192u);
+  for (const char* after : {"7", "{}", "null"}) {
+    EXPECT_THROW(tr::parse_kineto_json(R"({"traceEvents": [)" + first + R"(], "traceEvents": )" + after + "}", "k.json"),
+                 terrace::logic_error)
+        << after;
+  }
+}
+
 // Two GPUs' memory events were replayed as one device (addresses of both, fragmentation -100%).
 // As from a snapshot, the device with the most events is read, and a note says so.
 TEST(Import, OneDeviceOfSeveralIsReadAndANoteSaysWhich) {
@@ -443,11 +481,14 @@ TEST(Import, JsonAndPickleSnapshotsDigestTheirStacksAlike) {
       {"segments", nlohmann::json::array()},
       {"device_traces",
        {{{{"action", "alloc"}, {"addr", 4096}, {"size", 1024}, {"stream", 0}, {"frames", stack}},
-         {{"action", "free_requested"}, {"addr", 4096}, {"size", 1024}, {"stream", 0}, {"frames", stack}}}}}};
+         {{"action", "free_requested"}, {"addr", 4096}, {"size", 1024}, {"stream", 0}, {"frames", stack}},
+         // frames already given as text (found in review: the digest made it empty)
+         {{"action", "alloc"}, {"addr", 8192}, {"size", 512}, {"stream", 0}, {"frames", "a stack as text"}}}}}};
   const auto from_json = tr::parse_torch_snapshot_json(doc.dump(), "s.json");
   const auto from_pickle = tr::parse_torch_snapshot_pickle(terrace::fixtures::to_pickle(doc), "s.pickle");
-  ASSERT_EQ(from_json.events.size(), 2u);
+  ASSERT_EQ(from_json.events.size(), 3u);
   EXPECT_EQ(from_json.events[0].tag, "block /home/u/model.py:42 < step /home/u/train.py:7");
+  EXPECT_EQ(from_json.events[2].tag, "a stack as text");
   ASSERT_EQ(from_pickle.events.size(), from_json.events.size());
   for (std::size_t i = 0; i < from_json.events.size(); ++i) {
     EXPECT_EQ(from_json.events[i].tag, from_pickle.events[i].tag);

@@ -263,7 +263,7 @@ class scalar_sax : public nlohmann::json_sax<json> {
 // frame (5 bytes per use), JSON spells it out at every use: built whole, a snapshot recorded with
 // stacks took about a hundred times its size in memory as a pickle, six times as JSON.
 const pickle_digest& frames_digest() {
-  static const pickle_digest digest{"frames", [](const json& f) { return json(frames_text(f)); }};
+  static const pickle_digest digest{"frames", [](const json& f) { return f.is_string() ? f : json(frames_text(f)); }};
   return digest;
 }
 
@@ -359,8 +359,18 @@ class kineto_memory_reader final : public scalar_sax {
 
   bool start_object(std::size_t) override {
     if (depth_ == 0) root_is_object_ = true;
-    if (at_element()) start_element(true);
-    else if (element_is_object_ && depth_ == element_depth_ + 1 && key_ == "args") in_args_ = true;
+    if (at_element()) {
+      start_element(true);
+    } else if (in_used_field()) {
+      if (depth_ == element_depth_ + 1 && key_ == "args") {
+        in_args_ = true;
+        current_["args"] = json::object();  // a repeated key counts as its last value
+      } else {
+        field() = json::object();  // not a value of the field's type: refused when read
+      }
+    } else if (names_the_list()) {
+      drop_list();  // traceEvents, last given, is not a list
+    }
     ++depth_;
     return true;
   }
@@ -372,8 +382,9 @@ class kineto_memory_reader final : public scalar_sax {
   }
   bool start_array(std::size_t) override {
     if (depth_ == 0) list_at(1);
-    else if (depth_ == 1 && root_is_object_ && key_ == "traceEvents") list_at(2);
+    else if (names_the_list()) list_at(2);
     else if (at_element()) start_element(false);
+    else if (in_used_field()) field() = json::array();
     ++depth_;
     return true;
   }
@@ -390,9 +401,29 @@ class kineto_memory_reader final : public scalar_sax {
 
  private:
   bool at_element() const { return element_depth_ >= 0 && depth_ == element_depth_; }
+  bool names_the_list() const { return depth_ == 1 && root_is_object_ && key_ == "traceEvents"; }
+  // The value about to start is one a memory event uses: name, ts or args of an event, or one
+  // of five of its args.
+  bool in_used_field() const {
+    if (element_is_object_ && !in_args_ && depth_ == element_depth_ + 1) {
+      return key_ == "name" || key_ == "ts" || key_ == "args";
+    }
+    return in_args_ && depth_ == element_depth_ + 2 &&
+           (key_ == "Addr" || key_ == "Bytes" || key_ == "Device Type" || key_ == "Device Id" ||
+            key_ == "Total Reserved");
+  }
+  json& field() { return in_args_ ? current_["args"][key_] : current_[key_]; }
+  // A document may name traceEvents more than once; as when it is read whole, the last counts.
   void list_at(int depth) {
+    drop_list();
     element_depth_ = depth;
     found_list = true;
+  }
+  void drop_list() {
+    events = json::array();
+    positions.clear();
+    next_index_ = 0;
+    found_list = false;
   }
   void start_element(bool object) {
     in_element_ = true;
@@ -409,18 +440,16 @@ class kineto_memory_reader final : public scalar_sax {
     events.push_back(std::move(current_));
     positions.push_back(index);
   }
-  // A scalar: an element of the list (not an event), or a field the memory events use.
+  // A scalar: an element of the list (not an event), a field a memory event uses, or traceEvents
+  // given as something other than a list.
   bool value(json v) override {
     if (at_element()) {
       start_element(false);
       finish_element(false);
-    } else if (element_is_object_ && !in_args_ && depth_ == element_depth_ + 1) {
-      if (key_ == "name" || key_ == "ts") current_[key_] = std::move(v);
-    } else if (in_args_ && depth_ == element_depth_ + 2) {
-      if (key_ == "Addr" || key_ == "Bytes" || key_ == "Device Type" || key_ == "Device Id" ||
-          key_ == "Total Reserved") {
-        current_["args"][key_] = std::move(v);
-      }
+    } else if (in_used_field()) {
+      field() = std::move(v);
+    } else if (names_the_list()) {
+      drop_list();
     }
     return true;
   }
