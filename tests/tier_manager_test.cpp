@@ -414,6 +414,29 @@ TEST(TierManager, ResyncWrapsIntoTheNextIteration) {
   r.tm->check_invariants();
 }
 
+// Found in review: one extra acquire near the iteration's end, of a tensor the schedule has at
+// its start, wrapped the resync to the start, and every acquire left in the iteration was a miss.
+// A wrapped match now waits for the next acquire to confirm it.
+TEST(TierManager, AStrayAcquireNearTheEndDoesNotWrapTheIteration) {
+  rig r(4 * MiB);
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < 200; ++i) ids.push_back(r.tm->add("s" + std::to_string(i), 4 * KiB));
+  r.tm->set_schedule(ids);
+  const auto touch = [&](tensor_id id) {
+    r.tm->acquire(id, r.compute);
+    r.tm->release(id, r.compute);
+  };
+  r.tm->begin_iteration();
+  for (int i = 0; i < 196; ++i) touch(ids[static_cast<std::size_t>(i)]);
+  touch(ids[0]);  // off the schedule: one miss
+  for (int i = 196; i < 200; ++i) touch(ids[static_cast<std::size_t>(i)]);
+  EXPECT_EQ(r.tm->stats().schedule_misses, 1);
+  r.tm->begin_iteration();
+  for (tensor_id id : ids) touch(id);
+  EXPECT_EQ(r.tm->stats().schedule_misses, 1);
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, HostUpdatesReachTheDeviceAndWritesNeedNoCopyUp) {
   rig r(1 * MiB);
   const tensor_id w = r.tm->add("w", 64 * KiB, pattern(64 * KiB, 1).data());

@@ -42,6 +42,7 @@ namespace terrace {
 namespace {
 
 constexpr std::size_t kNever = std::numeric_limits<std::size_t>::max();
+constexpr std::size_t kNoPos = kNever;
 
 }  // namespace
 
@@ -101,6 +102,9 @@ struct tier_manager::impl {
   bool is_recording = false;
   bool schedule_given = false;
   std::size_t pos = 0;
+  // A resync that wrapped into the next iteration, held until the next acquire confirms it:
+  // one stray acquire near the end must not move `pos` back to the start.
+  std::size_t wrapped_pos = kNoPos;
   std::uint64_t tick = 0;
   tier_stats counters;
 
@@ -253,7 +257,12 @@ struct tier_manager::impl {
       tensors[schedule[i]].uses.push_back(i);
       if (!overwrites[i]) tensors[schedule[i]].reads.push_back(i);
     }
-    pos = 0;
+    set_pos(0);
+  }
+
+  void set_pos(std::size_t p) {
+    pos = p;
+    wrapped_pos = kNoPos;
   }
 
   // Where this acquire stands in the schedule: in step, a little ahead (the iteration skipped
@@ -264,23 +273,29 @@ struct tier_manager::impl {
       recording_overwrites.push_back(mode == access::write);
     }
     if (schedule.empty()) return;
-    if (pos >= schedule.size()) pos = 0;  // the next iteration began without begin_iteration
+    if (pos >= schedule.size()) set_pos(0);  // the next iteration began without begin_iteration
     if (schedule[pos] == id) {
-      ++pos;
+      set_pos(pos + 1);
+      return;
+    }
+    if (wrapped_pos < schedule.size() && schedule[wrapped_pos] == id) {
+      set_pos(wrapped_pos + 1);  // the wrap is confirmed: the next iteration has begun
       return;
     }
     ++counters.schedule_misses;
     // The search runs on past the schedule's end into the next iteration's start: an iteration
     // that skipped its last accesses (and began without begin_iteration) would otherwise leave
     // `pos` behind, and every later acquire a miss until the skipped tensors came up again.
+    // A match found past the end is only a candidate until the next acquire follows it.
     // Saturated: a distance of SIZE_MAX (search it all) must not overflow to nothing.
     const std::size_t distance = std::min(options.resync_distance, schedule.size() - 1);
+    wrapped_pos = kNoPos;
     for (std::size_t d = 1; d <= distance; ++d) {
       const std::size_t k = (pos + d) % schedule.size();
-      if (schedule[k] == id) {
-        pos = k + 1;
-        return;
-      }
+      if (schedule[k] != id) continue;
+      if (pos + d < schedule.size()) set_pos(k + 1);
+      else wrapped_pos = k + 1;  // k < pos: within the schedule
+      return;
     }
   }
 
@@ -1196,7 +1211,7 @@ void tier_manager::begin_iteration() {
     m.recording_overwrites.clear();
     m.build_uses();
   } else {
-    m.pos = 0;
+    m.set_pos(0);
   }
   // The iteration's first tensors start coming up now, not at its first acquire (without
   // prefetch_across_iterations nothing else starts them before that acquire).

@@ -59,7 +59,9 @@ struct tier_manager_options {
   /// Bytes of copies up that prefetch may have in flight at once (0: a quarter of the budget, and
   /// then one copy of a larger tensor may be in flight alone).
   std::size_t prefetch_window = 0;
-  /// How far ahead in the schedule an unexpected acquire looks for where the iteration went on.
+  /// How far ahead in the schedule an unexpected acquire looks for where the iteration went on
+  /// (past the schedule's end into the next iteration too; such a match is taken once the next
+  /// acquire follows it).
   std::size_t resync_distance = 64;
   /// With an NVMe store: bytes of home copies kept in pinned host memory (0: all of them). At most
   /// the pinned pool's capacity. When the pool refuses a buffer the budget has room for (its
