@@ -28,14 +28,22 @@ __device__ float load(const void* base, std::size_t i) {
   }
 }
 
+// A NaN is written as the CPU kernels write it (optimizer/half.hpp: bf16 0x7fc0, f16 the sign
+// and 0x7e00), so that the two copies agree bit for bit; cvt.rn writes 0x7fff for both.
 template <int T>
 __device__ void store(void* base, std::size_t i, float x) {
   if constexpr (T == adam_gpu_f32) {
     static_cast<float*>(base)[i] = x;
   } else if constexpr (T == adam_gpu_bf16) {
-    static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
+    if (isnan(x)) static_cast<unsigned short*>(base)[i] = 0x7fc0;
+    else static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x);
   } else {
-    static_cast<__half*>(base)[i] = __float2half_rn(x);
+    if (isnan(x)) {
+      static_cast<unsigned short*>(base)[i] =
+          static_cast<unsigned short>(((__float_as_uint(x) >> 16) & 0x8000u) | 0x7e00u);
+    } else {
+      static_cast<__half*>(base)[i] = __float2half_rn(x);
+    }
   }
 }
 

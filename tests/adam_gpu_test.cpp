@@ -156,6 +156,40 @@ TEST_F(AdamGpu, ZeroWeightDecayKeepsAnInfiniteWeightsMomentsFinite) {
   EXPECT_TRUE(std::isfinite(m[0]) && std::isfinite(v[0]));
 }
 
+// Found in review: the GPU wrote a NaN parameter's copy as 0x7fff (bf16 and f16), the CPU
+// kernels as 0x7fc0 (bf16) and sign | 0x7e00 (f16). Both copies are compared with the CPU's
+// conversion, for a NaN of each sign and a few finite values.
+TEST_F(AdamGpu, TheParameterCopyHasTheCpuKernelsBitsForNaN) {
+  constexpr std::size_t n = 6;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> p0 = {nan, -nan, 1.0f, -2.5f, 65504.0f, 3.0e-5f};
+  std::vector<float> zeros(n, 0.0f);
+  adam_options o;
+  o.lr = 1e-3;
+  const auto s = detail::make_adam_scalars(o, 1, 1.0f, 1.0f);
+  for (int copy_type : {kernels::adam_gpu_bf16, kernels::adam_gpu_f16}) {
+    SCOPED_TRACE("copy dtype " + std::to_string(copy_type));
+    device_buffer dp(n * 4), dm(n * 4), dv(n * 4), dg(n * 4), dc(n * 2);
+    cuda_ok(cudaMemcpy(dp.ptr, p0.data(), n * 4, cudaMemcpyHostToDevice), "copy p");
+    cuda_ok(cudaMemcpy(dg.ptr, zeros.data(), n * 4, cudaMemcpyHostToDevice), "zero g");
+    cuda_ok(cudaMemset(dm.ptr, 0, n * 4), "zero m");
+    cuda_ok(cudaMemset(dv.ptr, 0, n * 4), "zero v");
+    cuda_ok(kernels::adam_step(static_cast<float*>(dp.ptr), static_cast<float*>(dm.ptr),
+                               static_cast<float*>(dv.ptr), dg.ptr, kernels::adam_gpu_f32, dc.ptr, copy_type,
+                               n, to_gpu(s), nullptr, nullptr),
+            "adam_step");
+    std::vector<float> p(n);
+    std::vector<std::uint16_t> copy(n);
+    cuda_ok(cudaMemcpy(p.data(), dp.ptr, n * 4, cudaMemcpyDeviceToHost), "copy back p");
+    cuda_ok(cudaMemcpy(copy.data(), dc.ptr, n * 2, cudaMemcpyDeviceToHost), "copy back copy");
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint16_t cpu =
+          copy_type == kernels::adam_gpu_bf16 ? detail::float_to_bf16(p[i]) : detail::float_to_f16(p[i]);
+      EXPECT_EQ(copy[i], cpu) << "element " << i << " (" << p[i] << ")";
+    }
+  }
+}
+
 // The device-side overflow check (found in review: the skip flag had nothing on the device to
 // set it). Each dtype's inf and NaN, at the first and the last element (the grid-stride tail).
 TEST_F(AdamGpu, TheNonfiniteCheckSetsTheSkipFlag) {
