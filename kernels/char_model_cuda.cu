@@ -247,6 +247,7 @@ class cuda_char_model final : public char_model {
     auto copy = check_tokens(config_, tokens);
     const auto t0 = clock_type::now();
     device_guard guard(device_index_);
+    order_.abandon();  // before the old batch's buffers go: the steps below may throw
     release_activations();
     tokens_ = static_cast<std::uint8_t*>(activation_bytes(copy.size(), "char_model.tokens"));
     // From pageable memory: the call returns once the bytes are staged, so `copy` may go.

@@ -40,6 +40,9 @@ class call_order {
     next_backward_ = -1;
     in_batch_ = true;
   }
+  /// The batch's activations are going: no call of it may run, even if no new batch begins
+  /// (a begin_batch that fails after freeing them).
+  void abandon() noexcept { in_batch_ = false; }
   void check_forward(int layer, const void* params) const;
   void done_forward() noexcept;
   void check_loss() const;
