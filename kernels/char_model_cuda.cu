@@ -185,27 +185,25 @@ void cublas_check(const cublas_api& blas, cublasStatus_t s, const char* what) {
   }
 }
 
-// Makes the model's device current for a call and restores the caller's after: the backends are
-// used from any thread, and an embedder must not find its current device changed. Restored only
-// if the thread had a context (as tiers' device_scope): otherwise cudaSetDevice(0) on the way out
-// would make device 0's primary context on a thread that never used it.
+// Makes the model's device current for a call and puts the caller's device and context back
+// after (tiers/cuda_context.hpp, as tiers' device_scope): the backends are used from any thread,
+// and an embedder must not find its current device changed.
 class device_guard {
  public:
   explicit device_guard(int device) {
     int current = -1;
     cuda_check(cudaGetDevice(&current), "cudaGetDevice");
     if (current == device) return;
-    if (::terrace::detail::thread_has_cuda_context()) previous_ = current;
+    const auto caller = ::terrace::detail::save_cuda_caller(current);
     cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    caller_ = caller;
   }
-  ~device_guard() {
-    if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
-  }
+  ~device_guard() { ::terrace::detail::restore_cuda_caller(caller_); }
   device_guard(const device_guard&) = delete;
   device_guard& operator=(const device_guard&) = delete;
 
  private:
-  int previous_ = -1;
+  ::terrace::detail::cuda_caller caller_;
 };
 
 using clock_type = std::chrono::steady_clock;

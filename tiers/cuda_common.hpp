@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "terrace/device.hpp"
+#include "tiers/cuda_context.hpp"
 
 namespace terrace::detail {
 
@@ -57,7 +58,7 @@ class device_scope {
 
  private:
   int device_;
-  int previous_ = -1;
+  cuda_caller caller_;  // put back on exit
   cudaError_t error_ = cudaSuccess;
 };
 

@@ -1,16 +1,26 @@
 // SPDX-License-Identifier: Apache-2.0
-// Whether the calling thread has a current CUDA context, for code that switches devices and must
-// give the caller's back (tiers' device_scope, the demo model's device_guard). Plain C++17 and no
-// CUDA header, so that nvcc-compiled sources include it too. Defined in tiers/cuda_device.cpp
-// (CUDA builds only).
+// Who the calling thread was before code switched CUDA devices, so that it can be put back (tiers'
+// device_scope, the demo model's device_guard). Plain C++17 and no CUDA header, so that
+// nvcc-compiled sources include it too. Defined in tiers/cuda_device.cpp (CUDA builds only).
 #pragma once
 
 namespace terrace::detail {
 
-/// True when the thread has a current context, or when the driver cannot be asked (then restoring
-/// the caller's device is the safe guess). A thread without one must not get cudaSetDevice(0) on
-/// the way out: that creates device 0's primary context, hundreds of MiB on a GPU the thread never
-/// used.
-bool thread_has_cuda_context() noexcept;
+/// The thread's device and current context. PyTorch's context is the device's primary one; an
+/// embedder's may be one of its own (cuCtxCreate), which cudaSetDevice alone would not give back.
+struct cuda_caller {
+  int device = -1;          ///< -1: the thread had no context, and nothing is put back
+  void* context = nullptr;  ///< its CUcontext; null when the driver cannot say
+};
+
+/// `current_device` is what cudaGetDevice answered (-1 if it failed). A thread without a current
+/// context gets device -1: putting back device 0 would create that device's primary context,
+/// hundreds of MiB on a GPU the thread never used. When the driver cannot be asked, the device
+/// alone is put back (the safe guess).
+cuda_caller save_cuda_caller(int current_device) noexcept;
+
+/// Makes the caller's device current again, then its own context. Failures are cleared, not
+/// reported: the caller's state is restored as far as it can be.
+void restore_cuda_caller(const cuda_caller& caller) noexcept;
 
 }  // namespace terrace::detail

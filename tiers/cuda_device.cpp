@@ -88,21 +88,26 @@ cudaMemcpyKind to_cuda(copy_kind kind) {
 cudaStream_t native(stream_ref s) { return static_cast<cudaStream_t>(s.native); }
 cudaEvent_t native(event_ref e) { return static_cast<cudaEvent_t>(e.native); }
 
-// cuCtxGetCurrent, when the driver has it: device_scope restores the caller's device only if the
-// caller's thread had a context, since cudaSetDevice creates the primary context of the device it
-// selects and a thread that never used its default device 0 must not get a context there.
+// A driver entry point by name, when the driver has it (nullptr otherwise): the context calls
+// below are the only ones device_scope needs, and nothing links libcuda.
+void* driver_entry_point(const char* name) noexcept {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  if (cudaGetDriverEntryPointByVersion(name, &p, 4000, cudaEnableDefault, &status) != cudaSuccess ||
+      status != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    p = nullptr;
+  }
+  return p;
+}
+
 PFN_cuCtxGetCurrent_v4000 ctx_get_current() noexcept {
-  static const PFN_cuCtxGetCurrent_v4000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &p, 4000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(p);
-  }();
+  static const auto fn = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(driver_entry_point("cuCtxGetCurrent"));
+  return fn;
+}
+
+PFN_cuCtxSetCurrent_v4000 ctx_set_current() noexcept {
+  static const auto fn = reinterpret_cast<PFN_cuCtxSetCurrent_v4000>(driver_entry_point("cuCtxSetCurrent"));
   return fn;
 }
 
@@ -110,10 +115,31 @@ PFN_cuCtxGetCurrent_v4000 ctx_get_current() noexcept {
 
 // ============================================================================ device scope
 
-bool thread_has_cuda_context() noexcept {
-  CUcontext context = nullptr;
+cuda_caller save_cuda_caller(int current_device) noexcept {
+  cuda_caller caller;
+  if (current_device < 0) return caller;
   const auto get_current = ctx_get_current();
-  return get_current == nullptr || (get_current(&context) == CUDA_SUCCESS && context != nullptr);
+  if (get_current == nullptr) {
+    caller.device = current_device;
+    return caller;
+  }
+  CUcontext context = nullptr;
+  if (get_current(&context) != CUDA_SUCCESS || context == nullptr) return caller;
+  caller.device = current_device;
+  caller.context = context;
+  return caller;
+}
+
+void restore_cuda_caller(const cuda_caller& caller) noexcept {
+  if (caller.device < 0) return;
+  if (cudaSetDevice(caller.device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return;
+  }
+  // The device's primary context is current now; the caller's own, if it had another, goes back.
+  if (const auto set_current = ctx_set_current(); caller.context != nullptr && set_current != nullptr) {
+    (void)set_current(static_cast<CUcontext>(caller.context));
+  }
 }
 
 device_scope::device_scope(int device) noexcept : device_(device) {
@@ -126,17 +152,15 @@ device_scope::device_scope(int device) noexcept : device_(device) {
     (void)cudaGetLastError();
     current = -1;
   }
-  if (current >= 0 && thread_has_cuda_context()) previous_ = current;
+  caller_ = save_cuda_caller(current);
   error_ = cudaSetDevice(device);
   if (error_ != cudaSuccess) {
     (void)cudaGetLastError();
-    previous_ = -1;
+    caller_ = {};
   }
 }
 
-device_scope::~device_scope() {
-  if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) (void)cudaGetLastError();
-}
+device_scope::~device_scope() { restore_cuda_caller(caller_); }
 
 void device_scope::check() const {
   if (error_ != cudaSuccess) {
