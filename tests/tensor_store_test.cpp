@@ -14,15 +14,19 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cerrno>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
+#include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "scratch_dir.hpp"
@@ -356,56 +360,83 @@ TEST(TensorStore, ShortTransfersAndEagainAreCompleted) {
   }
 }
 
+// The engine alone over one 1 MiB file: writes of `data`'s first bytes, waited for, and refusals
+// (EAGAIN) injected on the next writes.
+class engine_rig {
+ public:
+  explicit engine_rig(const char* tag) : dir_(tag), name_((dir_.path() / "file").string()) {
+    fd_ = ::open(name_.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd_ < 0 || ::ftruncate(fd_, static_cast<off_t>(MiB)) != 0) {
+      throw std::runtime_error("cannot make " + name_ + ": " + std::strerror(errno));
+    }
+    options.block_size = 64 * KiB;
+    options.file_size = MiB;
+  }
+  ~engine_rig() {
+    engine.reset();
+    ::close(fd_);
+  }
+  engine_rig(const engine_rig&) = delete;
+  engine_rig& operator=(const engine_rig&) = delete;
+
+  detail::engine_options options;
+  std::unique_ptr<detail::io_engine> engine;
+  std::vector<std::byte> data = std::vector<std::byte>(MiB, std::byte{7});
+
+  void start() { engine = detail::make_io_uring_engine(options, {{fd_, false, name_}}); }
+  void refuse(int count) {
+    io_fault f;
+    f.what = io_fault::kind::eagain;
+    f.reads = false;
+    f.count = count;
+    engine->inject(f);
+  }
+  // The write's error (null when it succeeded) and how long it took.
+  std::pair<std::exception_ptr, std::chrono::steady_clock::duration> write(std::size_t size,
+                                                                             detail::block_hook hook = {}) {
+    detail::io_request r;
+    r.op = detail::io_op::write;
+    r.buffer = data.data();
+    r.size = size;
+    r.what = "a write of " + std::to_string(size) + " bytes";
+    r.hook = std::move(hook);
+    const auto start = std::chrono::steady_clock::now();
+    auto c = engine->submit(std::move(r));
+    std::unique_lock lock(c->mutex);
+    c->cv.wait(lock, [&] { return c->done.load(); });
+    return {c->error, std::chrono::steady_clock::now() - start};
+  }
+
+ private:
+  scratch_dir dir_;
+  std::string name_;
+  int fd_ = -1;
+};
+
 // The engine itself: a refused piece (EAGAIN) is tried again after pauses doubling from 50 us, so
 // a refusal that lasts neither spins the ring thread nor fails at once; one that outlasts
 // max_refusals fails the transfer with EAGAIN and says so. The pauses are lower bounds: this
 // checks only that they happened.
 TEST(IoUringEngine, RefusedTransfersBackOffThenFailWithTheirError) {
-  scratch_dir dir("refusals");
-  const std::string name = (dir.path() / "file").string();
-  const int fd = ::open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(MiB)), 0);
-  detail::engine_options eo;
-  eo.block_size = 64 * KiB;
-  eo.file_size = MiB;
-  eo.max_refusals = 6;
-  {
-    auto engine = detail::make_io_uring_engine(eo, {{fd, false, name}});
-    std::vector<std::byte> data(64 * KiB, std::byte{7});
-    const auto write = [&](int refusals) {
-      io_fault f;
-      f.what = io_fault::kind::eagain;
-      f.reads = false;
-      f.count = refusals;
-      engine->inject(f);
-      detail::io_request r;
-      r.op = detail::io_op::write;
-      r.buffer = data.data();
-      r.size = data.size();
-      r.what = "write of " + std::to_string(refusals) + " refusals";
-      const auto start = std::chrono::steady_clock::now();
-      auto c = engine->submit(std::move(r));
-      std::unique_lock lock(c->mutex);
-      c->cv.wait(lock, [&] { return c->done.load(); });
-      return std::make_pair(c->error, std::chrono::steady_clock::now() - start);
-    };
-    // 6 refusals: tried a 7th time, after 50 + 100 + ... + 1600 us of pauses.
-    const auto [ok, ok_took] = write(6);
-    EXPECT_EQ(ok, nullptr);
-    EXPECT_GE(ok_took, std::chrono::microseconds(3150));
-    // 7 refusals: the 7th fails it, with EAGAIN and the count.
-    const auto [failed, failed_took] = write(7);
-    ASSERT_NE(failed, nullptr);
-    try {
-      std::rethrow_exception(failed);
-    } catch (const io_error& e) {
-      EXPECT_EQ(e.code(), EAGAIN);
-      EXPECT_NE(std::string(e.what()).find("7 times in a row"), std::string::npos) << e.what();
-    }
-    EXPECT_GE(failed_took, std::chrono::microseconds(3150));
+  engine_rig rig("refusals");
+  rig.options.max_refusals = 6;
+  rig.start();
+  // 6 refusals: tried a 7th time, after 50 + 100 + ... + 1600 us of pauses.
+  rig.refuse(6);
+  const auto [ok, ok_took] = rig.write(64 * KiB);
+  EXPECT_EQ(ok, nullptr);
+  EXPECT_GE(ok_took, std::chrono::microseconds(3150));
+  // 7 refusals: the 7th fails it, with EAGAIN and the count.
+  rig.refuse(7);
+  const auto [failed, failed_took] = rig.write(64 * KiB);
+  ASSERT_NE(failed, nullptr);
+  try {
+    std::rethrow_exception(failed);
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), EAGAIN);
+    EXPECT_NE(std::string(e.what()).find("7 times in a row"), std::string::npos) << e.what();
   }
-  ::close(fd);
+  EXPECT_GE(failed_took, std::chrono::microseconds(3150));
 }
 
 // Found in review: a refused piece waiting out its pause did not count in the queue depth, so
@@ -413,42 +444,14 @@ TEST(IoUringEngine, RefusedTransfersBackOffThenFailWithTheirError) {
 // instead of failing the one piece refused too often. And a request that had failed kept
 // retrying its refused pieces for the whole backoff (about 10 s) before it completed.
 TEST(IoUringEngine, RefusedPiecesHoldTheirPlaceAndAFailedRequestDropsThem) {
-  scratch_dir dir("refused-depth");
-  const std::string name = (dir.path() / "file").string();
-  const int fd = ::open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(MiB)), 0);
-  detail::engine_options eo;
-  eo.block_size = 64 * KiB;
-  eo.file_size = MiB;
-  std::vector<std::byte> data(MiB, std::byte{7});
-  const auto run = [&](detail::io_engine& engine, std::size_t size, detail::block_hook hook) {
-    detail::io_request r;
-    r.op = detail::io_op::write;
-    r.buffer = data.data();
-    r.size = size;
-    r.what = "a write";
-    r.hook = std::move(hook);
-    const auto start = std::chrono::steady_clock::now();
-    auto c = engine.submit(std::move(r));
-    std::unique_lock lock(c->mutex);
-    c->cv.wait(lock, [&] { return c->done.load(); });
-    return std::make_pair(c->error, std::chrono::steady_clock::now() - start);
-  };
-  const auto refuse = [](detail::io_engine& engine, int count) {
-    io_fault f;
-    f.what = io_fault::kind::eagain;
-    f.reads = false;
-    f.count = count;
-    engine.inject(f);
-  };
   {
     // One piece at a time: the first block takes all 7 refusals, and the 7th fails the write.
-    eo.queue_depth = 1;
-    eo.max_refusals = 6;
-    auto engine = detail::make_io_uring_engine(eo, {{fd, false, name}});
-    refuse(*engine, 7);
-    const auto [error, took] = run(*engine, MiB, {});
+    engine_rig rig("refused-depth");
+    rig.options.queue_depth = 1;
+    rig.options.max_refusals = 6;
+    rig.start();
+    rig.refuse(7);
+    const auto [error, took] = rig.write(MiB);
     ASSERT_NE(error, nullptr);
     try {
       std::rethrow_exception(error);
@@ -461,19 +464,19 @@ TEST(IoUringEngine, RefusedPiecesHoldTheirPlaceAndAFailedRequestDropsThem) {
   {
     // The checksum hook fails the request at once; its refused pieces are then dropped, not
     // retried for the 200 refusals (about 10 s) they would otherwise be allowed.
-    eo.queue_depth = 4;
-    eo.max_refusals = 200;
-    auto engine = detail::make_io_uring_engine(eo, {{fd, false, name}});
-    refuse(*engine, 1'000'000);
-    const auto [error, took] = run(*engine, 2 * 64 * KiB, [](std::size_t offset, const std::byte*, std::size_t) {
+    engine_rig rig("refused-failed");
+    rig.options.queue_depth = 4;
+    rig.options.max_refusals = 200;
+    rig.start();
+    rig.refuse(1'000'000);
+    const auto [error, took] = rig.write(2 * 64 * KiB, [](std::size_t offset, const std::byte*, std::size_t) {
       if (offset == 0) throw logic_error("the hook refuses block 0");
     });
     ASSERT_NE(error, nullptr);
     EXPECT_THROW(std::rethrow_exception(error), logic_error);
     EXPECT_LT(took, std::chrono::seconds(5));
-    refuse(*engine, 0);
+    rig.refuse(0);
   }
-  ::close(fd);
 }
 
 TEST(TensorStore, ErrorsForMissingDirectoryUnknownIdsAndMisuse) {
