@@ -653,67 +653,73 @@ TEST(CachingAllocator, ExpandableSegmentsRefuseARequestLargerThanTheDeviceAsOutO
   }
 }
 
-TEST(CachingAllocator, ExpandableSegmentsOutOfAddressSpaceGiveBackEmptyRangesThenReportOom) {
-  // Each (stream, pool) gets a range as large as the device: on a null device of 2 PiB, the 8 PiB
-  // of address space hold three. A fourth stream's request was the backend's device_error even
-  // when a range sat empty in the cache; now the retry gives that range back, and with none to
-  // give the request is out of memory, with its report.
-  device_options o;
-  o.capacity = std::size_t{1} << 51;
-  o.map_granularity = 2 * MiB;
-  auto dev = make_device("null", o);
-  caching_allocator a(*dev, expandable_config());
+// A null device of `capacity` under expandable segments, four streams, and a 64 MiB block on
+// each of the first three. Each (stream, pool) gets a range as large as the device, so near 2 PiB
+// the address space holds three ranges and the fourth stream has none.
+struct ranges_rig {
+  device_options options;
+  std::unique_ptr<device_backend> dev;
+  std::unique_ptr<caching_allocator> a;
   std::vector<stream_ref> streams;
-  for (int i = 0; i < 4; ++i) streams.push_back(dev->create_stream());
   std::vector<void*> live;
-  for (int i = 0; i < 3; ++i) live.push_back(a.allocate(64 * MiB, streams[static_cast<std::size_t>(i)]));
+
+  explicit ranges_rig(std::size_t capacity) {
+    options.capacity = capacity;
+    options.map_granularity = 2 * MiB;
+    dev = make_device("null", options);
+    a = std::make_unique<caching_allocator>(*dev, expandable_config());
+    for (int i = 0; i < 4; ++i) streams.push_back(dev->create_stream());
+    for (int i = 0; i < 3; ++i) live.push_back(a->allocate(64 * MiB, streams[static_cast<std::size_t>(i)]));
+  }
+  // Frees the blocks of the first two streams (a test frees the third's) and checks the cache.
+  void finish() {
+    a->deallocate(live[0], streams[0]);
+    a->deallocate(live[1], streams[1]);
+    a->empty_cache();
+    a->check_invariants();
+    for (stream_ref s : streams) dev->destroy_stream(s);
+  }
+};
+
+TEST(CachingAllocator, ExpandableSegmentsOutOfAddressSpaceGiveBackEmptyRangesThenReportOom) {
+  // On a null device of 2 PiB, the 8 PiB of address space hold three ranges. A fourth stream's
+  // request was the backend's device_error even when a range sat empty in the cache; now the
+  // retry gives that range back, and with none to give the request is out of memory, with its
+  // report.
+  ranges_rig r(std::size_t{1} << 51);
+  caching_allocator& a = *r.a;
   EXPECT_EQ(a.stats().segment[0].current, 3);
   try {
-    a.allocate(64 * MiB, streams[3]);
+    a.allocate(64 * MiB, r.streams[3]);
     FAIL() << "a fourth range fit";
   } catch (const out_of_memory& e) {
     EXPECT_NE(std::string(e.what()).find("address space, not memory, ran out"), std::string::npos) << e.what();
   }
   EXPECT_EQ(a.stats().num_ooms, 1);
-  a.deallocate(live[2], streams[2]);  // its range is cached, its pages still mapped
-  void* p = a.allocate(64 * MiB, streams[3]);
+  a.deallocate(r.live[2], r.streams[2]);  // its range is cached, its pages still mapped
+  void* p = a.allocate(64 * MiB, r.streams[3]);
   EXPECT_EQ(a.stats().segment[0].current, 3) << "the empty range went back for the new stream's";
   EXPECT_EQ(a.stats().num_ooms, 1);
-  a.deallocate(p, streams[3]);
-  a.deallocate(live[0], streams[0]);
-  a.deallocate(live[1], streams[1]);
-  a.empty_cache();
-  a.check_invariants();
-  for (stream_ref s : streams) dev->destroy_stream(s);
+  a.deallocate(p, r.streams[3]);
+  r.finish();
 }
 
 // Found in review: the report blamed address space whenever the first try had run out of it,
 // even when the retry, after the cache gave a range back, got its range and was then refused
 // memory.
 TEST(CachingAllocator, AnOomAfterTheRetryGotItsRangeBlamesMemory) {
-  device_options o;
-  o.capacity = (std::size_t{1} << 51) - (std::size_t{1} << 45) + 32 * MiB;
-  o.map_granularity = 2 * MiB;
-  auto dev = make_device("null", o);
-  caching_allocator a(*dev, expandable_config());
-  std::vector<stream_ref> streams;
-  for (int i = 0; i < 4; ++i) streams.push_back(dev->create_stream());
-  std::vector<void*> live;
-  for (int i = 0; i < 3; ++i) live.push_back(a.allocate(64 * MiB, streams[static_cast<std::size_t>(i)]));
-  a.deallocate(live[2], streams[2]);  // its range is cached, its 64 MiB still mapped
-  void* other = dev->reserve(o.capacity - 192 * MiB);  // another user takes the rest
+  ranges_rig r((std::size_t{1} << 51) - (std::size_t{1} << 45) + 32 * MiB);
+  r.a->deallocate(r.live[2], r.streams[2]);  // its range is cached, its 64 MiB still mapped
+  const std::size_t rest = r.options.capacity - 192 * MiB;
+  void* other = r.dev->reserve(rest);  // another user takes the rest
   try {
-    a.allocate(128 * MiB, streams[3]);  // no range; then a range, but only 64 MiB of memory
+    r.a->allocate(128 * MiB, r.streams[3]);  // no range; then a range, but only 64 MiB of memory
     FAIL() << "128 MiB fit in 64";
   } catch (const out_of_memory& e) {
     EXPECT_EQ(std::string(e.what()).find("address space"), std::string::npos) << e.what();
   }
-  dev->release(other, o.capacity - 192 * MiB);
-  a.deallocate(live[0], streams[0]);
-  a.deallocate(live[1], streams[1]);
-  a.empty_cache();
-  a.check_invariants();
-  for (stream_ref s : streams) dev->destroy_stream(s);
+  r.dev->release(other, rest);
+  r.finish();
 }
 
 TEST(CachingAllocator, ExpandableSegmentsHonourTheGarbageCollectionThreshold) {

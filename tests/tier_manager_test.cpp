@@ -59,6 +59,11 @@ struct rig {
 
   // A "kernel" on the compute stream.
   void launch(std::function<void()> fn) { enqueue_host_function(*dev, compute, std::move(fn)); }
+  // One use of `id` on the compute stream: acquired, then released.
+  void touch(tensor_id id) {
+    tm->acquire(id, compute);
+    tm->release(id, compute);
+  }
 };
 
 std::vector<unsigned char> pattern(std::size_t n, int seed) {
@@ -118,15 +123,13 @@ TEST(TierManager, BeladyBeatsLruOnACyclicSchedule) {
     if (with_schedule) r.tm->set_schedule(ids);
     for (int it = 0; it < 3; ++it) {  // warm up
       for (tensor_id id : ids) {
-        r.tm->acquire(id, r.compute);
-        r.tm->release(id, r.compute);
+        r.touch(id);
       }
     }
     const auto before = r.tm->stats().host_to_device_copies;
     for (int it = 0; it < 10; ++it) {
       for (tensor_id id : ids) {
-        r.tm->acquire(id, r.compute);
-        r.tm->release(id, r.compute);
+        r.touch(id);
       }
     }
     return (r.tm->stats().host_to_device_copies - before) / 10.0;
@@ -144,8 +147,7 @@ TEST(TierManager, TheFirstIterationIsRecordedAsTheSchedule) {
   const std::vector<tensor_id> order = {ids[0], ids[1], ids[2], ids[1], ids[3], ids[4]};
   r.tm->begin_iteration();
   for (tensor_id id : order) {
-    r.tm->acquire(id, r.compute);
-    r.tm->release(id, r.compute);
+    r.touch(id);
   }
   EXPECT_TRUE(r.tm->schedule().empty());
   r.tm->begin_iteration();
@@ -160,8 +162,7 @@ TEST(TierManager, PrefetchBringsTheNextTensorsUpAheadOfUse) {
   r.tm->set_schedule(ids);
   for (int it = 0; it < 3; ++it) {
     for (tensor_id id : ids) {
-      r.tm->acquire(id, r.compute);
-      r.tm->release(id, r.compute);
+      r.touch(id);
     }
   }
   const auto s = r.tm->stats();
@@ -247,8 +248,7 @@ TEST(TierManager, PrefetchAcrossIterationsCanBeTurnedOff) {
     for (int i = 0; i < 6; ++i) ids.push_back(r.tm->add("l" + std::to_string(i), kBytes, pattern(kBytes, i).data()));
     const auto iteration = [&] {
       for (tensor_id id : ids) {
-        r.tm->acquire(id, r.compute);
-        r.tm->release(id, r.compute);
+        r.touch(id);
       }
     };
     r.tm->begin_iteration();
@@ -387,8 +387,7 @@ TEST(TierManager, AnUnboundedResyncDistanceSearchesTheWholeSchedule) {
   // q0, then q3 (q1 and q2 skipped: a miss that resynchronises after q3), then the next
   // iteration's q0, in step again.
   for (tensor_id id : {ids[0], ids[3], ids[0]}) {
-    r.tm->acquire(id, r.compute);
-    r.tm->release(id, r.compute);
+    r.touch(id);
   }
   EXPECT_EQ(r.tm->stats().schedule_misses, 1);
   r.tm->check_invariants();
@@ -406,8 +405,7 @@ TEST(TierManager, ResyncWrapsIntoTheNextIteration) {
   // each, at each r0, whose resync wraps to the schedule's start.
   for (int it = 0; it < 3; ++it) {
     for (tensor_id id : {ids[0], ids[1]}) {
-      r.tm->acquire(id, r.compute);
-      r.tm->release(id, r.compute);
+      r.touch(id);
     }
   }
   EXPECT_EQ(r.tm->stats().schedule_misses, 2);
@@ -422,17 +420,13 @@ TEST(TierManager, AStrayAcquireNearTheEndDoesNotWrapTheIteration) {
   std::vector<tensor_id> ids;
   for (int i = 0; i < 200; ++i) ids.push_back(r.tm->add("s" + std::to_string(i), 4 * KiB));
   r.tm->set_schedule(ids);
-  const auto touch = [&](tensor_id id) {
-    r.tm->acquire(id, r.compute);
-    r.tm->release(id, r.compute);
-  };
   r.tm->begin_iteration();
-  for (int i = 0; i < 196; ++i) touch(ids[static_cast<std::size_t>(i)]);
-  touch(ids[0]);  // off the schedule: one miss
-  for (int i = 196; i < 200; ++i) touch(ids[static_cast<std::size_t>(i)]);
+  for (int i = 0; i < 196; ++i) r.touch(ids[static_cast<std::size_t>(i)]);
+  r.touch(ids[0]);  // off the schedule: one miss
+  for (int i = 196; i < 200; ++i) r.touch(ids[static_cast<std::size_t>(i)]);
   EXPECT_EQ(r.tm->stats().schedule_misses, 1);
   r.tm->begin_iteration();
-  for (tensor_id id : ids) touch(id);
+  for (tensor_id id : ids) r.touch(id);
   EXPECT_EQ(r.tm->stats().schedule_misses, 1);
   r.tm->check_invariants();
 }
@@ -812,8 +806,7 @@ TEST(TierManagerConcurrency, AnOptimizerThreadWorksBesideTheTrainingThread) {
   });
   for (int it = 0; it < 50; ++it) {
     for (tensor_id id : weights) {
-      r.tm->acquire(id, r.compute);
-      r.tm->release(id, r.compute);
+      r.touch(id);
     }
   }
   optimizer.join();

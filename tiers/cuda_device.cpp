@@ -88,17 +88,13 @@ cudaMemcpyKind to_cuda(copy_kind kind) {
 cudaStream_t native(stream_ref s) { return static_cast<cudaStream_t>(s.native); }
 cudaEvent_t native(event_ref e) { return static_cast<cudaEvent_t>(e.native); }
 
-// A driver entry point by name, when the driver has it (nullptr otherwise): the context calls
-// below are the only ones device_scope needs, and nothing links libcuda.
+// A context call device_scope can do without: nullptr when the driver lacks it.
 void* driver_entry_point(const char* name) noexcept {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult status{};
-  if (cudaGetDriverEntryPointByVersion(name, &p, 4000, cudaEnableDefault, &status) != cudaSuccess ||
-      status != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    p = nullptr;
+  try {
+    return cuda_driver_entry_point(name, 4000);
+  } catch (...) {  // device_error (or bad_alloc building its message)
+    return nullptr;
   }
-  return p;
 }
 
 PFN_cuCtxGetCurrent_v4000 ctx_get_current() noexcept {
