@@ -1,152 +1,65 @@
 // SPDX-License-Identifier: Apache-2.0
 // The pickle virtual machine for plain data only. Containers are shared (memoised lists and dicts
-// are mutated after MEMOIZE), so values live in a node graph and become JSON at STOP.
+// are mutated after MEMOIZE), so the machine keeps a graph of values and walks it at STOP, handing
+// each value to the consumer as SAX events.
+//
+// A value is 8 bytes: a snapshot pickle refers to each shared stack frame again with a 2-5 byte
+// BINGET, so a list of references is most of the graph (60 frames per event), and the graph's
+// size per input byte is what a large snapshot costs. Strings stay in the input (string_view);
+// containers are indices into one table, so cycles and deep nesting need no special teardown.
 //
 // The input is hostile until proven otherwise, and a few bytes of pickle can describe a lot:
-//   - nesting one level per byte (`]` 300 000 times, then APPENDs): the graph is torn down without
-//     recursion (node's destructor) and json_builder refuses more than kMaxDepth levels;
-//   - cycles (a memoised list appended to itself): the machine breaks them when it is destroyed;
-//   - sharing nested in sharing (x_k = [x_{k-1}, x_{k-1}]: 2^40 values from 689 bytes): JSON copies
-//     every share, so json_builder stops at a budget proportional to the input's size.
-// Everything else the machine holds grows at most one node per input byte (every push consumes at
-// least one opcode byte), and the stack is capped besides.
+//   - nesting one level per byte (`]` 300 000 times, then APPENDs), or a cycle (a memoised list
+//     appended to itself): the walk refuses more than kMaxDepth levels;
+//   - sharing nested in sharing (x_k = [x_{k-1}, x_{k-1}]: 2^40 values from 689 bytes): the walk
+//     hands over every share, so it stops at a budget proportional to the input's size.
+// Everything else the machine holds grows at most one value per input byte (every push consumes
+// at least one opcode byte), and the stack is capped besides.
 #include "tools/pickle_reader.hpp"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <memory>
 #include <unordered_map>
 #include <vector>
 
 #include "terrace/error.hpp"
+#include "tools/json_sax.hpp"
 
 namespace terrace::tools {
 
 namespace {
 
-struct node;
-using node_ptr = std::shared_ptr<node>;
-struct node {
-  enum kind { none, boolean, integer, real, text, list, dict, mark } k = none;
-  bool b = false;
-  std::int64_t i = 0;
-  double f = 0.0;
-  std::string s;
-  std::vector<node_ptr> items;                       // list / tuple / set
-  std::vector<std::pair<node_ptr, node_ptr>> pairs;  // dict
-
-  node() = default;
-  node(const node&) = delete;
-  node& operator=(const node&) = delete;
-  // The default destructor would destroy a nested list one stack frame per level, and a pickle
-  // nests one level per byte: children whose last owner this node is are dismantled from a work
-  // list instead, so every node dies with no children left to recurse into.
-  ~node() {
-    if (items.empty() && pairs.empty()) return;
-    std::vector<node_ptr> work;
-    take_children(work);
-    while (!work.empty()) {
-      node_ptr n = std::move(work.back());
-      work.pop_back();
-      if (n.use_count() == 1) n->take_children(work);
-    }  // n dies here, childless, or lives on in its other owners
-  }
-
-  // Moves the children out into `work`, leaving this node without any.
-  void take_children(std::vector<node_ptr>& work) {
-    for (auto& x : items) work.push_back(std::move(x));
-    for (auto& [k, v] : pairs) {
-      work.push_back(std::move(k));
-      work.push_back(std::move(v));
-    }
-    items.clear();
-    pairs.clear();
-  }
-};
+using sax = nlohmann::json_sax<nlohmann::json>;
 
 constexpr int kMaxDepth = 200;
 
-node_ptr make(node::kind k) {
-  auto n = std::make_shared<node>();
-  n->k = k;
-  return n;
-}
-
-std::string key_text(const node& n) {
-  switch (n.k) {
-    case node::text: return n.s;
-    case node::integer: return std::to_string(n.i);
-    case node::boolean: return n.b ? "True" : "False";
-    case node::none: return "None";
-    case node::real: return std::to_string(n.f);
-    default: return "<container>";
-  }
-}
-
-// The node graph as JSON, within a budget. Sharing is legal and common (PyTorch's snapshots refer
-// to each repeated string and frame dict again with a 2-5 byte BINGET, which expands to up to 7
-// values and ~100 bytes of text), so the budget is generous per input byte, with a floor for
-// small files; what a real snapshot never does is double its size at every level.
-class json_builder {
+// A 3-bit kind and a 61-bit payload: an atom's code, an integer that fits, or an index into the
+// machine's table of that kind.
+class value {
  public:
-  json_builder(std::size_t input_bytes, const pickle_digest* digest)
-      : max_values_(std::max<std::size_t>(16 * input_bytes, std::size_t{1} << 20)),
-        max_text_(std::max<std::size_t>(256 * input_bytes, std::size_t{1} << 28)),
-        input_bytes_(input_bytes),
-        digest_(digest) {}
+  enum kind : std::uint8_t { atom, small_int, big_int, real, text, list, dict };
+  enum atom_code : std::uint64_t { none, false_, true_, mark, unset };
 
-  nlohmann::json build(const node& n, int depth) {
-    if (depth > kMaxDepth) {
-      throw logic_error("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
-    }
-    count(n.k == node::text ? n.s.size() : 0);
-    switch (n.k) {
-      case node::none: return nullptr;
-      case node::boolean: return n.b;
-      case node::integer: return n.i;
-      case node::real: return n.f;
-      case node::text: return n.s;
-      case node::list: {
-        nlohmann::json a = nlohmann::json::array();
-        for (const auto& x : n.items) a.push_back(build(*x, depth + 1));
-        return a;
-      }
-      case node::dict: {
-        nlohmann::json o = nlohmann::json::object();
-        for (const auto& [k, v] : n.pairs) {
-          std::string key = key_text(*k);
-          count(key.size());
-          nlohmann::json value = build(*v, depth + 1);
-          if (digest_ != nullptr && key == digest_->key) value = digest_->of(value);
-          o[std::move(key)] = std::move(value);
-        }
-        return o;
-      }
-      case node::mark: break;
-    }
-    throw logic_error("a MARK left on the stack");
-  }
+  value() : value(atom, unset) {}
+  value(kind k, std::uint64_t payload) : bits_(payload << 3 | k) {}
+  static bool fits_small(std::int64_t v) { return v >= -(std::int64_t{1} << 60) && v < (std::int64_t{1} << 60); }
+  static value small(std::int64_t v) { return value(small_int, static_cast<std::uint64_t>(v)); }
+
+  [[nodiscard]] kind k() const { return static_cast<kind>(bits_ & 7); }
+  [[nodiscard]] std::uint64_t payload() const { return bits_ >> 3; }
+  [[nodiscard]] std::int64_t small_value() const { return static_cast<std::int64_t>(bits_) >> 3; }
+  [[nodiscard]] bool is(atom_code c) const { return k() == atom && payload() == c; }
+  [[nodiscard]] bool is_container() const { return k() == list || k() == dict; }
 
  private:
-  void count(std::size_t text_bytes) {
-    if (values_ == max_values_ || text_bytes > max_text_ - text_) {
-      throw logic_error("the pickle expands to too many values (more than " +
-                        std::to_string(max_values_) + " values or " + std::to_string(max_text_) +
-                        " bytes of text from its " + std::to_string(input_bytes_) +
-                        " bytes): shared containers nested inside each other");
-    }
-    ++values_;
-    text_ += text_bytes;
-  }
+  std::uint64_t bits_;
+};
+static_assert(sizeof(value) == 8);
 
-  const std::size_t max_values_;
-  const std::size_t max_text_;
-  const std::size_t input_bytes_;
-  const pickle_digest* digest_;
-  std::size_t values_ = 0;
-  std::size_t text_ = 0;
+struct container {
+  std::vector<value> items;  // a dict's are key, value, key, value, ...
 };
 
 // Why each refused opcode is refused: it names or calls Python code, or refers to objects outside
@@ -170,30 +83,17 @@ const char* refused(std::uint8_t op) {
 
 class machine {
  public:
-  machine(std::string_view data, const std::string& source, const pickle_digest* digest)
-      : d_(data), source_(source), digest_(digest) {}
-  machine(const machine&) = delete;
-  machine& operator=(const machine&) = delete;
-  // A cycle (a container appended to itself, through the memo or DUP, possibly via others) would
-  // keep its nodes alive forever, and a cycle need not be reachable from the memo or the stack
-  // any more (DUP, append, POP). Every container the machine made is known: emptying each one
-  // still alive, with what the memo and the stack hold, frees them all.
-  ~machine() {
-    std::vector<node_ptr> work(stack_.begin(), stack_.end());
-    for (auto& [idx, n] : memo_) work.push_back(std::move(n));
-    for (const auto& c : containers_) {
-      if (node_ptr n = c.lock()) work.push_back(std::move(n));
-    }
-    stack_.clear();
-    memo_.clear();
-    while (!work.empty()) {
-      node_ptr n = std::move(work.back());
-      work.pop_back();
-      n->take_children(work);
-    }
-  }
+  machine(std::string_view data, const std::string& source)
+      : d_(data),
+        source_(source),
+        // Sharing is legal and common (PyTorch's snapshots refer to each repeated string and
+        // frame dict again with a 2-5 byte BINGET, which expands to up to 7 values and ~100 bytes
+        // of text), so the budget is generous per input byte, with a floor for small files; what
+        // a real snapshot never does is double its size at every level.
+        max_values_(std::max<std::size_t>(16 * data.size(), std::size_t{1} << 20)),
+        max_text_(std::max<std::size_t>(256 * data.size(), std::size_t{1} << 28)) {}
 
-  nlohmann::json run() {
+  void run(sax& out) {
     while (true) {
       if (pos_ >= d_.size()) fail("the stream ends without STOP");
       const std::size_t at = pos_;
@@ -205,21 +105,12 @@ class machine {
       switch (op) {
         case 0x80: take(1); break;  // PROTO
         case 0x95: take(8); break;  // FRAME: framing only
-        case '.': {                  // STOP
-          node_ptr top = pop();
-          try {
-            return json_builder(d_.size(), digest_).build(*top, 0);
-          } catch (const logic_error& e) {
-            fail(e.what());
-          }
-        }
-        case 'N': push(make(node::none)); break;
-        case 0x88: case 0x89: {
-          auto n = make(node::boolean);
-          n->b = op == 0x88;
-          push(n);
-          break;
-        }
+        case '.':                   // STOP
+          emit(pop(), 0, out);
+          return;
+        case 'N': push(value(value::atom, value::none)); break;
+        case 0x88: push(value(value::atom, value::true_)); break;
+        case 0x89: push(value(value::atom, value::false_)); break;
         case 'J': push_int(static_cast<std::int32_t>(le(4))); break;
         case 'K': push_int(static_cast<std::int64_t>(le(1))); break;
         case 'M': push_int(static_cast<std::int64_t>(le(2))); break;
@@ -229,69 +120,62 @@ class machine {
           std::uint64_t bits = 0;
           const char* p = take(8);
           for (int k = 0; k < 8; ++k) bits = (bits << 8) | static_cast<std::uint8_t>(p[k]);
-          auto n = make(node::real);
-          std::memcpy(&n->f, &bits, sizeof bits);
-          push(n);
+          double f = 0.0;
+          std::memcpy(&f, &bits, sizeof bits);
+          push(value(value::real, reals_.size()));
+          reals_.push_back(f);
           break;
         }
         case 0x8c: case 'C': push_text(le(1)); break;
         case 'X': case 'B': push_text(le(4)); break;
         case 0x8d: case 0x8e: push_text(le(8)); break;
-        case '}': push(make_container(node::dict)); break;
-        case ']': case ')': case 0x8f: push(make_container(node::list)); break;
-        case '(': push(make(node::mark)); break;
-        case 0x85: case 0x86: case 0x87: {
-          const std::size_t n = op - 0x84u;
-          auto t = make_container(node::list);
-          t->items.resize(n);
-          for (std::size_t k = n; k-- > 0;) t->items[k] = pop();
-          push(t);
+        case '}': push(make_container(value::dict, {})); break;
+        case ']': case ')': case 0x8f: push(make_container(value::list, {})); break;
+        case '(': push(value(value::atom, value::mark)); break;
+        case 0x85: case 0x86: case 0x87: {  // TUPLE1..3
+          std::vector<value> items(op - 0x84u);
+          for (std::size_t k = items.size(); k-- > 0;) items[k] = pop();
+          push(make_container(value::list, std::move(items)));
           break;
         }
-        case 't': case 0x91: {  // TUPLE, FROZENSET
-          auto t = make_container(node::list);
-          t->items = pop_to_mark();
-          push(t);
+        case 't': case 0x91: case 'l':  // TUPLE, FROZENSET, LIST
+          push(make_container(value::list, pop_to_mark()));
           break;
-        }
-        case 'l': {  // LIST
-          auto t = make_container(node::list);
-          t->items = pop_to_mark();
-          push(t);
-          break;
-        }
         case 'd': {  // DICT
           auto items = pop_to_mark();
-          auto t = make_container(node::dict);
-          set_items(*t, items);
-          push(t);
+          check_pairs(items);
+          push(make_container(value::dict, std::move(items)));
           break;
         }
-        case 0x94: memo_[memo_.size()] = top(); break;  // MEMOIZE
-        case 'q': memo_[le(1)] = top(); break;
-        case 'r': memo_[le(4)] = top(); break;
-        case 'h': get(le(1)); break;
-        case 'j': get(le(4)); break;
-        case 'a': {
-          node_ptr v = pop();
-          container(node::list, "APPEND").items.push_back(v);
+        case 0x94: put(memo_size_, top()); break;  // MEMOIZE: at the memo's length
+        case 'q': put(le(1), top()); break;
+        case 'r': put(le(4), top()); break;
+        case 'h': push(get(le(1))); break;
+        case 'j': push(get(le(4))); break;
+        case 'a': {  // APPEND
+          const value v = pop();
+          container_at(value::list, "APPEND").items.push_back(v);
           break;
         }
         case 'e': case 0x90: {  // APPENDS, ADDITEMS
           auto items = pop_to_mark();
-          auto& c = container(node::list, "APPENDS");
+          auto& c = container_at(value::list, "APPENDS");
           c.items.insert(c.items.end(), items.begin(), items.end());
           break;
         }
-        case 's': {
-          node_ptr v = pop();
-          node_ptr k = pop();
-          container(node::dict, "SETITEM").pairs.emplace_back(k, v);
+        case 's': {  // SETITEM
+          const value v = pop();
+          const value k = pop();
+          auto& c = container_at(value::dict, "SETITEM");
+          c.items.push_back(k);
+          c.items.push_back(v);
           break;
         }
-        case 'u': {
+        case 'u': {  // SETITEMS
           auto items = pop_to_mark();
-          set_items(container(node::dict, "SETITEMS"), items);
+          check_pairs(items);
+          auto& c = container_at(value::dict, "SETITEMS");
+          c.items.insert(c.items.end(), items.begin(), items.end());
           break;
         }
         case '0': pop(); break;  // POP
@@ -304,11 +188,6 @@ class machine {
  private:
   [[noreturn]] void fail(const std::string& why) const {
     throw logic_error(source_ + ": pickle byte " + std::to_string(op_at_) + ": " + why);
-  }
-  node_ptr make_container(node::kind k) {
-    node_ptr n = make(k);
-    containers_.push_back(n);
-    return n;
   }
   static std::string hex(std::uint8_t op) {
     char buf[8];
@@ -327,14 +206,15 @@ class machine {
     for (std::size_t k = n; k-- > 0;) v = (v << 8) | static_cast<std::uint8_t>(p[k]);
     return v;
   }
-  void push(node_ptr n) {
+
+  void push(value v) {
     if (stack_.size() > (1u << 24)) fail("stack too deep");
-    stack_.push_back(std::move(n));
+    stack_.push_back(v);
   }
   void push_int(std::int64_t v) {
-    auto n = make(node::integer);
-    n->i = v;
-    push(n);
+    if (value::fits_small(v)) return push(value::small(v));
+    push(value(value::big_int, big_ints_.size()));
+    big_ints_.push_back(v);
   }
   void push_long(std::uint64_t len) {
     if (len > 8) fail("integer wider than 64 bits");
@@ -348,58 +228,153 @@ class machine {
   }
   void push_text(std::uint64_t len) {
     if (len > d_.size()) fail("string longer than the file");
-    auto n = make(node::text);
-    n->s.assign(take(static_cast<std::size_t>(len)), static_cast<std::size_t>(len));
-    push(n);
+    const char* p = take(static_cast<std::size_t>(len));
+    push(value(value::text, texts_.size()));
+    texts_.emplace_back(p, static_cast<std::size_t>(len));
   }
-  node_ptr top() {
+  value make_container(value::kind k, std::vector<value> items) {
+    containers_.push_back({std::move(items)});
+    return value(k, containers_.size() - 1);
+  }
+
+  value top() const {
     if (stack_.empty()) fail("stack underflow");
     return stack_.back();
   }
-  node_ptr pop() {
-    node_ptr n = top();
+  value pop() {
+    const value v = top();
     stack_.pop_back();
-    if (n->k == node::mark) fail("unexpected MARK");
-    return n;
+    if (v.is(value::mark)) fail("unexpected MARK");
+    return v;
   }
-  std::vector<node_ptr> pop_to_mark() {
+  std::vector<value> pop_to_mark() {
     std::size_t k = stack_.size();
-    while (k > 0 && stack_[k - 1]->k != node::mark) --k;
+    while (k > 0 && !stack_[k - 1].is(value::mark)) --k;
     if (k == 0) fail("no MARK on the stack");
-    std::vector<node_ptr> items(stack_.begin() + static_cast<std::ptrdiff_t>(k), stack_.end());
+    std::vector<value> items(stack_.begin() + static_cast<std::ptrdiff_t>(k), stack_.end());
     stack_.resize(k - 1);
     return items;
   }
-  node& container(node::kind k, const char* op) {
-    node_ptr c = top();
-    if (c->k != k) fail(std::string(op) + " on a value of the wrong type");
-    return *c;
+  container& container_at(value::kind k, const char* op) {
+    const value c = top();
+    if (c.k() != k) fail(std::string(op) + " on a value of the wrong type");
+    return containers_[c.payload()];
   }
-  void set_items(node& dict, const std::vector<node_ptr>& items) {
+  void check_pairs(const std::vector<value>& items) const {
     if (items.size() % 2 != 0) fail("odd number of items for a dict");
-    for (std::size_t k = 0; k < items.size(); k += 2) dict.pairs.emplace_back(items[k], items[k + 1]);
   }
-  void get(std::uint64_t idx) {
-    auto it = memo_.find(idx);
-    if (it == memo_.end()) fail("memo slot " + std::to_string(idx) + " is empty");
-    push(it->second);
+
+  // Python numbers the memo densely (MEMOIZE, or BINPUT of the memo's length); an index far
+  // past the end (a hostile LONG_BINPUT of 2^32 - 1) goes to a map instead of growing the table.
+  void put(std::uint64_t idx, value v) {
+    if (idx < memo_.size() + (std::size_t{1} << 20)) {
+      if (idx >= memo_.size()) memo_.resize(idx + 1);
+      if (memo_[idx].is(value::unset)) ++memo_size_;
+      memo_[idx] = v;
+    } else {
+      auto [it, added] = sparse_memo_.insert_or_assign(idx, v);
+      if (added) ++memo_size_;
+    }
+  }
+  value get(std::uint64_t idx) const {
+    if (idx < memo_.size() && !memo_[idx].is(value::unset)) return memo_[idx];
+    if (const auto it = sparse_memo_.find(idx); it != sparse_memo_.end()) return it->second;
+    fail("memo slot " + std::to_string(idx) + " is empty");
+  }
+
+  // ---- the walk at STOP
+  void emit(value v, int depth, sax& out) {
+    if (stopped_) return;
+    if (depth > kMaxDepth) fail("nesting deeper than " + std::to_string(kMaxDepth) + " levels");
+    switch (v.k()) {
+      case value::atom:
+        count(0);
+        if (v.is(value::none)) return handed(out.null());
+        if (v.is(value::true_) || v.is(value::false_)) return handed(out.boolean(v.is(value::true_)));
+        fail("a MARK left on the stack");
+      case value::small_int: count(0); return handed(out.number_integer(v.small_value()));
+      case value::big_int: count(0); return handed(out.number_integer(big_ints_[v.payload()]));
+      case value::real: count(0); return handed(out.number_float(reals_[v.payload()], {}));
+      case value::text: {
+        const std::string_view t = texts_[v.payload()];
+        count(t.size());
+        std::string s(t);
+        return handed(out.string(s));
+      }
+      case value::list: {
+        count(0);
+        const auto& items = containers_[v.payload()].items;
+        handed(out.start_array(items.size()));
+        for (std::size_t k = 0; k < items.size() && !stopped_; ++k) emit(items[k], depth + 1, out);
+        if (!stopped_) handed(out.end_array());
+        return;
+      }
+      case value::dict: {
+        count(0);
+        const auto& items = containers_[v.payload()].items;
+        handed(out.start_object(items.size() / 2));
+        for (std::size_t k = 0; k + 1 < items.size() && !stopped_; k += 2) {
+          std::string key = key_text(items[k]);
+          count(key.size());
+          handed(out.key(key));
+          if (!stopped_) emit(items[k + 1], depth + 1, out);
+        }
+        if (!stopped_) handed(out.end_object());
+        return;
+      }
+    }
+  }
+  void handed(bool go_on) { stopped_ = stopped_ || !go_on; }
+  std::string key_text(value k) const {
+    switch (k.k()) {
+      case value::text: return std::string(texts_[k.payload()]);
+      case value::small_int: return std::to_string(k.small_value());
+      case value::big_int: return std::to_string(big_ints_[k.payload()]);
+      case value::real: return std::to_string(reals_[k.payload()]);
+      case value::atom: return k.is(value::true_) ? "True" : k.is(value::false_) ? "False" : "None";
+      default: return "<container>";
+    }
+  }
+  void count(std::size_t text_bytes) {
+    if (values_ == max_values_ || text_bytes > max_text_ - text_) {
+      fail("the pickle expands to too many values (more than " + std::to_string(max_values_) +
+           " values or " + std::to_string(max_text_) + " bytes of text from its " +
+           std::to_string(d_.size()) + " bytes): shared containers nested inside each other");
+    }
+    ++values_;
+    text_ += text_bytes;
   }
 
   std::string_view d_;
   const std::string& source_;
-  const pickle_digest* digest_;
   std::size_t pos_ = 0;
   std::size_t op_at_ = 0;
-  std::vector<node_ptr> stack_;
-  std::unordered_map<std::uint64_t, node_ptr> memo_;
-  std::vector<std::weak_ptr<node>> containers_;  // every list and dict made (~machine)
+  std::vector<value> stack_;
+  std::vector<value> memo_;
+  std::unordered_map<std::uint64_t, value> sparse_memo_;
+  std::uint64_t memo_size_ = 0;  // the slots set, as Python's len(memo)
+  std::vector<std::int64_t> big_ints_;
+  std::vector<double> reals_;
+  std::vector<std::string_view> texts_;
+  std::vector<container> containers_;
+  // The walk's budget and state.
+  const std::size_t max_values_;
+  const std::size_t max_text_;
+  std::size_t values_ = 0;
+  std::size_t text_ = 0;
+  bool stopped_ = false;
 };
 
 }  // namespace
 
-nlohmann::json read_pickle(std::string_view data, const std::string& source,
-                           const pickle_digest* digest) {
-  return machine(data, source, digest).run();
+void read_pickle(std::string_view data, const std::string& source, sax& out) {
+  machine(data, source).run(out);
+}
+
+nlohmann::json read_pickle(std::string_view data, const std::string& source) {
+  json_dom_builder dom;
+  read_pickle(data, source, dom);
+  return dom.take();
 }
 
 }  // namespace terrace::tools

@@ -1,23 +1,22 @@
 // SPDX-License-Identifier: Apache-2.0
-// Format readers. Each maps its input to trace_events and states where PyTorch's own reserved
-// figure comes from. Errors name the file and the line (text formats) or byte (pickle), and are
-// terrace::logic_error (bad input) whatever the JSON library threw: a value of the wrong type is
-// the input's fault, not a failure of the program.
+// Format detection, and the Kineto and RMM readers (snapshots: snapshot_import.cpp). Each maps its
+// input to trace_events and states where PyTorch's own reserved figure comes from. Errors name the
+// file and the line (text formats) or byte (pickle), and are terrace::logic_error (bad input)
+// whatever the JSON library threw: a value of the wrong type is the input's fault, not a failure
+// of the program.
 #include "tools/trace_import.hpp"
 
 #include <algorithm>
-#include <cerrno>
-#include <charconv>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "terrace/error.hpp"
-#include "tools/pickle_reader.hpp"
+#include "tools/import_values.hpp"
+#include "tools/json_sax.hpp"
 #include "tools/replay.hpp"
+#include "tools/snapshot_import.hpp"
 #include "tools/trace_input.hpp"
 
 namespace terrace::tools {
@@ -26,322 +25,8 @@ namespace {
 
 using json = nlohmann::json;
 
-// Values quoted in errors may hold any bytes (a pickle's strings are not checked for UTF-8): invalid
-// sequences become U+FFFD rather than failing the error message itself, as in allocator/trace.cpp.
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-// A value quoted in an error: scalars as written, an array or object by its size only (the
-// serializer recurses once per level: a value nested a million levels deep, which the parser
-// takes without recursion, overflowed the stack while its error was being written).
-std::string quote(const json& j) {
-  if (j.is_array()) return "an array of " + std::to_string(j.size()) + " elements";
-  if (j.is_object()) return "an object of " + std::to_string(j.size()) + " members";
-  return dump(j);
-}
-
-// Runs one event's parser; a JSON type mismatch its checks did not name becomes a logic_error
-// naming the file and the event.
-template <class F>
-auto per_event(const std::string& where, F&& parse) {
-  try {
-    return parse();
-  } catch (const json::exception& e) {
-    throw logic_error(where + ": " + e.what());
-  }
-}
-
 bool ends_with(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-// Sizes are added up in signed 64-bit figures (live and reserved bytes): larger ones are refused.
-constexpr std::uint64_t kMaxSize = INT64_MAX;
-
-// An unsigned integer written as text: decimal, or hexadecimal after 0x (addresses). Never octal
-// (std::stoull's base 0 read "0100000000" as 16 MiB), and no sign or blanks (stoull took "-1" as
-// 2^64 - 1).
-std::optional<std::uint64_t> parse_u64(std::string_view s) {
-  int base = 10;
-  if (s.size() > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
-    s.remove_prefix(2);
-    base = 16;
-  }
-  std::uint64_t v = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, base);
-  if (s.empty() || ec != std::errc{} || end != s.data() + s.size()) return std::nullopt;
-  return v;
-}
-
-// An address, size, stream or time: an unsigned integer up to `max`. A negative number, a fraction
-// or one out of range is refused; casting it would wrap (-1 became 16 EiB) or be undefined (-1.5,
-// 1e30). A float holding a whole number is accepted, as are strings (Kineto and some exporters
-// write addresses as strings).
-std::uint64_t as_u64(const json& v, const std::string& where, std::uint64_t max = UINT64_MAX) {
-  std::optional<std::uint64_t> x;
-  if (v.is_number_unsigned()) {
-    x = v.get<std::uint64_t>();
-  } else if (v.is_number_integer()) {  // signed: the pickle reader's integers are all int64
-    if (v.get<std::int64_t>() >= 0) x = static_cast<std::uint64_t>(v.get<std::int64_t>());
-  } else if (v.is_number_float()) {
-    const double d = v.get<double>();
-    if (d >= 0 && d < 18446744073709551616.0 && d == std::floor(d)) x = static_cast<std::uint64_t>(d);
-  } else if (v.is_string()) {
-    x = parse_u64(v.get_ref<const std::string&>());
-  }
-  if (!x || *x > max) {
-    throw logic_error(where + ": expected an unsigned integer" +
-                      (max == UINT64_MAX ? std::string() : " up to " + std::to_string(max)) +
-                      ", got " + quote(v));
-  }
-  return *x;
-}
-
-// ------------------------------------------------------------------ PyTorch snapshots
-
-// Frames only label blocks: a frame field of the wrong type is left out like a missing one, as a
-// frame that is not a dict is.
-std::string frame_field(const json& frame, const char* key, const char* missing) {
-  const auto it = frame.find(key);
-  if (it == frame.end()) return missing;
-  if (it->is_string()) return it->get<std::string>();
-  if (it->is_number_integer()) return std::to_string(it->get<std::int64_t>());
-  return missing;
-}
-
-std::string frames_text(const json& frames) {
-  if (!frames.is_array()) return {};
-  // The innermost frames that are not PyTorch's own are the useful ones; keep the first two.
-  std::string out;
-  int kept = 0;
-  for (const auto& f : frames) {
-    if (!f.is_object()) continue;
-    const std::string file = frame_field(f, "filename", "");
-    if (file.find("torch/") != std::string::npos && kept == 0 && frames.size() > 1) continue;
-    if (!out.empty()) out += " < ";
-    out += frame_field(f, "name", "?") + " " + file + ":" + frame_field(f, "line", "0");
-    if (++kept == 2) break;
-  }
-  return out;
-}
-
-trace_event snapshot_event(const json& e, const std::string& where) {
-  if (!e.is_object() || !e.contains("action")) throw logic_error(where + ": no action");
-  const json& a = e.at("action");
-  const auto action = a.is_string() ? parse_trace_action(a.get<std::string>()) : std::nullopt;
-  if (!action) throw logic_error(where + ": unknown action " + quote(a));
-  trace_event ev;
-  ev.action = *action;
-  ev.addr = e.contains("addr") ? as_u64(e.at("addr"), where + " addr") : 0;
-  ev.size = e.contains("size") ? as_u64(e.at("size"), where + " size", kMaxSize) : 0;
-  ev.requested = ev.size;
-  ev.stream = e.contains("stream") ? as_u64(e.at("stream"), where + " stream") : 0;
-  if (e.contains("time_us")) {
-    ev.time_ns = as_u64(e.at("time_us"), where + " time_us", UINT64_MAX / 1000) * 1000;
-  }
-  if (e.contains("tag") && e.at("tag").is_string()) ev.tag = e.at("tag").get<std::string>();
-  if (ev.tag.empty() && e.contains("frames")) {
-    const json& f = e.at("frames");  // a pickle's frames arrive as their text (read_pickle's digest)
-    ev.tag = f.is_string() ? f.get<std::string>() : frames_text(f);
-  }
-  return ev;
-}
-
-imported_trace from_snapshot(const json& snap, const std::string& source, std::string format) {
-  imported_trace t;
-  t.format = std::move(format);
-  if (!snap.is_object()) throw logic_error(source + ": a snapshot is a dict/object");
-  // Any other object would read as an empty trace, and a wrong file as a trace with nothing in it.
-  if (!snap.contains("device_traces") && !snap.contains("segments")) {
-    throw logic_error(source + ": not a snapshot (it has neither device_traces nor segments)");
-  }
-  const json* traces = snap.contains("device_traces") ? &snap.at("device_traces") : nullptr;
-  // The device whose trace is longest: snapshots list one (possibly empty) trace per device.
-  const json* trace = nullptr;
-  int device = 0;
-  if (traces != nullptr) {
-    if (!traces->is_array()) throw logic_error(source + ": device_traces is not a list");
-    std::string counts;  // of the devices with events
-    std::size_t busy = 0;
-    for (std::size_t d = 0; d < traces->size(); ++d) {
-      const json& tr = (*traces)[d];
-      if (!tr.is_array()) throw logic_error(source + ": device_traces[" + std::to_string(d) + "] is not a list");
-      if (trace == nullptr || tr.size() > trace->size()) {
-        trace = &tr;
-        device = static_cast<int>(d);
-      }
-      if (!tr.empty()) {
-        ++busy;
-        counts += (counts.empty() ? "" : ", ") + std::to_string(tr.size()) + " on device " +
-                  std::to_string(d);
-      }
-    }
-    if (busy > 1) {
-      t.notes.push_back(source + ": trace events on " + std::to_string(busy) + " devices (" +
-                        counts + "); replaying device " + std::to_string(device) +
-                        ", the one with the most events");
-    }
-  }
-  std::int64_t seg_delta = 0, seg_running = 0, seg_peak_rel = 0;
-  if (trace != nullptr) {
-    for (std::size_t i = 0; i < trace->size(); ++i) {
-      const json& e = (*trace)[i];
-      const std::string where = source + ": device_traces[" + std::to_string(device) + "][" +
-                                std::to_string(i) + "]";
-      trace_event ev = per_event(where, [&] { return snapshot_event(e, where); });
-      const auto size = static_cast<std::int64_t>(ev.size);
-      // Each size is at most kMaxSize, but a run of them must not overflow the totals either.
-      const bool grows =
-          ev.action == trace_action::segment_alloc || ev.action == trace_action::segment_map;
-      const bool shrinks =
-          ev.action == trace_action::segment_free || ev.action == trace_action::segment_unmap;
-      if ((grows && __builtin_add_overflow(seg_running, size, &seg_running)) ||
-          (shrinks && __builtin_sub_overflow(seg_running, size, &seg_running))) {
-        throw logic_error(where + ": the segment events' sizes add up past 2^63 bytes");
-      }
-      seg_peak_rel = std::max(seg_peak_rel, seg_running);
-      t.events.push_back(std::move(ev));
-    }
-    seg_delta = seg_running;
-  }
-  if (snap.contains("segments")) {
-    const json& segs = snap.at("segments");
-    if (!segs.is_array()) throw logic_error(source + ": segments is not a list");
-    std::int64_t now = 0;
-    for (std::size_t i = 0; i < segs.size(); ++i) {
-      const json& s = segs[i];
-      if (!s.is_object() || !s.contains("total_size")) {
-        throw logic_error(source + ": segments[" + std::to_string(i) + "] has no total_size");
-      }
-      // PyTorch's segments name their device: only the replayed device's count.
-      if (const auto d = s.find("device"); traces != nullptr && d != s.end() &&
-                                           d->is_number_integer() && *d != device) {
-        continue;
-      }
-      const std::uint64_t size = as_u64(s.at("total_size"), source + ": segments[" +
-                                        std::to_string(i) + "] total_size", kMaxSize);
-      if (size > kMaxSize - static_cast<std::uint64_t>(now)) {
-        throw logic_error(source + ": segments add up to more than " + std::to_string(kMaxSize) + " bytes");
-      }
-      now += static_cast<std::int64_t>(size);
-    }
-    t.torch_reserved_now = now;
-    // Reserved at the window's start was `now` minus what the trace's segment events added.
-    std::int64_t before = 0, peak = 0;
-    if (__builtin_sub_overflow(now, seg_delta, &before) ||
-        __builtin_add_overflow(before, seg_peak_rel, &peak)) {
-      throw logic_error(source + ": the segments and the segment events disagree past 2^63 bytes");
-    }
-    t.torch_reserved_peak = std::max(now, peak);
-  }
-  return t;
-}
-
-// The SAX events of a scalar, each handed on as the json value it is, and the parse error kept:
-// what the two readers below share.
-class scalar_sax : public nlohmann::json_sax<json> {
- public:
-  std::string error;
-
-  bool null() override { return value(json(nullptr)); }
-  bool boolean(bool b) override { return value(json(b)); }
-  bool number_integer(number_integer_t n) override { return value(json(n)); }
-  bool number_unsigned(number_unsigned_t n) override { return value(json(n)); }
-  bool number_float(number_float_t x, const string_t&) override { return value(json(x)); }
-  bool string(string_t& text) override { return value(json(std::move(text))); }
-  bool binary(binary_t& b) override { return value(json::binary(std::move(b))); }
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override {
-    error = e.what();
-    return false;
-  }
-
- protected:
-  virtual bool value(json v) = 0;
-};
-
-// Every event and block of a snapshot carries its stack as a list of frame dicts; only the
-// frames' text is used, so each list becomes it as it is read. A pickle shares each distinct
-// frame (5 bytes per use), JSON spells it out at every use: built whole, a snapshot recorded with
-// stacks took about a hundred times its size in memory as a pickle, six times as JSON.
-const pickle_digest& frames_digest() {
-  static const pickle_digest digest{"frames", [](const json& f) { return f.is_string() ? f : json(frames_text(f)); }};
-  return digest;
-}
-
-// nlohmann's DOM parser, with one addition: a value under the digest's key is replaced by its
-// digest as soon as it is complete, as read_pickle does. (nlohmann's callback parser could do
-// that, but it searches each object's parent list after it ends: quadratic in a list of events.)
-class digesting_dom_builder final : public scalar_sax {
- public:
-  explicit digesting_dom_builder(const pickle_digest* digest) : digest_(digest) {}
-  json root;
-
-  bool start_object(std::size_t) override { return open(json::object()); }
-  bool start_array(std::size_t) override { return open(json::array()); }
-  bool end_object() override { return close(); }
-  bool end_array() override { return close(); }
-  bool key(string_t& k) override {
-    key_ = std::move(k);
-    return true;
-  }
-
- private:
-  struct level {
-    json* value;
-    bool digest;  // it sits under the digest's key
-  };
-  // Puts `v` where the parser is (the root, the next list element, or under the last key).
-  json* place(json v) {
-    if (stack_.empty()) return &(root = std::move(v));
-    json& parent = *stack_.back().value;
-    if (parent.is_array()) return &parent.emplace_back(std::move(v));
-    return &(parent[key_] = std::move(v));
-  }
-  bool value(json v) override {
-    const bool digest = under_digest_key();
-    json* at = place(std::move(v));
-    if (digest) *at = digest_->of(*at);
-    return true;
-  }
-  bool open(json container) {
-    const bool digest = under_digest_key();
-    stack_.push_back({place(std::move(container)), digest});
-    return true;
-  }
-  bool close() {
-    const level done = stack_.back();
-    stack_.pop_back();
-    if (done.digest) *done.value = digest_->of(*done.value);
-    return true;
-  }
-  bool under_digest_key() const {
-    return digest_ != nullptr && !stack_.empty() && stack_.back().value->is_object() && key_ == digest_->key;
-  }
-
-  const pickle_digest* digest_;
-  std::vector<level> stack_;
-  std::string key_;
-};
-
-json parse_json(std::istream& text, const std::string& source, const pickle_digest* digest = nullptr) {
-  digesting_dom_builder builder(digest);
-  // parse_error, and out_of_range for a number too large, come to parse_error().
-  if (!json::sax_parse(text, &builder)) throw logic_error(source + ": malformed JSON: " + builder.error);
-  return std::move(builder.root);
-}
-
-imported_trace torch_snapshot_json(std::istream& text, const std::string& source) {
-  return from_snapshot(parse_json(text, source, &frames_digest()), source, "torch-snapshot-json");
-}
-
-}  // namespace
-
-imported_trace parse_torch_snapshot_pickle(std::string_view bytes, const std::string& source) {
-  return from_snapshot(read_pickle(bytes, source, &frames_digest()), source, "torch-snapshot-pickle");
-}
-
-imported_trace parse_torch_snapshot_json(std::string_view text, const std::string& source) {
-  view_istream in(text);
-  return torch_snapshot_json(in, source);
 }
 
 // ------------------------------------------------------------------ Kineto
@@ -465,8 +150,6 @@ class kineto_memory_reader final : public scalar_sax {
   json current_;
 };
 
-namespace {
-
 imported_trace kineto_json(std::istream& text, const std::string& source) {
   kineto_memory_reader reader;
   if (!json::sax_parse(text, &reader)) throw logic_error(source + ": malformed JSON: " + reader.error);
@@ -494,12 +177,12 @@ imported_trace kineto_json(std::istream& text, const std::string& source) {
       // Bytes is signed (a free is negative) and its magnitude a size: |Bytes| <= 2^63 - 1, so
       // INT64_MIN (whose negation overflows) and 2^64 - 1 (which read as -1) are refused.
       const json& b = a.at("Bytes");
-      const bool fits = b.is_number_unsigned() ? b.get<std::uint64_t>() <= kMaxSize
+      const bool fits = b.is_number_unsigned() ? b.get<std::uint64_t>() <= kMaxTraceSize
                         : b.is_number_integer() ? b.get<std::int64_t>() != INT64_MIN
                                                 : false;
       if (!fits) {
-        throw logic_error(where + ": Bytes must be an integer from -" + std::to_string(kMaxSize) +
-                          " to " + std::to_string(kMaxSize) + ", got " + quote(b));
+        throw logic_error(where + ": Bytes must be an integer from -" + std::to_string(kMaxTraceSize) +
+                          " to " + std::to_string(kMaxTraceSize) + ", got " + quote(b));
       }
       const auto bytes = b.get<std::int64_t>();
       trace_event ev;
@@ -516,7 +199,7 @@ imported_trace kineto_json(std::istream& text, const std::string& source) {
       }
       if (a.contains("Total Reserved")) {
         d.peak = std::max(d.peak, static_cast<std::int64_t>(as_u64(
-                                      a.at("Total Reserved"), where + " Total Reserved", kMaxSize)));
+                                      a.at("Total Reserved"), where + " Total Reserved", kMaxTraceSize)));
       }
       if (ev.size == 0) return;
       d.events.push_back(std::move(ev));
@@ -620,7 +303,7 @@ imported_trace rmm_csv(std::istream& text, const std::string& source) {
                         std::string(action) + "' (expected allocate, free, allocate failure)");
     }
     ev.addr = number(f[static_cast<std::size_t>(col_ptr)], "pointer", UINT64_MAX);
-    ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size", kMaxSize);
+    ev.size = ev.requested = number(f[static_cast<std::size_t>(col_size)], "size", kMaxTraceSize);
     if (col_stream >= 0) ev.stream = number(f[static_cast<std::size_t>(col_stream)], "stream", UINT64_MAX);
     // A request of 0 bytes returns a null pointer and its free frees it: nothing was held (two
     // of them live at once would otherwise be two allocations of address 0, an inconsistent
@@ -690,12 +373,12 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
     }
     // One line: a snapshot written compactly (whose trace events have actions too) or a
     // one-event trace; its top-level keys tell.
-    const json j = parse_json(input.from_start(), path, &frames_digest());
-    if (j.is_object() && j.contains("action") && !j.contains("device_traces") &&
-        !j.contains("segments")) {
-      return jsonl();
+    snapshot_reader snapshot(path);
+    if (!json::sax_parse(input.from_start(), &snapshot)) {
+      throw logic_error(path + ": malformed JSON: " + snapshot.error);
     }
-    return from_snapshot(j, path, "torch-snapshot-json");
+    if (snapshot.is_one_trace_event()) return jsonl();
+    return std::move(snapshot).finish("torch-snapshot-json");
   });
 }
 
