@@ -19,6 +19,7 @@
 #include <new>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -142,24 +143,37 @@ class live_table {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.sizes.insert(key, hash, size);
   }
-  // Removes `p` if `size` (0 = any) matches and returns its recorded size; nullopt for an unknown
-  // pointer. Throws logic_error on a size mismatch (nothing removed).
-  std::optional<std::size_t> take(void* p, std::size_t size, int device) {
+  // What a free whose size differs from the allocation's does: refused (the C ABI: the caller
+  // can see the error and the block stays allocated), or freed at the allocation's size
+  // (PyTorch's hook: PyTorch forgets the pointer before calling free and never retries, so a
+  // refusal would leak the block for good).
+  enum class size_rule { refuse_mismatch, free_at_recorded };
+  struct taken {
+    std::optional<std::size_t> recorded;  // nullopt: an unknown pointer
+    bool size_mismatch = false;
+  };
+  // Removes `p` and returns its recorded size. Under refuse_mismatch, throws logic_error on a
+  // size mismatch (nothing removed).
+  taken take(void* p, std::size_t size, int device, size_rule rule) {
     const auto [key, hash] = hash_of(p);
     shard& s = shards_[hash >> 58];
     std::lock_guard<std::mutex> lock(s.mutex);
     const std::size_t at = s.sizes.find(key, hash);
-    if (at == flat_size_map::npos) return std::nullopt;
+    if (at == flat_size_map::npos) return {};
     const std::size_t recorded = s.sizes.value(at);
-    if (size != 0 && size != recorded) {
-      std::ostringstream msg;
-      msg << "terrace: free of " << p << " on device " << device << " with size " << size
-          << ", but it was allocated with size " << recorded
-          << " (the free was refused; the block stays allocated)";
-      fail(msg.str());
+    const bool mismatch = size != 0 && size != recorded;
+    if (mismatch && rule == size_rule::refuse_mismatch) {
+      fail(size_mismatch(p, size, recorded, device, "the free was refused; the block stays allocated"));
     }
     s.sizes.erase(at);
-    return recorded;
+    return {recorded, mismatch};
+  }
+  static std::string size_mismatch(void* p, std::size_t size, std::size_t recorded, int device,
+                                   const char* outcome) {
+    std::ostringstream msg;
+    msg << "terrace: free of " << p << " on device " << device << " with size " << size
+        << ", but it was allocated with size " << recorded << " (" << outcome << ")";
+    return msg.str();
   }
   bool contains(void* p) {
     const auto [key, hash] = hash_of(p);
@@ -195,6 +209,8 @@ struct device_slot {
 // memory stays reachable from this table, so leak checkers do not report it.
 std::array<std::atomic<device_slot*>, kMaxDevices> g_slots{};
 std::array<std::atomic<std::int64_t>, kMaxDevices> g_bad_frees{};
+// Frees through PyTorch's hook whose size was not the allocation's, freed at the allocation's.
+std::array<std::atomic<std::int64_t>, kMaxDevices> g_size_mismatched_frees{};
 
 // Guards creation and everything below it.
 std::mutex g_mutex;
@@ -205,6 +221,7 @@ int g_record_trace = -1;                   // from terrace_record_trace; -1 = as
 
 std::atomic<bool> g_warned_malloc{false};
 std::atomic<bool> g_warned_free{false};
+std::atomic<bool> g_warned_free_size{false};
 std::atomic<bool> g_warned_record_stream{false};
 std::atomic<bool> g_warned_fraction{false};
 std::atomic<bool> g_warned_empty_cache{false};
@@ -286,6 +303,8 @@ std::string stats_json_for(int device) {
   nlohmann::json j = nlohmann::json::parse(base);
   j["num_bad_frees"] =
       g_bad_frees[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
+  j["num_size_mismatched_frees"] =
+      g_size_mismatched_frees[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
   // The planner's figures (policy planned or plan_counterfactual) join as "plan.*" keys.
   if (s != nullptr && s->allocator->plan_stats().enabled) {
     // Named: a range-for over items() of the temporary parse() returns would outlive it.
@@ -341,24 +360,68 @@ std::string quoted(const char* s) { return s == nullptr ? "NULL" : '"' + std::st
 
 // ============================================================ the CUDAPluggableAllocator ABI
 
+namespace {
+
+// malloc's body, shared by terrace_malloc and terrace_torch_malloc.
+void* allocate_recorded(size_t size, int device, void* stream) {
+  if (size == 0) return nullptr;  // PyTorch's convention: no memory, no error
+  device_slot& slot = slot_for(device);
+  void* p = slot.allocator->allocate(size, stream_ref{stream});
+  try {
+    slot.live.insert(p, size);
+  } catch (...) {
+    slot.allocator->deallocate(p, stream_ref{stream});
+    throw;
+  }
+  return p;
+}
+
+// free's body, shared by terrace_free and terrace_torch_free. Returns what the live table held
+// (a size mismatch only under free_at_recorded).
+live_table::taken free_recorded(void* ptr, size_t size, int device, void* stream,
+                                live_table::size_rule rule) {
+  if (ptr == nullptr) return {};
+  check_device(device);
+  device_slot* slot = find_slot(device);
+  if (slot == nullptr) {
+    std::ostringstream msg;
+    msg << "terrace: free of " << ptr << " on device " << device
+        << ", where terrace has allocated nothing (foreign pointer or wrong device)";
+    fail(msg.str());
+  }
+  // An unknown pointer still goes to the allocator, which refuses it and says why (double
+  // free, interior pointer, foreign pointer) without changing anything.
+  const live_table::taken taken = slot->live.take(ptr, size, device, rule);
+  try {
+    slot->allocator->deallocate(ptr, stream_ref{stream});
+  } catch (...) {
+    // The allocator refused and keeps the block live, so the table must keep it too. Taking it
+    // out first, rather than after, closes the window in which another thread's malloc could be
+    // handed `ptr` before it left the table.
+    if (taken.recorded) slot->live.insert(ptr, *taken.recorded);
+    throw;
+  }
+  if (taken.size_mismatch) {
+    g_size_mismatched_frees[static_cast<std::size_t>(device)].fetch_add(1, std::memory_order_relaxed);
+  }
+  return taken;
+}
+
+void count_refused_free(int rc, int device) noexcept {
+  if (rc == TERRACE_EINVAL && device >= 0 && device < kMaxDevices) {
+    g_bad_frees[static_cast<std::size_t>(device)].fetch_add(1, std::memory_order_relaxed);
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 TERRACE_API void* terrace_malloc(size_t size, int device, void* stream) {
   void* p = nullptr;
   const auto call = [&] { return describe_call("terrace_malloc", size, device, stream); };
-  guarded(call, [&] {
-    if (size == 0) return;  // PyTorch's convention: no memory, no error
-    device_slot& slot = slot_for(device);
-    p = slot.allocator->allocate(size, stream_ref{stream});
-    try {
-      slot.live.insert(p, size);
-    } catch (...) {
-      void* unrecorded = std::exchange(p, nullptr);  // NULL goes back even if this free fails
-      slot.allocator->deallocate(unrecorded, stream_ref{stream});
-      throw;
-    }
-  });
-  // Some PyTorch versions do not check for NULL: the first failure is also printed.
+  guarded(call, [&] { p = allocate_recorded(size, device, stream); });
+  // A caller that does not check for NULL would use address 0: the first failure is printed too.
   if (p == nullptr && size != 0) warn_once(g_warned_malloc, "terrace_malloc");
   return p;
 }
@@ -366,35 +429,51 @@ TERRACE_API void* terrace_malloc(size_t size, int device, void* stream) {
 TERRACE_API void terrace_free(void* ptr, size_t size, int device, void* stream) {
   const auto call = [&] { return describe_call("terrace_free", ptr, size, device, stream); };
   const int rc = guarded(call, [&] {
-    if (ptr == nullptr) return;
-    check_device(device);
-    device_slot* slot = find_slot(device);
-    if (slot == nullptr) {
-      std::ostringstream msg;
-      msg << "terrace: free of " << ptr << " on device " << device
-          << ", where terrace has allocated nothing (foreign pointer or wrong device)";
-      fail(msg.str());
-    }
-    // An unknown pointer still goes to the allocator, which refuses it and says why (double
-    // free, interior pointer, foreign pointer) without changing anything.
-    const std::optional<std::size_t> recorded = slot->live.take(ptr, size, device);
-    try {
-      slot->allocator->deallocate(ptr, stream_ref{stream});
-    } catch (...) {
-      // The allocator refused and keeps the block live (the free can be retried), so the table
-      // must keep it too. Taking it out first, rather than after, closes the window in which
-      // another thread's malloc could be handed `ptr` before it left the table.
-      if (recorded) slot->live.insert(ptr, *recorded);
-      throw;
-    }
+    free_recorded(ptr, size, device, stream, live_table::size_rule::refuse_mismatch);
   });
   if (rc != TERRACE_OK) {
-    if (rc == TERRACE_EINVAL && device >= 0 && device < kMaxDevices) {
-      g_bad_frees[static_cast<std::size_t>(device)].fetch_add(1, std::memory_order_relaxed);
-    }
+    count_refused_free(rc, device);
     warn_once(g_warned_free, "terrace_free");
   }
 }
+
+}  // extern "C"
+
+// PyTorch's CUDAPluggableAllocator stores whatever its malloc hook returns as the tensor's data
+// pointer without checking it, so a NULL would become a tensor at address 0. These two hooks are
+// for PyTorch's C++ caller alone: the malloc throws, which PyTorch's bindings turn into a Python
+// RuntimeError carrying terrace's out-of-memory report (as RMM's PyTorch hook does), and the free
+// never refuses a pointer terrace knows (PyTorch never retries a free).
+extern "C" TERRACE_API void* terrace_torch_malloc(size_t size, int device, void* stream) {
+  void* p = nullptr;
+  const auto call = [&] { return describe_call("terrace_torch_malloc", size, device, stream); };
+  if (guarded(call, [&] { p = allocate_recorded(size, device, stream); }) != TERRACE_OK) {
+    throw std::runtime_error(terrace::c_boundary::error_text());
+  }
+  return p;
+}
+
+extern "C" TERRACE_API void terrace_torch_free(void* ptr, size_t size, int device, void* stream) {
+  const auto call = [&] { return describe_call("terrace_torch_free", ptr, size, device, stream); };
+  live_table::taken taken;
+  const int rc = guarded(call, [&] {
+    taken = free_recorded(ptr, size, device, stream, live_table::size_rule::free_at_recorded);
+  });
+  if (rc != TERRACE_OK) {
+    count_refused_free(rc, device);
+    warn_once(g_warned_free, "terrace_torch_free");
+  } else if (taken.size_mismatch && !g_warned_free_size.exchange(true, std::memory_order_relaxed)) {
+    try {
+      const std::string why = live_table::size_mismatch(ptr, size, *taken.recorded, device,
+                                                        "freed at the allocation's size");
+      std::fprintf(stderr, "terrace: warning: %s; later ones are counted in num_size_mismatched_frees\n",
+                   why.c_str());
+    } catch (...) {  // no memory for the message: the count still has it
+    }
+  }
+}
+
+extern "C" {
 
 TERRACE_API void terrace_init(int device_count) {
   const auto call = [&] { return describe_call("terrace_init", device_count); };

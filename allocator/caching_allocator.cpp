@@ -18,6 +18,7 @@
 
 #include "allocator/block.hpp"
 #include "allocator/plan_front.hpp"
+#include "allocator/stream_uses.hpp"
 #include "terrace/error.hpp"
 
 namespace terrace {
@@ -317,20 +318,14 @@ class allocator_impl {
     auto it = live_.find(addr);
     if (it == live_.end()) throw logic_error(describe_bad_pointer(addr, "free"));
     block* b = it->second;
-    // Events first: if the device refuses one (a stream destroyed since record_stream named it),
-    // the block stays live and the free can be retried; nothing has changed.
+    // Events first: only if the device can neither record them nor be waited for does the free
+    // fail, and then the block stays live and nothing has changed.
     std::vector<event_ref> events;
     if (!b->used_streams.empty()) {
-      try {
-        for (std::uintptr_t s : b->used_streams) {
-          event_ref e = acquire_event();
-          events.push_back(e);
-          device_.record(e, stream_ref{reinterpret_cast<void*>(s)});
-        }
-      } catch (...) {
-        for (event_ref e : events) event_pool_.push_back(e);
-        throw;
-      }
+      events = detail::mark_stream_uses(
+          device_, b->used_streams, [&] { return acquire_event(); },
+          [&](event_ref e) { event_pool_.push_back(e); });
+      if (events.empty()) b->used_streams.clear();  // waited for: nothing left to mark
     }
     live_.erase(it);
     b->allocated = false;

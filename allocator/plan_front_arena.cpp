@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "allocator/plan_front_common.hpp"
+#include "allocator/stream_uses.hpp"
 #include "terrace/error.hpp"
 
 namespace terrace::detail {
@@ -650,11 +651,10 @@ void plan_front::defer_reuse(std::uintptr_t addr, std::size_t size, std::uintptr
                              const std::vector<std::uintptr_t>& users) {
   deferred_range r;
   r.size = size;
-  for (std::uintptr_t user : users) {
-    const event_ref e = acquire_event();
-    device_.record(e, stream_ref{reinterpret_cast<void*>(user)});
-    r.events.push_back(e);
-  }
+  r.events = detail::mark_stream_uses(
+      device_, users, [&] { return acquire_event(); },
+      [&](event_ref e) { event_pool_.push_back(e); });
+  if (r.events.empty()) return;  // the host waited for the users' work: nothing to defer
   // Ranges of one stream stay disjoint: a guest's range may cover ones deferred before it came.
   std::map<std::uintptr_t, deferred_range>& ranges = deferred_[stream];
   std::uintptr_t first = addr, last = addr + size;

@@ -917,24 +917,84 @@ TEST(CachingAllocator, ASizeNoDeviceCanHoldIsOutOfMemoryAndNeverAliasesALiveBloc
   }
 }
 
-// Found in review: the free took the block out of the live map before recording its events, so
-// a device that refused the record lost the block (in no list, never reusable).
-TEST(CachingAllocator, AFreeWhoseEventTheDeviceRefusesChangesNothing) {
-  auto dev = sim(64 * MiB);
-  caching_allocator a(*dev);
-  stream_ref side = dev->create_stream();
-  void* p = a.allocate(4 * MiB);
-  a.record_stream(p, side);
-  dev->destroy_stream(side);  // the stream record_stream named is gone
-  EXPECT_ANY_THROW(a.deallocate(p));
-  a.check_invariants();  // the block is still live and accounted
-  const auto s = a.stats();
-  EXPECT_EQ(s.allocation[0].current, 1);
-  EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
-  void* q = a.allocate(4 * MiB);  // served elsewhere: p's memory is not handed out twice
-  EXPECT_NE(q, p);
-  a.deallocate(q);
-  a.check_invariants();
+// A free whose event the device refuses (the stream record_stream named is gone) waits for the
+// device instead and frees: refusing it kept the block live, and PyTorch, which never retries a
+// free, leaked it (found in review). The block is free at once, its work done.
+TEST(CachingAllocator, AFreeWhoseEventTheDeviceRefusesWaitsForTheDeviceAndFrees) {
+  for (const alloc_policy policy : {alloc_policy::caching, alloc_policy::planned}) {
+    auto dev = sim(64 * MiB);
+    allocator_config cfg;
+    cfg.policy = policy;
+    caching_allocator a(*dev, cfg);
+    stream_ref side = dev->create_stream();
+    void* p = a.allocate(4 * MiB);
+    a.record_stream(p, side);
+    dev->destroy_stream(side);  // the stream record_stream named is gone
+    EXPECT_NO_THROW(a.deallocate(p));
+    a.check_invariants();
+    EXPECT_EQ(a.stats().allocation[0].current, 0);
+    void* q = a.allocate(4 * MiB);  // nothing left to wait for: the same block, at once
+    EXPECT_EQ(q, p);
+    a.deallocate(q);
+    a.check_invariants();
+  }
+}
+
+// A device lost (it can neither record an event nor be waited for): the free fails and changes
+// nothing. Found in review before: the free took the block out of the live map before recording
+// its events, so a refused record lost the block (in no list, never reusable).
+TEST(CachingAllocator, AFreeTheDeviceCanNeitherMarkNorWaitForChangesNothing) {
+  // A sim device that can be lost: then events and waits fail.
+  class losable_device final : public device_backend {
+   public:
+    explicit losable_device(std::unique_ptr<device_backend> inner) : inner_(std::move(inner)) {
+      properties_ = inner_->properties();
+    }
+    bool lost = false;
+
+   private:
+    void check() const {
+      if (lost) throw device_error("test: the device is lost");
+    }
+    void* do_reserve(std::size_t bytes) override { return inner_->reserve(bytes); }
+    void do_release(void* p, std::size_t bytes) noexcept override { inner_->release(p, bytes); }
+    std::size_t do_used_bytes() const noexcept override { return inner_->used_bytes(); }
+    stream_ref do_create_stream() override { return inner_->create_stream(); }
+    void do_destroy_stream(stream_ref s) noexcept override { inner_->destroy_stream(s); }
+    void do_synchronize_stream(stream_ref s) override { check(), inner_->synchronize(s); }
+    void do_synchronize_device() override { check(), inner_->synchronize_device(); }
+    event_ref do_create_event() override { return inner_->create_event(); }
+    void do_destroy_event(event_ref e) noexcept override { inner_->destroy_event(e); }
+    void do_record(event_ref e, stream_ref s) override { check(), inner_->record(e, s); }
+    bool do_query(event_ref e) override { return inner_->query(e); }
+    void do_wait(stream_ref s, event_ref e) override { inner_->wait(s, e); }
+    void do_synchronize_event(event_ref e) override { check(), inner_->synchronize(e); }
+    void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind kind,
+                       stream_ref s) override {
+      inner_->copy_async(dst, src, bytes, kind, s);
+    }
+    std::unique_ptr<device_backend> inner_;
+  };
+  losable_device dev(sim(64 * MiB));
+  {
+    caching_allocator a(dev);
+    stream_ref side = dev.create_stream();
+    void* p = a.allocate(4 * MiB);
+    a.record_stream(p, side);
+    dev.lost = true;
+    EXPECT_THROW(a.deallocate(p), device_error);
+    a.check_invariants();  // the block is still live and accounted
+    const auto s = a.stats();
+    EXPECT_EQ(s.allocation[0].current, 1);
+    EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(4 * MiB));
+    void* q = a.allocate(4 * MiB);  // served elsewhere: p's memory is not handed out twice
+    EXPECT_NE(q, p);
+    a.deallocate(q);
+    dev.lost = false;
+    a.deallocate(p);  // the free can be retried
+    a.check_invariants();
+    dev.destroy_stream(side);
+  }
 }
 
 // Found in review: the out-of-memory retry waited for pending frees, which made a fitting block

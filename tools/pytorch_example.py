@@ -46,7 +46,10 @@ def main():
     #      is created on the GPU. The optional hooks route torch.cuda.empty_cache(),
     #      set_per_process_memory_fraction() and Tensor.record_stream() to terrace.
     terrace = ctypes.CDLL(lib_path)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "terrace_malloc", "terrace_free")
+    # terrace_torch_malloc raises an error PyTorch turns into RuntimeError where terrace_malloc
+    # would return NULL, which PyTorch does not check.
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(lib_path, "terrace_torch_malloc",
+                                                     "terrace_torch_free")
     hooks = alloc.allocator()
     fn = lambda name: ctypes.cast(getattr(terrace, name), ctypes.c_void_p).value  # noqa: E731
     hooks.set_init_fn(fn("terrace_init"))                       # void(int device_count)

@@ -167,18 +167,32 @@ def load(path=None):
 
 
 def install(path=None, conf=None):
-    """Makes terrace PyTorch's CUDA allocator. Call before the first CUDA allocation.
+    """Makes terrace PyTorch's CUDA allocator. Call before CUDA is initialized in this process.
 
-    `conf` ("key:value,...", as TERRACE_ALLOC_CONF) configures terrace first. Raises TerraceError
-    for a bad config, RuntimeError when PyTorch already allocated with its own allocator.
+    PyTorch initializes CUDA lazily, at the first CUDA tensor but also at calls such as
+    torch.cuda.current_device() or get_device_properties(); its allocator can be swapped only
+    before that. `conf` ("key:value,...", as TERRACE_ALLOC_CONF) configures terrace first. Raises
+    TerraceError for a bad config, RuntimeError when CUDA is already initialized.
+
+    Out of device memory then raises RuntimeError with terrace's report (PyTorch's own allocator
+    raises torch.OutOfMemoryError, a RuntimeError). CUDA graph capture (torch.cuda.graph,
+    torch.compile(mode="reduce-overhead")) is not supported: terrace has no private pools.
     """
     global _allocator
     import torch  # only install() needs PyTorch
 
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "terrace_torch.install() must run before CUDA is initialized in this process (before "
+            "the first CUDA tensor, torch.cuda.current_device(), get_device_properties(), ...): "
+            "PyTorch cannot swap an allocator it has initialized")
     lib = load(path)
     if conf:
         lib.configure(conf)
-    alloc = torch.cuda.memory.CUDAPluggableAllocator(lib.path, "terrace_malloc", "terrace_free")
+    # The torch_ pair: PyTorch uses a NULL from malloc as the tensor's address and never retries
+    # a free (see include/terrace/terrace.h).
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(lib.path, "terrace_torch_malloc",
+                                                     "terrace_torch_free")
     native = alloc.allocator()
     native.set_init_fn(lib.address("terrace_init"))
     native.set_reset_fn(lib.address("terrace_empty_cache"))

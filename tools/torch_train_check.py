@@ -60,7 +60,8 @@ def main():
     ap.add_argument("--allocator", choices=["terrace", "pytorch"], required=True)
     ap.add_argument("--model", choices=["resnet18", "gpt2"], default="gpt2")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--lib", default="build/allocator/libterrace.so")
+    ap.add_argument("--lib", default=None,
+                    help="libterrace.so (default: $TERRACE_LIBRARY, else build/allocator/ of this checkout)")
     ap.add_argument("--conf", default="", help="TERRACE_ALLOC_CONF for the terrace run")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()

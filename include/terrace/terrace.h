@@ -3,18 +3,25 @@
  * @file terrace.h
  * @brief terrace's C ABI, for embedding: PyTorch's CUDAPluggableAllocator, ctypes, C trainers.
  *
- * The first four functions have exactly the signatures torch.cuda.memory.CUDAPluggableAllocator
+ * The allocation functions have exactly the signatures torch.cuda.memory.CUDAPluggableAllocator
  * and its hooks expect (cudaStream_t is a pointer, passed here as void*):
  *
- *   alloc   = torch.cuda.memory.CUDAPluggableAllocator(path, "terrace_malloc", "terrace_free")
+ *   alloc   = torch.cuda.memory.CUDAPluggableAllocator(path, "terrace_torch_malloc",
+ *                                                      "terrace_torch_free")
  *   alloc.set_init_fn / set_reset_fn / set_memory_fraction_fn / set_record_stream_fn
  *     -> terrace_init, terrace_empty_cache, terrace_set_memory_fraction, terrace_record_stream
+ *
+ * (tools/terrace_torch.py's install() does this.) PyTorch does not check its malloc hook's result
+ * and never retries a free, so it gets its own pair: terrace_torch_malloc throws instead of
+ * returning NULL, and terrace_torch_free frees a known pointer whatever size it is given. C
+ * callers use terrace_malloc / terrace_free.
  *
  * One allocator per device index is created on first use, configured from TERRACE_ALLOC_CONF (or
  * terrace_configure, called before first use). The backend is `device` from that config: "auto"
  * (the default) picks CUDA when a GPU is present and the simulated device otherwise.
  *
- * No C++ exception ever crosses this boundary. Functions that can fail return 0 on success and a
+ * No C++ exception ever crosses this boundary, except terrace_torch_malloc's, which is for PyTorch's
+ * C++ caller alone. Functions that can fail return 0 on success and a
  * negative TERRACE_E* code on failure; terrace_malloc returns NULL. terrace_last_error() then
  * describes the failure (per thread). terrace_free cannot report failure to PyTorch: a bad free is
  * refused (nothing is changed), counted, and described by terrace_last_error().
@@ -50,6 +57,18 @@ enum terrace_status {
 TERRACE_API void* terrace_malloc(size_t size, int device, void* stream);
 /** @brief Frees what terrace_malloc returned. `size` 0 skips the size check. */
 TERRACE_API void terrace_free(void* ptr, size_t size, int device, void* stream);
+/** @brief PyTorch's malloc hook: as terrace_malloc, but a failure throws a std::runtime_error
+ *  carrying terrace_last_error()'s text (PyTorch raises it as a Python RuntimeError) instead of
+ *  returning NULL, which PyTorch would use as the tensor's address. Size 0 returns NULL. Never
+ *  call it from C. */
+#ifdef __cplusplus
+TERRACE_API void* terrace_torch_malloc(size_t size, int device, void* stream);
+#endif
+/** @brief PyTorch's free hook: as terrace_free, but a pointer terrace allocated is freed at its
+ *  allocation's size even when `size` differs (counted in terrace_stats_json's
+ *  num_size_mismatched_frees, the first printed): PyTorch has forgotten the pointer and never
+ *  retries. */
+TERRACE_API void terrace_torch_free(void* ptr, size_t size, int device, void* stream);
 /** @brief init hook: PyTorch passes the device count. Creates nothing yet; safe to call twice. */
 TERRACE_API void terrace_init(int device_count);
 /** @brief reset hook (torch.cuda.empty_cache): releases cached memory on every device. */
