@@ -97,7 +97,9 @@ class acquired_tensors {
       }
     }
   }
-  void* acquire(tensor_id id, access mode = access::update) {
+  // No default: a parameter acquired for update is marked newer on the device, and each eviction
+  // then copied it home though it never changed (86ab01f did that to every forward and backward).
+  void* acquire(tensor_id id, access mode) {
     void* p = tm_.acquire(id, stream_, mode);
     held_.push_back(id);
     return p;
@@ -825,7 +827,7 @@ struct offload_engine::impl {
     model->begin_batch(batch);
     acquired_tensors held(*tm, compute);
     for (std::size_t i = 0; i < layers.size(); ++i) {
-      const auto* p = static_cast<const std::uint16_t*>(held.acquire(layers[i].param));
+      const auto* p = static_cast<const std::uint16_t*>(held.acquire(layers[i].param, access::read));
       model->forward(i, p);
       held.release(layers[i].param);
     }
@@ -838,7 +840,7 @@ struct offload_engine::impl {
       s.optimizer_wait_seconds = seconds_since(copy_wait);
     }
     for (std::size_t i = layers.size(); i-- > 0;) {
-      const auto* p = static_cast<const std::uint16_t*>(held.acquire(layers[i].param));
+      const auto* p = static_cast<const std::uint16_t*>(held.acquire(layers[i].param, access::read));
       auto* g = static_cast<float*>(held.acquire(layers[i].grad, access::write));
       // The gradient's block may have held a tensor whose copy down (flush) or copy up is still
       // queued: acquire(write) has ordered `compute` after exactly those copies (the tier
