@@ -214,6 +214,17 @@ struct offload_engine::impl {
   // the params) failed, `publish` when only publishing a delayed update's params is left.
   enum class failed_phase { none, update, publish };
   failed_phase failed = failed_phase::none;
+  bool failed_delayed = false;  // the failed phase is a delayed update's
+
+  // Whether the step about to run delays its update: delayed_update, once delayed_update_after
+  // optimizer steps have been taken undelayed.
+  bool delays_update() const {
+    return options.delayed_update && completed_steps >= options.delayed_update_after;
+  }
+  void fail_phase(failed_phase phase, bool delayed) {
+    failed = phase;
+    failed_delayed = delayed;
+  }
 
   impl(device_backend& d, const offload_engine_options& o)
       : device(d), options(o), memory(d, o.device_allocator) {}
@@ -692,7 +703,7 @@ struct offload_engine::impl {
     try {
       u = pending.get();
     } catch (...) {
-      failed = failed_phase::update;
+      fail_phase(failed_phase::update, /*delayed=*/true);
       throw;
     }
     completed_steps = adam->step_count();
@@ -725,7 +736,7 @@ struct offload_engine::impl {
                     it->elements * 2);
       }
     } catch (...) {
-      failed = failed_phase::publish;
+      fail_phase(failed_phase::publish, /*delayed=*/true);
       throw;
     }
   }
@@ -740,10 +751,10 @@ struct offload_engine::impl {
   update_result finish_failed_update() {
     update_result u;
     if (failed == failed_phase::update) {
-      u = run_update(options.delayed_update, nullptr, /*copy_grads=*/!grads_in_copy);
+      u = run_update(failed_delayed, nullptr, /*copy_grads=*/!grads_in_copy);
       completed_steps = adam->step_count();
     }
-    if (options.delayed_update) publish(u);
+    if (failed_delayed) publish(u);
     failed = failed_phase::none;
     return u;
   }
@@ -818,6 +829,7 @@ struct offload_engine::impl {
     update_result retried;
     const bool finished_failed = failed != failed_phase::none;
     if (finished_failed) retried = finish_failed_update();
+    const bool delayed = delays_update();
     const auto forward_start = clock_type::now();
 
     // The first step's acquires are recorded as the schedule (the call after its optimizer step
@@ -856,7 +868,7 @@ struct offload_engine::impl {
     s.exposed_transfer_seconds = model->wait_seconds() - wait_before;
 
     update_result u;
-    if (options.delayed_update) {
+    if (delayed) {
       // This step reports the update that finished during it (the failed one it finished first,
       // if any: no other was running), publishes its params, and starts its own update.
       if (finished_failed) {
@@ -877,7 +889,7 @@ struct offload_engine::impl {
         ~unstarted_update() {
           if (started) return;
           engine->grads_copied = {};
-          engine->failed = failed_phase::update;
+          engine->fail_phase(failed_phase::update, /*delayed=*/true);
         }
       } start{this};
       pending = std::async(std::launch::async, [this, c = std::move(copied)]() mutable {
@@ -898,7 +910,8 @@ struct offload_engine::impl {
       try {
         u = run_update(/*delayed=*/false);
       } catch (...) {
-        failed = failed_phase::update;  // its gradients stay in their home copies until then
+        // Its gradients stay in their home copies until it is finished.
+        fail_phase(failed_phase::update, /*delayed=*/false);
         throw;
       }
       u.add_costs(retried);
@@ -920,7 +933,7 @@ struct offload_engine::impl {
     s.seconds = seconds_since(start);
     // delayed_update: the count once the update just started is applied (one less should it be
     // skipped, which the next step reports).
-    s.step = completed_steps + (options.delayed_update ? 1 : 0);
+    s.step = completed_steps + (delayed ? 1 : 0);
 
     const tier_stats tiers_after = tm->stats();
     s.host_to_device_bytes = tiers_after.host_to_device_bytes - tiers_before.host_to_device_bytes;

@@ -345,6 +345,11 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
   cmd->add_flag("--delayed-update", o.delayed_update,
                 "run each step's CPU optimizer beside the next step's forward (ZeRO-Offload's "
                 "delayed parameter update: one step staler gradients)");
+  cmd->add_option("--delayed-update-after", o.delayed_update_after,
+                  "with --delayed-update: take this many optimizer steps undelayed first (Adam's "
+                  "first, largest updates overshoot when one step stale)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--report", args.report,
                   "the memory report (HTML; default: <dir>/memory-report.html)");
   cmd->add_flag("--no-report", args.no_report, "write no memory report");

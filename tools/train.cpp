@@ -233,6 +233,7 @@ offload_engine_options engine_options_for(const train_options& o, const device_b
   e.optimizer.chunk_elements = o.chunk_elements;
   e.clip_norm = o.clip;
   e.delayed_update = o.delayed_update;
+  e.delayed_update_after = o.delayed_update_after;
   e.seed = o.seed;
   e.copy_bandwidth = device.properties().name == "sim" ? o.copy_bandwidth : 0.0;
   if (o.resident) {

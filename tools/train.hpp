@@ -42,8 +42,10 @@ struct train_options {
   int steps = 250;
   double lr = 3e-4;
   double clip = 1.0;  ///< global gradient norm clip; 0: none
-  /// The optimizer of step t runs beside the forward of t+1 (offload_engine_options).
+  /// The optimizer of step t runs beside the forward of t+1 (offload_engine_options), after
+  /// `delayed_update_after` undelayed steps.
   bool delayed_update = false;
+  std::int64_t delayed_update_after = 10;
 
   // ---- the device
   std::string device = "sim";          ///< sim (default) or cuda
