@@ -885,6 +885,36 @@ TEST(Cli, BadInputsExitWithTwo) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   for (const auto& p : {evil, csv, js, type, utf}) std::filesystem::remove(p);
 }
+
+// Found in a user review: an unknown command was "A subcommand is required"; --expandable with a
+// --policy that turns it off again was dropped without a word; `-` (the trace generator's default
+// output) could not be read; a report that cannot be written gave no reason; and compare named
+// the end of the trace as the steady state when no plan formed, while caching and expandable
+// measured theirs from event 0.
+TEST(Cli, MistakesAreNamedAndStandardInputIsATrace) {
+  auto r = run_cli("frobnicate");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("unknown command 'frobnicate'"), std::string::npos) << r.output;
+  const std::string sample = std::string(TERRACE_TEST_DATA_DIR) + "/sample_trace.jsonl";
+  r = run_cli("replay '" + sample + "' --expandable --policy caching");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--expandable contradicts --policy caching"), std::string::npos) << r.output;
+  r = run_cli("replay - < '" + sample + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("replay of - on the null device"), std::string::npos) << r.output;
+  r = run_cli("report '" + sample + "' -o /nonexistent-dir/r.html");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("/nonexistent-dir/r.html': No such file or directory"), std::string::npos) << r.output;
+  r = run_cli("compare '" + sample + "' --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const auto& planned = j.at("policies").at("planned");
+  ASSERT_EQ(planned.at("plan").at("plan.iterations"), 0) << "the sample forms no plan";
+  for (const char* policy : {"caching", "expandable"}) {  // steady figures = the whole trace's
+    const auto& p = j.at("policies").at(policy);
+    EXPECT_EQ(p.at("steady_fragmentation"), p.at("fragmentation")) << policy;
+  }
+}
 #endif
 
 }  // namespace

@@ -349,7 +349,9 @@ std::vector<std::pair<std::string, replay_result>> replay_policies(const std::ve
     return o;
   };
   replay_result planned = replay(events, with_policy(alloc_policy::planned));
-  const std::size_t steady = planned.steady_from_event < events.size() ? planned.steady_from_event : 0;
+  // No plan formed: no policy has a steady state, and each one's steady figures are its whole
+  // trace's (a window from event 0 would measure live bytes where the others measure allocated).
+  const std::size_t steady = std::min(planned.steady_from_event, events.size());
   std::vector<std::pair<std::string, replay_result>> runs;
   for (alloc_policy p : {alloc_policy::caching, alloc_policy::expandable}) {
     replay_options o = with_policy(p);

@@ -8,20 +8,22 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <fstream>
 #include <string>
+#include <vector>
 
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
-#include <fstream>
-#include <vector>
-
 #include "tools/html_report.hpp"
 #include "tools/replay.hpp"
-#include "tools/train.hpp"
 #include "tools/replay_format.hpp"
 #include "tools/trace_import.hpp"
+#include "tools/train.hpp"
 
 namespace {
 
@@ -59,7 +61,7 @@ CLI::App* setup_replay(CLI::App& app, replay_args& args) {
       "replay",
       "Replay a JSON-lines allocation trace (alloc / free_requested events) through terrace's "
       "caching allocator and report peak memory, fragmentation and the allocator's stats.");
-  cmd->add_option("TRACE", args.trace, "the trace, one JSON object per line")->required();
+  cmd->add_option("TRACE", args.trace, "the trace (see --format and docs/trace-format.md; - reads standard input)")->required();
   args.device_option =
       cmd->add_option("--device", args.device,
                       "backend: null (addresses only, never touched: any trace fits), sim (host "
@@ -100,7 +102,14 @@ int run_replay(replay_args& args) {
   } else {
     options.device = options.config.device;
   }
-  if (args.expandable) options.config.expandable_segments = true;
+  if (args.expandable) {
+    // It would be dropped without a word: policy:caching and policy:planned turn it off again.
+    if (!args.policy.empty() && args.policy != "expandable") {
+      throw terrace::logic_error("--expandable contradicts --policy " + args.policy +
+                                 " (--policy expandable is the same as --expandable)");
+    }
+    options.config.expandable_segments = true;
+  }
   const auto imported = import("terrace replay", args.trace, args.format);
   const auto& events = imported.events;
   if (args.policy == "all") {
@@ -147,7 +156,7 @@ struct compare_args {
 };
 
 void add_common(CLI::App* cmd, compare_args& args) {
-  cmd->add_option("TRACE", args.trace, "the trace (see --format)")->required();
+  cmd->add_option("TRACE", args.trace, "the trace (see --format and docs/trace-format.md; - reads standard input)")->required();
   cmd->add_option("--conf", args.conf,
                   "allocator options as in TERRACE_ALLOC_CONF, applied to every policy");
   cmd->add_option("--format", args.format, kFormatHelp)
@@ -188,20 +197,22 @@ int run_compare(const compare_args& args) {
   fmt::print("trace {} ({}, {} events)\n\n", args.trace, imported.format, imported.events.size());
   fmt::print("{:<28}", "");
   for (const auto& [name, r] : runs) fmt::print("{:>16}", name);
-  if (imported.torch_reserved_peak) fmt::print("{:>16}", "pytorch");
+  // A snapshot whose segment list is empty says nothing of what PyTorch reserved: no column.
+  const bool torch_known = imported.torch_reserved_peak && *imported.torch_reserved_peak > 0;
+  if (torch_known) fmt::print("{:>16}", "pytorch");
   fmt::print("\n");
   auto row = [&](const char* label, auto cell, const std::string& torch = {}) {
     fmt::print("{:<28}", label);
     for (const auto& [name, r] : runs) fmt::print("{:>16}", cell(r));
-    if (imported.torch_reserved_peak) fmt::print("{:>16}", torch);
+    if (torch_known) fmt::print("{:>16}", torch);
     fmt::print("\n");
   };
   using R = terrace::tools::replay_result;
   row("peak live", [](const R& r) { return format_bytes(r.peak_allocated_bytes); });
   row("peak reserved", [](const R& r) { return format_bytes(r.peak_reserved_bytes); },
-      imported.torch_reserved_peak ? format_bytes(*imported.torch_reserved_peak) : "");
+      torch_known ? format_bytes(*imported.torch_reserved_peak) : "");
   row("fragmentation", [](const R& r) { return fmt::format("{:.1f}%", 100 * r.fragmentation); },
-      imported.torch_reserved_peak && *imported.torch_reserved_peak > 0
+      torch_known
           ? fmt::format("{:.1f}%", 100 * (1.0 - static_cast<double>(runs[0].second.peak_allocated_bytes) /
                                                     static_cast<double>(*imported.torch_reserved_peak)))
           : "");
@@ -218,7 +229,7 @@ int run_compare(const compare_args& args) {
                           : std::string("-");
   });
   row("plan arena / lower bound", [](const R& r) {
-    return r.plan.enabled && r.plan.lower_bound_bytes > 0
+    return r.plan.enabled && r.plan.lower_bound_bytes > 0 && r.plan.arena_bytes > 0
                ? fmt::format("{:.2f}x", static_cast<double>(r.plan.arena_bytes) /
                                             static_cast<double>(r.plan.lower_bound_bytes))
                : std::string("-");
@@ -226,9 +237,15 @@ int run_compare(const compare_args& args) {
   row("pre-existing blocks", [](const R& r) { return std::to_string(r.preexisting_allocs); });
   row("OOMs", [](const R& r) { return std::to_string(r.ooms); });
   row("events/s", [](const R& r) { return fmt::format("{:.3g}", r.events_per_second); });
-  fmt::print("\nfragmentation = 1 - peak live / peak reserved (GMLake); steady state = from the "
-             "planned policy's first planned iteration (event {}).\n",
-             runs.back().second.steady_from_event);
+  const std::size_t steady_from = runs.back().second.steady_from_event;
+  if (steady_from < imported.events.size()) {
+    fmt::print("\nfragmentation = 1 - peak live / peak reserved (GMLake); steady state = from the "
+               "planned policy's first planned iteration (event {}).\n",
+               steady_from);
+  } else {
+    fmt::print("\nfragmentation = 1 - peak live / peak reserved (GMLake); no steady state: the "
+               "planned policy formed no plan, so the steady-state rows are the whole trace's.\n");
+  }
   return 0;
 }
 
@@ -248,10 +265,10 @@ int run_report(const compare_args& args) {
   const auto in = terrace::tools::make_report_input(imported.events, compare_options(args.conf), args.trace,
                                                     imported.format, imported.torch_reserved_peak);
   std::ofstream out(args.output, std::ios::binary);
-  if (!out) throw std::runtime_error("cannot write '" + args.output + "'");
+  if (!out) throw std::runtime_error("cannot write '" + args.output + "': " + std::strerror(errno));
   out << terrace::tools::render_html_report(in);
   out.close();
-  if (!out) throw std::runtime_error("cannot write '" + args.output + "'");
+  if (!out) throw std::runtime_error("cannot write '" + args.output + "': " + std::strerror(errno));
   fmt::print("{}wrote {}\n", terrace::tools::report_summary(in), args.output);
   return 0;
 }
@@ -401,6 +418,7 @@ int run_train(train_args& args) {
 int main(int argc, char** argv) {
   CLI::App app{"terrace: a stream-ordered caching memory manager for deep-learning training"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", TERRACE_VERSION);
 
   replay_args replay;
   CLI::App* replay_cmd = setup_replay(app, replay);
@@ -410,6 +428,15 @@ int main(int argc, char** argv) {
   train_args train;
   CLI::App* train_cmd = setup_train(app, train);
 
+  // CLI11 takes an unknown first word for a missing subcommand: name it instead.
+  const auto commands = app.get_subcommands([](CLI::App*) { return true; });
+  if (argc > 1 && argv[1][0] != '-' &&
+      std::none_of(commands.begin(), commands.end(),
+                   [&](const CLI::App* c) { return c->get_name() == argv[1]; })) {
+    fmt::print(stderr, "terrace: unknown command '{}' (replay, compare, report, train; see --help)\n",
+               argv[1]);
+    return kExitBadInput;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

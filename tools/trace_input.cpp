@@ -29,14 +29,16 @@ void throw_read_error(const std::string& path, const std::ios_base::failure& e) 
 }
 
 trace_input::trace_input(const std::string& path) : path_(path) {
+  // "-" is standard input, as the trace generator's default output is standard output.
+  const std::string file = path == "-" ? "/dev/stdin" : path;
   std::error_code ec;
-  regular_ = std::filesystem::is_regular_file(path, ec);
+  regular_ = std::filesystem::is_regular_file(file, ec);
   if (regular_) {
     // 1 MiB: the parsers then read from memory, and the kernel sees large sequential reads.
     file_buffer_.resize(std::size_t{1} << 20);
     file_.rdbuf()->pubsetbuf(file_buffer_.data(), static_cast<std::streamsize>(file_buffer_.size()));
   }
-  file_.open(path, std::ios::binary);
+  file_.open(file, std::ios::binary);
   if (!file_) throw logic_error("cannot open trace '" + path + "': " + std::strerror(errno));
   // A read error (EIO, or a directory) throws out of whatever reads, rather than looking like
   // the end of the input: a stream cut short at a line's end would be a shorter trace.
