@@ -57,6 +57,8 @@ class json_dom_builder final : public scalar_sax {
 
   /// The containers open in the value being built (0 before it starts and once it is complete).
   [[nodiscard]] std::size_t depth() const { return stack_.size(); }
+  /// A scalar, as the SAX calls for one hand it over.
+  bool scalar(nlohmann::json v) { return value(std::move(v)); }
   /// The value built, leaving the builder ready for the next.
   nlohmann::json take();
 

@@ -85,24 +85,8 @@ bool snapshot_reader::is_one_trace_event() const {
 
 // ---- the SAX events: a captured value's go to its builder; the rest place themselves.
 
-bool snapshot_reader::null() { return captures(shape::scalar) ? forwarded(capture_.null()) : true; }
-bool snapshot_reader::boolean(bool b) {
-  return captures(shape::scalar) ? forwarded(capture_.boolean(b)) : true;
-}
-bool snapshot_reader::number_integer(number_integer_t n) {
-  return captures(shape::scalar) ? forwarded(capture_.number_integer(n)) : true;
-}
-bool snapshot_reader::number_unsigned(number_unsigned_t n) {
-  return captures(shape::scalar) ? forwarded(capture_.number_unsigned(n)) : true;
-}
-bool snapshot_reader::number_float(number_float_t x, const string_t& text) {
-  return captures(shape::scalar) ? forwarded(capture_.number_float(x, text)) : true;
-}
-bool snapshot_reader::string(string_t& text) {
-  return captures(shape::scalar) ? forwarded(capture_.string(text)) : true;
-}
-bool snapshot_reader::binary(binary_t& b) {
-  return captures(shape::scalar) ? forwarded(capture_.binary(b)) : true;
+bool snapshot_reader::value(json v) {
+  return captures(shape::scalar) ? forwarded(capture_.scalar(std::move(v))) : true;
 }
 bool snapshot_reader::start_object(std::size_t n) {
   return captures(shape::object) ? forwarded(capture_.start_object(n)) : true;
@@ -117,10 +101,6 @@ bool snapshot_reader::key(string_t& k) {
   if (!open_.empty() && open_.back() == role::root && k == "action") root_has_action_ = true;
   key_ = std::move(k);
   return true;
-}
-bool snapshot_reader::parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) {
-  error = e.what();
-  return false;
 }
 
 bool snapshot_reader::close() {

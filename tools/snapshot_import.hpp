@@ -19,12 +19,9 @@
 
 namespace terrace::tools {
 
-class snapshot_reader final : public nlohmann::json_sax<nlohmann::json> {
+class snapshot_reader final : public scalar_sax {
  public:
   explicit snapshot_reader(std::string source);
-
-  /// The parse error nlohmann's parser reported (JSON only).
-  std::string error;
 
   /// @brief The root is an object with an "action" and neither device_traces nor segments: one
   /// terrace trace event written on one line, not a snapshot.
@@ -36,19 +33,11 @@ class snapshot_reader final : public nlohmann::json_sax<nlohmann::json> {
   /// @throws terrace::logic_error naming the source and the event or segment.
   imported_trace finish(std::string format) &&;
 
-  bool null() override;
-  bool boolean(bool b) override;
-  bool number_integer(number_integer_t n) override;
-  bool number_unsigned(number_unsigned_t n) override;
-  bool number_float(number_float_t x, const string_t& text) override;
-  bool string(string_t& text) override;
-  bool binary(binary_t& b) override;
   bool start_object(std::size_t n) override;
   bool start_array(std::size_t n) override;
   bool end_object() override;
   bool end_array() override;
   bool key(string_t& k) override;
-  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& e) override;
 
  private:
   // What an open container outside a captured value is.
@@ -61,6 +50,7 @@ class snapshot_reader final : public nlohmann::json_sax<nlohmann::json> {
     std::optional<std::string> error;  // why that one failed
   };
 
+  bool value(nlohmann::json v) override;  // a scalar
   bool captures(shape s);  // a value starts: does it go to the capture's builder?
   bool close();
   bool forwarded(bool go_on);  // after a call handed to the capture's builder
