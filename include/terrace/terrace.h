@@ -20,11 +20,11 @@
  * terrace_configure, called before first use). The backend is `device` from that config: "auto"
  * (the default) picks CUDA when a GPU is present and the simulated device otherwise.
  *
- * No C++ exception ever crosses this boundary, except terrace_torch_malloc's, which is for PyTorch's
- * C++ caller alone. Functions that can fail return 0 on success and a
- * negative TERRACE_E* code on failure; terrace_malloc returns NULL. terrace_last_error() then
- * describes the failure (per thread). terrace_free cannot report failure to PyTorch: a bad free is
- * refused (nothing is changed), counted, and described by terrace_last_error().
+ * No C++ exception ever crosses this boundary, except terrace_torch_malloc's, which is for
+ * PyTorch's C++ caller alone. Functions that can fail return 0 on success and a negative
+ * TERRACE_E* code on failure; terrace_malloc returns NULL. terrace_last_error() then describes the
+ * failure (per thread). The free hooks cannot report failure: a bad free (double, foreign) is
+ * refused (nothing is changed), counted in num_bad_frees, and described by terrace_last_error().
  */
 #ifndef TERRACE_TERRACE_H_
 #define TERRACE_TERRACE_H_
