@@ -213,6 +213,8 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       {"--resume --steps 2", "holds no checkpoint"},
       {"--steps 0", "--steps must be at least 1"},
       {"--alloc-conf policy:nonsense --steps 2", "bad item 'policy:nonsense'"},
+      // Found in a user review: a folder that is not there failed only after training.
+      {"--save-trace /nonexistent-dir/t.jsonl --steps 2", "/nonexistent-dir is not a directory"},
   };
   for (const bad_case& c : cases) {
     const run_result r = train(c.args + d);
@@ -230,8 +232,16 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
 // exit 1; the checkpoint is saved.
 TEST(TrainCli, AReportThatCannotBeWrittenAfterTrainingKeepsTheSummary) {
   scratch_dir dir("cli-report-fail");
-  const run_result r = train("--steps 1 --dir '" + dir.path().string() +
-                             "' --report '" + (dir.path() / "no-such-dir" / "r.html").string() + "'");
+  // A report into a folder that is not there is refused before training (exit 2); one whose
+  // path is a folder fails only when it is written.
+  const run_result early = train("--steps 1 --dir '" + dir.path().string() + "' --report '" +
+                                 (dir.path() / "no-such-dir" / "r.html").string() + "'");
+  EXPECT_EQ(early.exit_code, 2) << early.output;
+  EXPECT_NE(early.output.find("no-such-dir is not a directory"), std::string::npos) << early.output;
+  const auto folder = dir.path() / "a-folder";
+  std::filesystem::create_directories(folder);
+  const run_result r = train("--steps 1 --dir '" + dir.path().string() + "' --report '" +
+                             folder.string() + "'");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("steps           1..1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("error after training"), std::string::npos) << r.output;

@@ -283,6 +283,15 @@ train_result run_train(const train_options& options) {
   }
   const std::vector<std::uint8_t> corpus = load_corpus(o.corpus, o.model.context);
   prepare_dir(o);
+  // Files written after training: a folder that is not there is found out now, not after it.
+  for (const fs::path& out : {o.write_report ? o.report : fs::path(), o.save_trace}) {
+    std::error_code ec;
+    const fs::path folder = out.has_parent_path() ? out.parent_path() : fs::path(".");
+    if (!out.empty() && !fs::is_directory(folder, ec)) {
+      throw train_setup_error("cannot write '" + out.string() + "': " + folder.string() +
+                              " is not a directory");
+    }
+  }
 
   std::unique_ptr<device_backend> device;
   std::unique_ptr<offload_engine> engine;
@@ -300,6 +309,8 @@ train_result run_train(const train_options& options) {
   } catch (const logic_error& e) {
     throw train_setup_error(e.what());
   } catch (const io_error& e) {
+    throw train_setup_error(e.what());
+  } catch (const device_error& e) {  // no GPU for --device cuda, among others
     throw train_setup_error(e.what());
   }
 
