@@ -387,7 +387,12 @@ class tensor_store_impl {
       std::map<std::string, entry> taken_parked;
       for (auto it = entries_.begin(); it != entries_.end();) {
         auto next = std::next(it);
-        if (whole(it->second)) {
+        // Asked once: a put in flight may complete at any moment, and one asked again after the
+        // first answer was dropped as failed though it had succeeded (found under ASan: the
+        // tensor was gone from the store).
+        const completion_ptr write = it->second.write;
+        const bool finished = !write || is_ready(write);
+        if (finished && (!write || !error_of(write))) {
           take(it->first, it->second);
         } else {
           if (auto p = parked_.find(it->first); p != parked_.end() && whole(p->second)) {
@@ -395,7 +400,7 @@ class tensor_store_impl {
             taken_parked.insert(parked_.extract(p));
           }
           // a failed put: reported on its handle, absent from now on
-          if (is_ready(it->second.write)) drop(it);
+          if (finished) drop(it);
         }
         it = next;
       }
