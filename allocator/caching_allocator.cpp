@@ -223,7 +223,6 @@ class allocator_impl {
   // A miss: new memory from the device; on failure release the cache and retry once; then OOM.
   block* obtain_new_memory(bool small, std::uintptr_t stream, std::size_t rounded,
                            std::size_t requested) {
-    address_space_refusal_.clear();
     maybe_collect_garbage(rounded);
     if (block* b = try_new_memory(small, stream, rounded)) return b;
     ++stats_.num_alloc_retries;

@@ -214,16 +214,12 @@ struct offload_engine::impl {
   // the params) failed, `publish` when only publishing a delayed update's params is left.
   enum class failed_phase { none, update, publish };
   failed_phase failed = failed_phase::none;
-  bool failed_delayed = false;  // the failed phase is a delayed update's
 
   // Whether the step about to run delays its update: delayed_update, once delayed_update_after
-  // optimizer steps have been taken undelayed.
+  // optimizer steps have been taken undelayed. completed_steps moves only when an update
+  // succeeds, so for a failed phase this still says whether it was a delayed update's.
   bool delays_update() const {
     return options.delayed_update && completed_steps >= options.delayed_update_after;
-  }
-  void fail_phase(failed_phase phase, bool delayed) {
-    failed = phase;
-    failed_delayed = delayed;
   }
 
   impl(device_backend& d, const offload_engine_options& o)
@@ -703,7 +699,7 @@ struct offload_engine::impl {
     try {
       u = pending.get();
     } catch (...) {
-      fail_phase(failed_phase::update, /*delayed=*/true);
+      failed = failed_phase::update;
       throw;
     }
     completed_steps = adam->step_count();
@@ -736,7 +732,7 @@ struct offload_engine::impl {
                     it->elements * 2);
       }
     } catch (...) {
-      fail_phase(failed_phase::publish, /*delayed=*/true);
+      failed = failed_phase::publish;
       throw;
     }
   }
@@ -750,11 +746,12 @@ struct offload_engine::impl {
   // REQUIRES: failed != none; no update running (a failure is only known once it is joined).
   update_result finish_failed_update() {
     update_result u;
+    const bool delayed = delays_update();  // as when the phase failed
     if (failed == failed_phase::update) {
-      u = run_update(failed_delayed, nullptr, /*copy_grads=*/!grads_in_copy);
+      u = run_update(delayed, nullptr, /*copy_grads=*/!grads_in_copy);
       completed_steps = adam->step_count();
     }
-    if (failed_delayed) publish(u);
+    if (delayed) publish(u);
     failed = failed_phase::none;
     return u;
   }
@@ -889,7 +886,7 @@ struct offload_engine::impl {
         ~unstarted_update() {
           if (started) return;
           engine->grads_copied = {};
-          engine->fail_phase(failed_phase::update, /*delayed=*/true);
+          engine->failed = failed_phase::update;
         }
       } start{this};
       pending = std::async(std::launch::async, [this, c = std::move(copied)]() mutable {
@@ -910,8 +907,7 @@ struct offload_engine::impl {
       try {
         u = run_update(/*delayed=*/false);
       } catch (...) {
-        // Its gradients stay in their home copies until it is finished.
-        fail_phase(failed_phase::update, /*delayed=*/false);
+        failed = failed_phase::update;  // its gradients stay in their home copies until then
         throw;
       }
       u.add_costs(retried);

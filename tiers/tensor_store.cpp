@@ -391,7 +391,7 @@ class tensor_store_impl {
         // first answer was dropped as failed though it had succeeded (found under ASan: the
         // tensor was gone from the store).
         const completion_ptr write = it->second.write;
-        const bool finished = !write || is_ready(write);
+        const bool finished = is_ready(write);  // no write: finished
         if (finished && (!write || !error_of(write))) {
           take(it->first, it->second);
         } else {

@@ -55,13 +55,15 @@ constexpr const char* kFormatHelp =
     "input format: auto (by extension, then content), jsonl (terrace), pickle (PyTorch "
     "_dump_snapshot, read without running code), snapshot-json, kineto (profiler JSON with "
     "[memory] events), rmm (RMM logging CSV)";
+constexpr const char* kTraceHelp =
+    "the trace (see --format and docs/trace-format.md; - reads standard input)";
 
 CLI::App* setup_replay(CLI::App& app, replay_args& args) {
   CLI::App* cmd = app.add_subcommand(
       "replay",
       "Replay a JSON-lines allocation trace (alloc / free_requested events) through terrace's "
       "caching allocator and report peak memory, fragmentation and the allocator's stats.");
-  cmd->add_option("TRACE", args.trace, "the trace (see --format and docs/trace-format.md; - reads standard input)")->required();
+  cmd->add_option("TRACE", args.trace, kTraceHelp)->required();
   args.device_option =
       cmd->add_option("--device", args.device,
                       "backend: null (addresses only, never touched: any trace fits), sim (host "
@@ -156,7 +158,7 @@ struct compare_args {
 };
 
 void add_common(CLI::App* cmd, compare_args& args) {
-  cmd->add_option("TRACE", args.trace, "the trace (see --format and docs/trace-format.md; - reads standard input)")->required();
+  cmd->add_option("TRACE", args.trace, kTraceHelp)->required();
   cmd->add_option("--conf", args.conf,
                   "allocator options as in TERRACE_ALLOC_CONF, applied to every policy");
   cmd->add_option("--format", args.format, kFormatHelp)
@@ -433,8 +435,10 @@ int main(int argc, char** argv) {
   if (argc > 1 && argv[1][0] != '-' &&
       std::none_of(commands.begin(), commands.end(),
                    [&](const CLI::App* c) { return c->get_name() == argv[1]; })) {
-    fmt::print(stderr, "terrace: unknown command '{}' (replay, compare, report, train; see --help)\n",
-               argv[1]);
+    std::vector<std::string> names;
+    for (const CLI::App* c : commands) names.push_back(c->get_name());
+    fmt::print(stderr, "terrace: unknown command '{}' ({}; see --help)\n", argv[1],
+               fmt::join(names, ", "));
     return kExitBadInput;
   }
   try {

@@ -282,8 +282,8 @@ train_result run_train(const train_options& options) {
     throw train_setup_error(e.what());
   }
   const std::vector<std::uint8_t> corpus = load_corpus(o.corpus, o.model.context);
-  prepare_dir(o);
-  // Files written after training: a folder that is not there is found out now, not after it.
+  // Files written after training: a folder that is not there is found out now, before --fresh
+  // removes anything, not after the training.
   for (const fs::path& out : {o.write_report ? o.report : fs::path(), o.save_trace}) {
     std::error_code ec;
     const fs::path folder = out.has_parent_path() ? out.parent_path() : fs::path(".");
@@ -292,6 +292,7 @@ train_result run_train(const train_options& options) {
                               " is not a directory");
     }
   }
+  prepare_dir(o);
 
   std::unique_ptr<device_backend> device;
   std::unique_ptr<offload_engine> engine;
@@ -394,8 +395,11 @@ train_result run_train(const train_options& options) {
   // disk, a bad path, a replay of the report that fails) is reported after the summary, with exit
   // 1, and never costs the summary or passes for a setup error.
   try {
+    // One snapshot for both: it copies the whole recorded trace.
+    const memory_snapshot snap = !o.save_trace.empty() || o.write_report
+                                     ? engine->device_memory().snapshot()
+                                     : memory_snapshot{};
     if (!o.save_trace.empty()) {
-      const memory_snapshot snap = engine->device_memory().snapshot();
       std::ofstream out(o.save_trace, std::ios::binary);
       if (out) write_trace_jsonl(out, snap.trace);
       out.close();
@@ -405,7 +409,7 @@ train_result run_train(const train_options& options) {
     if (o.write_report) {
       const fs::path report = o.report.empty() ? o.dir / "memory-report.html" : o.report;
       r.report_summary = write_memory_report(
-          engine->device_memory().snapshot(), engine->device_memory().config(), report,
+          snap, engine->device_memory().config(), report,
           "terrace train: " + model_text(o.model) + " on " + device->properties().name);
       r.report = report;
     }
