@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include "terrace/error.hpp"
 
@@ -349,9 +350,42 @@ std::string valid_keys_list() {
   return out;
 }
 
+// Levenshtein distance, for suggesting the key a typo meant.
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t above = row[j];
+      const bool same = std::tolower(static_cast<unsigned char>(a[i - 1])) ==
+                        std::tolower(static_cast<unsigned char>(b[j - 1]));
+      row[j] = std::min({above + 1, row[j - 1] + 1, diagonal + (same ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// "unknown key 'x'" with the nearest key when a typo explains it, then every valid key: the
+// list is what a user needs when the key is the problem, and noise when the value is.
+std::string unknown_key(std::string_view key) {
+  std::string_view nearest;
+  std::size_t best = std::numeric_limits<std::size_t>::max();
+  for (const auto& r : kRules) {
+    const std::size_t d = edit_distance(key, r.key);
+    if (d < best) best = d, nearest = r.key;
+  }
+  std::string why = "unknown key " + quoted(key) + " (";
+  if (!key.empty() && best <= std::max<std::size_t>(2, nearest.size() / 4)) {
+    why += "did you mean " + quoted(nearest) + "? ";
+  }
+  return why + "valid keys: " + valid_keys_list() + ")";
+}
+
 [[noreturn]] void fail(std::string_view source, std::string_view item, const std::string& why) {
-  throw logic_error("terrace: " + std::string(source) + ": bad item " + quoted(item) + ": " + why +
-                    " (valid keys: " + valid_keys_list() + ")");
+  throw logic_error("terrace: " + std::string(source) + ": bad item " + quoted(item) + ": " + why);
 }
 
 allocator_config parse(std::string_view source, std::string_view text, allocator_config base) {
@@ -368,12 +402,14 @@ allocator_config parse(std::string_view source, std::string_view text, allocator
     if (item.empty()) continue;  // "", "a:1," and "a:1,,b:2" are all fine
 
     const std::size_t colon = item.find(':');
-    if (colon == std::string_view::npos) fail(source, item, "expected key:value");
+    if (colon == std::string_view::npos) {
+      fail(source, item, "expected key:value (valid keys: " + valid_keys_list() + ")");
+    }
     const std::string_view key = trim(item.substr(0, colon));
     const std::string_view value = trim(item.substr(colon + 1));
     const auto rule = std::find_if(std::begin(kRules), std::end(kRules),
                                    [&](const key_rule& r) { return r.key == key; });
-    if (rule == std::end(kRules)) fail(source, item, "unknown key " + quoted(key));
+    if (rule == std::end(kRules)) fail(source, item, unknown_key(key));
     if (value.empty()) fail(source, item, "missing value for " + quoted(key));
     if (std::string why = rule->apply(c, value); !why.empty()) fail(source, item, why);
 

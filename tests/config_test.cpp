@@ -45,13 +45,18 @@ std::string size_error_of(std::string_view text) {
   return {};
 }
 
-// Every error names the offending item and lists every valid key.
+// Every error names the offending item. When the key is the problem (unknown, or no key:value
+// at all) it lists every valid key; when the value is, the list would only bury the reason.
 void expect_item_error(std::string_view text, std::string_view item, std::string_view problem) {
   SCOPED_TRACE(std::string(text));
   const std::string msg = error_of(text);
   EXPECT_NE(msg.find("'" + std::string(item) + "'"), std::string::npos) << msg;
   EXPECT_NE(msg.find(problem), std::string::npos) << msg;
-  EXPECT_NE(msg.find("valid keys: "), std::string::npos) << msg;
+  const bool key_problem = problem.find("unknown key") != std::string_view::npos ||
+                           problem.find("did you mean") != std::string_view::npos ||
+                           problem.find("expected key:value") != std::string_view::npos;
+  EXPECT_EQ(msg.find("valid keys: ") != std::string::npos, key_problem) << msg;
+  if (!key_problem) return;
   for (std::string_view key : alloc_conf_keys()) {
     EXPECT_NE(msg.find(key), std::string::npos) << "key " << key << " missing from: " << msg;
   }
@@ -213,7 +218,12 @@ TEST(AllocConfErrors, UnknownKey) {
   expect_item_error("small_size:1K,bogus:3", "bogus:3", "unknown key 'bogus'");
   expect_item_error(":3", ":3", "unknown key ''");
   // Keys are case-sensitive, as in PyTorch.
-  expect_item_error("Small_Size:1K", "Small_Size:1K", "unknown key");
+  expect_item_error("Small_Size:1K", "Small_Size:1K", "did you mean 'small_size'?");
+  expect_item_error("garbage_conversion_threshold:0.5", "garbage_conversion_threshold:0.5",
+                    "unknown key 'garbage_conversion_threshold' (did you mean "
+                    "'garbage_collection_threshold'?");
+  // A key near none of them gets the list without a guess.
+  EXPECT_EQ(error_of("bogus:3").find("did you mean"), std::string::npos);
 }
 
 TEST(AllocConfErrors, MissingColonOrValue) {
@@ -487,6 +497,15 @@ TEST_F(AllocConfEnv, ErrorsNameTheVariableTheItemAndTheKeys) {
     EXPECT_EQ(msg.rfind("terrace: TERRACE_ALLOC_CONF: ", 0), 0u) << msg;
     EXPECT_NE(msg.find("'memory_fraction:2'"), std::string::npos) << msg;
     EXPECT_NE(msg.find("(0, 1]"), std::string::npos) << msg;
+  }
+  ASSERT_EQ(setenv("TERRACE_ALLOC_CONF", "device:sim,memory_fration:0.5", 1), 0);
+  try {
+    alloc_conf_from_env();
+    FAIL() << "expected a throw";
+  } catch (const logic_error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("terrace: TERRACE_ALLOC_CONF: ", 0), 0u) << msg;
+    EXPECT_NE(msg.find("did you mean 'memory_fraction'?"), std::string::npos) << msg;
     for (std::string_view key : alloc_conf_keys()) {
       EXPECT_NE(msg.find(key), std::string::npos) << key;
     }

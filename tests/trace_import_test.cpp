@@ -905,6 +905,27 @@ TEST(Cli, MistakesAreNamedAndStandardInputIsATrace) {
   r = run_cli("report '" + sample + "' -o /nonexistent-dir/r.html");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("/nonexistent-dir/r.html': No such file or directory"), std::string::npos) << r.output;
+  // Found in the next review: an empty trace replayed to a report of zeros and exit 0.
+  const std::string empty = temp_path("empty.jsonl"), frees = temp_path("frees.jsonl");
+  write(empty, "");
+  write(frees, R"({"action":"free_requested","time_ns":1,"stream":0,"addr":4096,"size":512})" "\n");
+  for (const char* sub : {"replay", "compare"}) {
+    r = run_cli(std::string(sub) + " '" + empty + "'");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("empty.jsonl: nothing to replay: the trace has no events"), std::string::npos)
+        << r.output;
+    r = run_cli(std::string(sub) + " '" + frees + "'");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("none of its 1 event is an allocation"), std::string::npos) << r.output;
+  }
+  std::filesystem::remove(empty);
+  std::filesystem::remove(frees);
+  // Library messages start "terrace: "; the CLI puts its own name first and says it once.
+  r = run_cli("replay '" + sample + "' --conf max_split_size_mb:abc");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("terrace replay: error: allocator config: bad item"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("valid keys"), std::string::npos) << r.output;
   r = run_cli("compare '" + sample + "' --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);

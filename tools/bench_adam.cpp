@@ -10,6 +10,8 @@
 //
 //   bench_adam [--params N] [--threads 1,2] [--reps R] [--no-python]
 //   Environment: TERRACE_DEEPSPEED_PYTHONPATH, a PYTHONPATH under which deepspeed imports.
+#include <CLI/CLI.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -199,26 +201,15 @@ int main(int argc, char** argv) {
   std::vector<unsigned> thread_counts{1, 2};
   int reps = 7;
   bool python = true;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--params" && i + 1 < argc) {
-      n = std::stoull(argv[++i]);
-    } else if (a == "--threads" && i + 1 < argc) {
-      thread_counts.clear();
-      for (const char* s = argv[++i]; *s != '\0';) {
-        char* end;
-        thread_counts.push_back(static_cast<unsigned>(std::strtoul(s, &end, 10)));
-        s = *end == ',' ? end + 1 : end;
-      }
-    } else if (a == "--reps" && i + 1 < argc) {
-      reps = std::stoi(argv[++i]);
-    } else if (a == "--no-python") {
-      python = false;
-    } else {
-      std::fprintf(stderr, "usage: bench_adam [--params N] [--threads 1,2] [--reps R] [--no-python]\n");
-      return 2;
-    }
-  }
+  CLI::App app{"bench_adam: the CPU Adam step against the memory-bandwidth bound, torch and DeepSpeed"};
+  app.add_option("--params", n, "parameters (rounded down to a multiple of 64)")
+      ->check(CLI::Range(std::size_t{64}, std::size_t{1} << 34));
+  app.add_option("--threads", thread_counts, "thread counts, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::Range(1u, 1024u));
+  app.add_option("--reps", reps, "repetitions (medians are printed)")->check(CLI::Range(1, 1000));
+  app.add_flag("!--no-python", python, "skip torch and DeepSpeed");
+  CLI11_PARSE(app, argc, argv);
   n = n / 64 * 64;
 
   // One set of buffers, as large as the widest configuration needs.

@@ -133,14 +133,26 @@ int main(int argc, char** argv) {
   bool no_fio = false;
   bool no_deepspeed = false;
   app.add_option("--dir", dir, "scratch directory (created; must not be tmpfs)");
-  app.add_option("--total-mib", total_mib, "bytes moved per configuration and direction");
-  app.add_option("--runs", runs, "repetitions (medians are printed)");
-  app.add_option("--qd", qd, "queue depth (terrace and fio)");
-  app.add_option("--block-kib", block_kib, "block size (terrace and fio)");
-  app.add_option("--sizes-mib", sizes_mib, "tensor sizes")->delimiter(',');
+  app.add_option("--total-mib", total_mib, "bytes moved per configuration and direction")
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--runs", runs, "repetitions (medians are printed)")->check(CLI::Range(1, 1000));
+  app.add_option("--qd", qd, "queue depth (terrace and fio)")->check(CLI::Range(1, 4096));
+  app.add_option("--block-kib", block_kib, "block size (terrace and fio)")->check(CLI::Range(4, 1 << 20));
+  app.add_option("--sizes-mib", sizes_mib, "tensor sizes, each at most --total-mib")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 1 << 20));
   app.add_flag("--no-fio", no_fio, "skip fio");
   app.add_flag("--no-deepspeed", no_deepspeed, "skip DeepSpeed's aio handle");
   CLI11_PARSE(app, argc, argv);
+  // A configuration moves total / size tensors: a size above the total would move none and
+  // print a row of zeros that reads as a measurement.
+  for (const std::uint64_t s : sizes_mib) {
+    if (s > total_mib) {
+      std::fprintf(stderr, "bench_nvme: a %llu MiB tensor does not fit in --total-mib %llu\n",
+                   static_cast<unsigned long long>(s), static_cast<unsigned long long>(total_mib));
+      return 2;
+    }
+  }
 
   const std::filesystem::path base = std::filesystem::absolute(dir);
   const std::filesystem::path store_dir = base / "store";

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -105,20 +106,25 @@ int main(int argc, char** argv) {
   unsigned qd = 16;
   std::size_t block_kib = 1024;
   app.add_option("--params", params_text, "parameters in all (suffix K, M, G: powers of 2)");
-  app.add_option("--groups", groups, "parameter groups (equal sizes)");
+  app.add_option("--groups", groups, "parameter groups (equal sizes)")->check(CLI::Range(1, 1 << 20));
   app.add_option("--chunk-elements", chunk_elements, "elements per pipeline chunk (a multiple of 64)");
-  app.add_option("--depth", depth, "staging buffers of the pipeline");
+  app.add_option("--depth", depth, "staging buffers of the pipeline (read, step, write: >= 3)")
+      ->check(CLI::Range(3, 64));
   app.add_option("--threads", threads, "optimizer threads (0: all cores)");
-  app.add_option("--reps", reps, "repetitions (medians are printed)");
+  app.add_option("--reps", reps, "repetitions (medians are printed)")->check(CLI::Range(1, 1000));
   app.add_option("--dir", dir, "scratch directory (created and removed; must not be tmpfs)");
-  app.add_option("--qd", qd, "store queue depth");
-  app.add_option("--block-kib", block_kib, "store block size");
+  app.add_option("--qd", qd, "store queue depth")->check(CLI::Range(1, 4096));
+  app.add_option("--block-kib", block_kib, "store block size")->check(CLI::Range(4, 1 << 20));
   CLI11_PARSE(app, argc, argv);
 
   const std::filesystem::path base = std::filesystem::absolute(dir);
   int status = 0;
   try {
     const std::size_t params = parse_count(params_text);
+    if (params < groups) {
+      throw std::invalid_argument("--params " + params_text + " is fewer than one per group (--groups " +
+                                  std::to_string(groups) + ")");
+    }
     const std::size_t per_group = params / groups;
     const std::size_t state_bytes = per_group * groups * 12;
     std::printf("bench_offload_adam: %zu params in %zu groups, f32 grads and state (%.0f MiB of state), "

@@ -217,7 +217,10 @@ int main(int argc, char** argv) {
   bool skip_overlap = false, skip_capacity = false, skip_delayed = false;
   int delayed_steps = 20, rounds = 3;
   std::string dir;
-  app.add_option("--steps", base.steps, "steps per overlap point")->capture_default_str();
+  // Medians are taken over the steps after the first two: fewer than three would leave none.
+  app.add_option("--steps", base.steps, "steps per overlap point")
+      ->check(CLI::Range(3, 100000))
+      ->capture_default_str();
   app.add_option("--layers", base.model.layers, "residual blocks (overlap)")->capture_default_str();
   app.add_option("--width", base.model.width, "hidden width")->capture_default_str();
   app.add_option("--bandwidths", bandwidths, "GB/s, comma-separated")->capture_default_str();
@@ -228,8 +231,11 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-overlap", skip_overlap);
   app.add_flag("--skip-capacity", skip_capacity);
   app.add_option("--delayed-steps", delayed_steps, "steps per run of the delayed-update comparison")
+      ->check(CLI::Range(3, 100000))
       ->capture_default_str();
-  app.add_option("--rounds", rounds, "ordinary/delayed pairs")->capture_default_str();
+  app.add_option("--rounds", rounds, "ordinary/delayed pairs")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
   app.add_flag("--skip-delayed", skip_delayed);
   CLI11_PARSE(app, argc, argv);
   base.dir = dir.empty() ? terrace::tools::default_dir() : fs::path(dir);

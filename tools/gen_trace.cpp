@@ -77,10 +77,10 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "terrace_gen_trace: {} events written to {}\n", events.size(), output);
     }
   } catch (const terrace::logic_error& e) {
-    fmt::print(stderr, "terrace_gen_trace: error: {}\n", e.what());
+    fmt::print(stderr, "terrace_gen_trace: error: {}\n", terrace::message_without_origin(e));
     return 2;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "terrace_gen_trace: error: {}\n", e.what());
+    fmt::print(stderr, "terrace_gen_trace: error: {}\n", terrace::message_without_origin(e));
     return 1;
   }
   return 0;

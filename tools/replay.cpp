@@ -370,7 +370,7 @@ std::vector<trace_event> load_trace(const std::string& path) {
   try {
     return read_trace_jsonl(in);
   } catch (const logic_error& e) {
-    throw logic_error(path + ": " + e.what());
+    throw logic_error(path + ": " + std::string(message_without_origin(e)));
   }
 }
 

@@ -19,6 +19,7 @@
 
 #include "terrace/config.hpp"
 #include "terrace/error.hpp"
+#include "terrace/trace.hpp"
 #include "tools/html_report.hpp"
 #include "tools/replay.hpp"
 #include "tools/replay_format.hpp"
@@ -35,6 +36,18 @@ terrace::tools::imported_trace import(const char* command, const std::string& pa
                                       const std::string& format) {
   auto imported = terrace::tools::import_trace(path, format);
   for (const auto& note : imported.notes) fmt::print(stderr, "{}: note: {}\n", command, note);
+  // A report of zeros would read as a measurement; a trace with nothing to replay is bad input
+  // (the wrong file, or a snapshot taken before _record_memory_history).
+  const bool allocates = std::any_of(imported.events.begin(), imported.events.end(), [](const auto& e) {
+    return e.action == terrace::trace_action::alloc;
+  });
+  if (!allocates) {
+    const std::size_t n = imported.events.size();
+    throw terrace::logic_error(
+        n == 0 ? fmt::format("{}: nothing to replay: the trace has no events", path)
+               : fmt::format("{}: nothing to replay: none of its {} event{} is an allocation", path,
+                             n, n == 1 ? "" : "s"));
+  }
   return imported;
 }
 
@@ -409,7 +422,7 @@ int run_train(train_args& args) {
       return kExitFailure;
     }
   } catch (const terrace::tools::train_setup_error& e) {
-    fmt::print(stderr, "terrace train: error: {}\n", e.what());
+    fmt::print(stderr, "terrace train: error: {}\n", terrace::message_without_origin(e));
     return kExitBadInput;
   }
   return 0;
@@ -467,10 +480,10 @@ int main(int argc, char** argv) {
       return run_train(train);
     }
   } catch (const terrace::logic_error& e) {
-    fmt::print(stderr, "{}: error: {}\n", command, e.what());
+    fmt::print(stderr, "{}: error: {}\n", command, terrace::message_without_origin(e));
     return kExitBadInput;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "{}: error: {}\n", command, e.what());
+    fmt::print(stderr, "{}: error: {}\n", command, terrace::message_without_origin(e));
     return kExitFailure;
   }
   return kExitBadInput;  // unreachable: require_subcommand(1)

@@ -362,7 +362,7 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
       try {
         t.events = read_trace_jsonl(input.from_start());
       } catch (const logic_error& e) {
-        throw logic_error(path + ": " + e.what());
+        throw logic_error(path + ": " + std::string(message_without_origin(e)));
       }
       return t;
     };

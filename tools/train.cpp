@@ -414,7 +414,7 @@ train_result run_train(const train_options& options) {
       r.report = report;
     }
   } catch (const std::exception& e) {
-    r.output_error = e.what();
+    r.output_error = message_without_origin(e);
   }
   return r;
 }

@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace terrace {
 
@@ -59,6 +60,15 @@ class out_of_memory : public std::bad_alloc {
  private:
   std::string message_;
 };
+
+/// @brief The message of a terrace exception without its leading "terrace: ", for a caller that
+/// puts its own name and context in front ("terrace replay: error: trace.json: ...").
+inline std::string_view message_without_origin(const std::exception& e) noexcept {
+  constexpr std::string_view origin = "terrace: ";
+  std::string_view what = e.what();
+  if (what.substr(0, origin.size()) == origin) what.remove_prefix(origin.size());
+  return what;
+}
 
 }  // namespace terrace
 
