@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -471,6 +472,19 @@ extern "C" TERRACE_API void terrace_torch_free(void* ptr, size_t size, int devic
     } catch (...) {  // no memory for the message: the count still has it
     }
   }
+}
+
+extern "C" TERRACE_API void terrace_torch_begin_allocate_to_pool(
+    int device, std::pair<unsigned long long, unsigned long long> pool,
+    std::function<bool(CUstream_st*)> /*allocates_into_pool*/) {
+  std::ostringstream msg;
+  msg << "terrace: CUDA graph capture on device " << device << " (memory pool " << pool.first << ","
+      << pool.second << ") is not supported: a graph needs a memory pool of its own, since its "
+      << "replays write the blocks it freed during capture again, and terrace has none; it would "
+      << "hand those blocks to other tensors. Capture in a process that does not install terrace "
+      << "(torch.cuda.graph, torch.compile(mode=\"reduce-overhead\"))";
+  terrace::c_boundary::set_error("terrace_torch_begin_allocate_to_pool", "", msg.str().c_str());
+  throw std::runtime_error(msg.str());
 }
 
 extern "C" {

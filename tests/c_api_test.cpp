@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
@@ -23,6 +24,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "terrace/terrace.h"
@@ -308,6 +310,32 @@ TEST(CApi, PyTorchsHooksThrowOnOutOfMemoryAndFreeAKnownPointerWhateverTheSize) {
   EXPECT_TRUE(contains(terrace_last_error(), "terrace_torch_free(")) << terrace_last_error();
   EXPECT_EQ(stat(kShared, "num_bad_frees"), refused + 1);
   EXPECT_EQ(stat(kShared, "allocation.all.current"), live);
+}
+
+// Found in review: PyTorch's pluggable allocator lets a CUDA graph capture run when no pool hook
+// is set, and the blocks the graph freed during capture went back to terrace's cache while every
+// replay still wrote them. The hook refuses the capture before it begins. It is called here the
+// way PyTorch's binding calls it: through a pointer of PyTorch's own C++ type.
+TEST(CApi, CudaGraphCaptureIsRefusedBeforeItBegins) {
+  using mempool_id = std::pair<unsigned long long, unsigned long long>;
+  using begin_allocate_to_pool = void(int, mempool_id, std::function<bool(CUstream_st*)>);
+  begin_allocate_to_pool* hook = &terrace_torch_begin_allocate_to_pool;
+  const std::int64_t live = stat(kShared, "allocation.all.current");
+  bool filter_called = false;
+  try {
+    hook(kShared, mempool_id{0, 7}, [&](CUstream_st*) { return filter_called = true; });
+    FAIL() << "expected std::runtime_error";
+  } catch (const std::runtime_error& e) {
+    const std::string m = e.what();
+    EXPECT_TRUE(contains(m, "CUDA graph capture on device 0 (memory pool 0,7) is not supported")) << m;
+    EXPECT_TRUE(contains(m, "torch.cuda.graph")) << m;
+    EXPECT_TRUE(contains(terrace_last_error(), "terrace_torch_begin_allocate_to_pool")) << terrace_last_error();
+  }
+  EXPECT_FALSE(filter_called);
+  EXPECT_EQ(stat(kShared, "allocation.all.current"), live);
+  void* p = terrace_torch_malloc(4096, kShared, nullptr);  // the allocator is as it was
+  ASSERT_NE(p, nullptr);
+  terrace_torch_free(p, 4096, kShared, nullptr);
 }
 
 // ---------------------------------------------------------------------------- configuration
@@ -668,6 +696,7 @@ TEST(CApi, SharedLibraryExportsOnlyTheCAbi) {
                                           "terrace_free",
                                           "terrace_torch_malloc",
                                           "terrace_torch_free",
+                                          "terrace_torch_begin_allocate_to_pool",
                                           "terrace_init",
                                           "terrace_empty_cache",
                                           "terrace_set_memory_fraction",

@@ -13,6 +13,7 @@ when no GPU is present). Failures raise TerraceError carrying terrace_last_error
 import ctypes
 import json
 import os
+import warnings
 
 __all__ = [
     "TerraceError", "Library", "load", "install", "stats", "reset_peak_stats", "record_trace",
@@ -176,7 +177,8 @@ def install(path=None, conf=None):
 
     Out of device memory then raises RuntimeError with terrace's report (PyTorch's own allocator
     raises torch.OutOfMemoryError, a RuntimeError). CUDA graph capture (torch.cuda.graph,
-    torch.compile(mode="reduce-overhead")) is not supported: terrace has no private pools.
+    torch.compile(mode="reduce-overhead")) is not supported, as terrace has no private pools: it
+    raises RuntimeError before the capture begins.
     """
     global _allocator
     import torch  # only install() needs PyTorch
@@ -198,6 +200,14 @@ def install(path=None, conf=None):
     native.set_reset_fn(lib.address("terrace_empty_cache"))
     native.set_memory_fraction_fn(lib.address("terrace_set_memory_fraction"))
     native.set_record_stream_fn(lib.address("terrace_record_stream"))
+    # A CUDA graph needs a private pool, which terrace lacks: the hook refuses the capture with
+    # a RuntimeError before it begins. Older PyTorch has no such hook, and capture would go on
+    # and corrupt memory.
+    if hasattr(native, "set_begin_allocate_to_pool"):
+        native.set_begin_allocate_to_pool(lib.address("terrace_torch_begin_allocate_to_pool"))
+    else:
+        warnings.warn("this PyTorch has no set_begin_allocate_to_pool hook: terrace cannot refuse "
+                      "CUDA graph capture, which it does not support; do not capture graphs")
     torch.cuda.memory.change_current_allocator(alloc)
     _allocator = alloc
     return lib

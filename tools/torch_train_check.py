@@ -134,6 +134,20 @@ def main():
         summary["peak_fragmentation"] = 1 - s["active_bytes.all.peak"] / max(1, s["reserved_bytes.all.peak"])
         torch.cuda.memory._dump_snapshot(os.path.join(args.out, f"{tag}_snapshot.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
+    if tt is not None:
+        # terrace refuses CUDA graph capture (no private pools) before the capture begins: the
+        # refusal must arrive as a RuntimeError, and eager work must go on afterwards.
+        static = torch.zeros(1024, device=device)
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                static.add_(1)
+            summary["graph_capture"] = "captured: NOT REFUSED"
+        except RuntimeError as e:
+            summary["graph_capture"] = "refused: " + str(e).splitlines()[0][:200]
+        static.add_(1)
+        torch.cuda.synchronize()
+        summary["eager_after_graph_refusal"] = float(static.sum())
+        print(f"[{tag}] graph capture {summary['graph_capture']}", flush=True)
     med = sorted(times[2:])[len(times[2:]) // 2] if len(times) > 2 else times[-1]
     summary["median_step_seconds_after_warmup"] = med
     with open(os.path.join(args.out, f"{tag}_summary.json"), "w") as f:

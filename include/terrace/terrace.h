@@ -10,6 +10,7 @@
  *                                                      "terrace_torch_free")
  *   alloc.set_init_fn / set_reset_fn / set_memory_fraction_fn / set_record_stream_fn
  *     -> terrace_init, terrace_empty_cache, terrace_set_memory_fraction, terrace_record_stream
+ *   alloc.set_begin_allocate_to_pool -> terrace_torch_begin_allocate_to_pool (refuses a capture)
  *
  * (tools/terrace_torch.py's install() does this.) PyTorch does not check its malloc hook's result
  * and never retries a free, so it gets its own pair: terrace_torch_malloc throws instead of
@@ -20,8 +21,8 @@
  * terrace_configure, called before first use). The backend is `device` from that config: "auto"
  * (the default) picks CUDA when a GPU is present and the simulated device otherwise.
  *
- * No C++ exception ever crosses this boundary, except terrace_torch_malloc's, which is for
- * PyTorch's C++ caller alone. Functions that can fail return 0 on success and a negative
+ * No C++ exception ever crosses this boundary, except those of terrace_torch_malloc and
+ * terrace_torch_begin_allocate_to_pool, which are for PyTorch's C++ caller alone. Functions that can fail return 0 on success and a negative
  * TERRACE_E* code on failure; terrace_malloc returns NULL. terrace_last_error() then describes the
  * failure (per thread). The free hooks cannot report failure: a bad free (double, foreign) is
  * refused (nothing is changed), counted in num_bad_frees, and described by terrace_last_error().
@@ -30,6 +31,12 @@
 #define TERRACE_TERRACE_H_
 
 #include <stddef.h>
+
+#ifdef __cplusplus
+#include <functional>
+#include <utility>
+struct CUstream_st; /* cudaStream_t is CUstream_st* */
+#endif
 
 #if defined(TERRACE_BUILDING_LIBRARY)
 #define TERRACE_API __attribute__((visibility("default")))
@@ -77,6 +84,18 @@ TERRACE_API void terrace_empty_cache(void);
 TERRACE_API void terrace_set_memory_fraction(double fraction, int device);
 /** @brief record-stream hook: `ptr` is also used on `stream`. NULL (an empty tensor) is ignored. */
 TERRACE_API void terrace_record_stream(void* ptr, void* stream);
+#ifdef __cplusplus
+/** @brief CUDA graph hook (set_begin_allocate_to_pool), with PyTorch's C++ signature: device,
+ *  MempoolId_t, and the filter of the streams that allocate into the pool. PyTorch calls it before
+ *  a capture starts (torch.cuda.graph, torch.compile(mode="reduce-overhead")); it throws a
+ *  std::runtime_error that PyTorch raises as a RuntimeError, so the capture never begins. A graph
+ *  needs a pool of its own: blocks freed during capture must stay the graph's, because every
+ *  replay writes them again. terrace has no such pools; without this hook a capture would run and
+ *  its blocks be handed to other tensors while replays still write them. Never call it from C. */
+TERRACE_API void terrace_torch_begin_allocate_to_pool(
+    int device, std::pair<unsigned long long, unsigned long long> pool,
+    std::function<bool(CUstream_st*)> allocates_into_pool);
+#endif
 
 /* ---- Configuration and observability (0 or a negative terrace_status) --------------------- */
 

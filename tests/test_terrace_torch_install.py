@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tools/terrace_torch.py's install() against a stand-in for torch.cuda.memory: every hook it sets
+must name a function libterrace.so exports, and a CUDA graph capture must meet terrace's refusal.
+Real PyTorch with CUDA runs the same wiring on a GPU machine (tools/torch_train_check.py); this
+catches a misspelled symbol or a forgotten hook without one.
+
+    TERRACE_LIBRARY=build/allocator/libterrace.so python3 -m unittest -v test_terrace_torch_install
+"""
+import ctypes
+import os
+import sys
+import types
+import unittest
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+
+LIBRARY = os.environ.get("TERRACE_LIBRARY", "")
+
+
+class FakeNative:
+    """The object CUDAPluggableAllocator.allocator() returns: records each hook's address."""
+
+    def __init__(self, with_graph_hook):
+        self.hooks = {}
+        setters = ["set_init_fn", "set_reset_fn", "set_memory_fraction_fn",
+                   "set_record_stream_fn"]
+        if with_graph_hook:
+            setters.append("set_begin_allocate_to_pool")
+        for name in setters:
+            setattr(self, name, lambda address, name=name: self.hooks.__setitem__(name, address))
+
+
+def fake_torch(with_graph_hook=True, initialized=False):
+    torch = types.ModuleType("torch")
+    torch.cuda = types.SimpleNamespace()
+    torch.cuda.is_initialized = lambda: initialized
+    state = types.SimpleNamespace(current=None, loaded=None)
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, alloc_fn_name, free_fn_name):
+            lib = ctypes.CDLL(path)  # as PyTorch does: the names must resolve
+            state.loaded = {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                            for name in (alloc_fn_name, free_fn_name)}
+            self.native = FakeNative(with_graph_hook)
+
+        def allocator(self):
+            return self.native
+
+    def change_current_allocator(allocator):
+        state.current = allocator
+
+    torch.cuda.memory = types.SimpleNamespace(
+        CUDAPluggableAllocator=CUDAPluggableAllocator,
+        change_current_allocator=change_current_allocator)
+    return torch, state
+
+
+@unittest.skipUnless(LIBRARY and os.path.exists(LIBRARY),
+                     "TERRACE_LIBRARY does not name a built libterrace.so (ctest sets it, except "
+                     "in sanitizer builds, whose library python3 cannot load)")
+class Install(unittest.TestCase):
+    def setUp(self):
+        import terrace_torch
+        self.tt = terrace_torch
+        self.lib = terrace_torch.load(LIBRARY)
+        self.saved = sys.modules.get("torch")
+
+    def tearDown(self):
+        if self.saved is None:
+            sys.modules.pop("torch", None)
+        else:
+            sys.modules["torch"] = self.saved
+
+    def install(self, **fake):
+        torch, state = fake_torch(**fake)
+        sys.modules["torch"] = torch
+        self.tt.install(LIBRARY)
+        return state
+
+    def test_every_hook_is_an_exported_function(self):
+        state = self.install()
+        self.assertIsNotNone(state.current)
+        self.assertEqual(state.loaded, {
+            "terrace_torch_malloc": self.lib.address("terrace_torch_malloc"),
+            "terrace_torch_free": self.lib.address("terrace_torch_free")})
+        self.assertEqual(state.current.native.hooks, {
+            "set_init_fn": self.lib.address("terrace_init"),
+            "set_reset_fn": self.lib.address("terrace_empty_cache"),
+            "set_memory_fraction_fn": self.lib.address("terrace_set_memory_fraction"),
+            "set_record_stream_fn": self.lib.address("terrace_record_stream"),
+            "set_begin_allocate_to_pool":
+                self.lib.address("terrace_torch_begin_allocate_to_pool")})
+
+    def test_a_torch_without_the_graph_hook_is_warned_about(self):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = self.install(with_graph_hook=False)
+        self.assertIsNotNone(state.current)
+        self.assertTrue(any("CUDA graph" in str(w.message) for w in caught), caught)
+
+    def test_an_initialized_cuda_is_refused(self):
+        torch, state = fake_torch(initialized=True)
+        sys.modules["torch"] = torch
+        with self.assertRaisesRegex(RuntimeError, "before CUDA is initialized"):
+            self.tt.install(LIBRARY)
+        self.assertIsNone(state.current)
+
+
+if __name__ == "__main__":
+    unittest.main()
