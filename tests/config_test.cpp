@@ -487,28 +487,28 @@ TEST_F(AllocConfEnv, ReadsTheVariable) {
   EXPECT_EQ(alloc_conf_from_env().device, "auto");
 }
 
-TEST_F(AllocConfEnv, ErrorsNameTheVariableTheItemAndTheKeys) {
-  ASSERT_EQ(setenv("TERRACE_ALLOC_CONF", "device:sim,memory_fraction:2", 1), 0);
+// The message alloc_conf_from_env throws with TERRACE_ALLOC_CONF set to `text`.
+std::string env_error_of(const char* text) {
+  EXPECT_EQ(setenv("TERRACE_ALLOC_CONF", text, 1), 0);
   try {
     alloc_conf_from_env();
-    FAIL() << "expected a throw";
   } catch (const logic_error& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind("terrace: TERRACE_ALLOC_CONF: ", 0), 0u) << msg;
-    EXPECT_NE(msg.find("'memory_fraction:2'"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("(0, 1]"), std::string::npos) << msg;
+    return e.what();
   }
-  ASSERT_EQ(setenv("TERRACE_ALLOC_CONF", "device:sim,memory_fration:0.5", 1), 0);
-  try {
-    alloc_conf_from_env();
-    FAIL() << "expected a throw";
-  } catch (const logic_error& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind("terrace: TERRACE_ALLOC_CONF: ", 0), 0u) << msg;
-    EXPECT_NE(msg.find("did you mean 'memory_fraction'?"), std::string::npos) << msg;
-    for (std::string_view key : alloc_conf_keys()) {
-      EXPECT_NE(msg.find(key), std::string::npos) << key;
-    }
+  ADD_FAILURE() << "TERRACE_ALLOC_CONF=" << text << " did not throw";
+  return {};
+}
+
+TEST_F(AllocConfEnv, ErrorsNameTheVariableTheItemAndTheKeys) {
+  std::string msg = env_error_of("device:sim,memory_fraction:2");
+  EXPECT_EQ(msg.rfind("terrace: TERRACE_ALLOC_CONF: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("'memory_fraction:2'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("(0, 1]"), std::string::npos) << msg;
+  msg = env_error_of("device:sim,memory_fration:0.5");
+  EXPECT_EQ(msg.rfind("terrace: TERRACE_ALLOC_CONF: ", 0), 0u) << msg;
+  EXPECT_NE(msg.find("did you mean 'memory_fraction'?"), std::string::npos) << msg;
+  for (std::string_view key : alloc_conf_keys()) {
+    EXPECT_NE(msg.find(key), std::string::npos) << key;
   }
   // parse_alloc_conf itself does not claim the variable.
   EXPECT_EQ(error_of("memory_fraction:2").find("TERRACE_ALLOC_CONF"), std::string::npos);
