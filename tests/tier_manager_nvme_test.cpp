@@ -375,6 +375,59 @@ TEST(TierManagerNvme, AFailedWriteAcquireLeavesNoEmptyHomeBufferStandingForTheDa
   dev->destroy_stream(compute);
 }
 
+// Found in the next review: the same, when the home buffer was taken by a read ahead whose read
+// failed. The write acquire kept that buffer (it had not taken it), unfilled, and later reads
+// found a home buffer and read nothing: a read acquire copied up garbage while the data sat on
+// NVMe. Now an unfilled buffer goes back whoever took it, and one that stays is filled first.
+TEST(TierManagerNvme, AFailedWriteAcquireAfterAFailedReadAheadLeavesTheDataOnNvmeReadable) {
+  testing::scratch_dir dir("tm-read-ahead-then-write-oom");
+  const std::size_t n = 256 << 10;
+  auto store = tensor_store::create(dir.path(), store_options());
+  device_options o;
+  o.capacity = 32 << 20;
+  auto dev = make_device("sim", o);
+  caching_allocator mem(*dev);
+  pinned_host_pool host(*dev, {});
+  stream_ref compute = dev->create_stream();
+  {
+    tier_manager_options to;
+    to.device_budget = 8 << 20;
+    to.host_budget = 3 * n;
+    tier_manager tm(*dev, mem, host, to, &store);
+    std::vector<tensor_id> ids;
+    for (int i = 0; i < 4; ++i) {
+      std::vector<unsigned char> init(n, static_cast<unsigned char>(0x10 + i));
+      ids.push_back(tm.add("t" + std::to_string(i), n, init.data()));
+    }
+    ASSERT_FALSE(tm.on_host(ids[0]));
+    tm.set_schedule({ids[0]});
+    tm.begin_iteration();  // no room for t0's read yet: a home copy starts leaving
+    store.wait_all();
+    io_fault f;
+    f.what = io_fault::kind::eio;
+    f.writes = false;
+    f.count = 1000;
+    store.inject_fault(f);
+    tm.begin_iteration();  // t0's read ahead starts in a buffer of its own, and fails
+    store.wait_all();
+    void* other = mem.allocate(32 << 20, compute, "other");  // the device is full for a moment
+    EXPECT_THROW(tm.acquire(ids[0], compute, access::write), out_of_memory);
+    std::memset(other, 0xEE, 32 << 20);  // sim device memory is host memory: no stale luck
+    mem.deallocate(other, compute);
+    dev->synchronize_device();
+    store.inject_fault({});
+    tm.check_invariants();
+    const auto* d = static_cast<const unsigned char*>(tm.acquire(ids[0], compute, access::read));
+    dev->synchronize(compute);
+    std::size_t wrong = 0;
+    for (std::size_t k = 0; k < n; ++k) wrong += d[k] != 0x10;
+    EXPECT_EQ(wrong, 0u) << "of " << n << " bytes of t0 on the device";
+    tm.release(ids[0], compute);
+    tm.check_invariants();
+  }
+  dev->destroy_stream(compute);
+}
+
 // Found in review: acquire pinned the tensor, then ran the prefetch walks, whose failure (another
 // tensor's NVMe read) threw out of acquire and left the pin behind. Another tensor's failed read
 // no longer fails an acquire (finish_read_ahead); the failures here are each tensor's own read,

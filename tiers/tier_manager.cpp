@@ -572,6 +572,13 @@ struct tier_manager::impl {
     ++counters.host_evictions;
   }
 
+  // A home buffer that holds none of t's data (a write acquire took it without reading the data
+  // in, or a read into it failed) goes back when the acquire fails: whether it was taken by
+  // this acquire or by a read ahead that failed before it, kept it would pass for the data.
+  void give_back_unfilled_home(tensor& t) {
+    if (t.host != nullptr && !t.host_written && !t.nvme_reading) give_back_home_buffer(t);
+  }
+
   // The pinned buffer of `t` goes back to the pool and out of the host budget.
   void give_back_home_buffer(tensor& t) {
     host.deallocate(t.host);
@@ -805,13 +812,13 @@ struct tier_manager::impl {
       } catch (const io_error&) {
       }
     }
-    if (t.host == nullptr) {
-      take_home_buffer_on_demand(id);
-      if (t.nvme_current && need_data) {
-        t.nvme_io = nvme->get(t.name, t.host, t.bytes);
-        t.nvme_reading = true;
-        counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
-      }
+    if (t.host == nullptr) take_home_buffer_on_demand(id);
+    // A buffer that holds none of the data (just taken, or left by a write acquire that failed)
+    // is filled from NVMe when the data is wanted.
+    if (need_data && t.nvme_current && !t.host_written && !t.nvme_reading) {
+      t.nvme_io = nvme->get(t.name, t.host, t.bytes);
+      t.nvme_reading = true;
+      counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
     }
     if (t.nvme_reading) {
       if (!t.nvme_io.ready()) ++counters.nvme_waits;
@@ -868,7 +875,6 @@ struct tier_manager::impl {
     tensor& t = at(id, "acquire");
     follow_schedule(id, mode);
     t.last_use = ++tick;
-    bool had_home = true;
     bool empty_block = false;  // this acquire gave t a block and put none of its data there
     if (t.dev != nullptr) {
       if (t.prefetched) ++counters.prefetch_hits;
@@ -880,7 +886,6 @@ struct tier_manager::impl {
                             detail::describe_bytes(device_bytes) + " are held by " +
                             std::to_string(pinned_count()) + " acquired tensors");
       }
-      had_home = t.host != nullptr;
       ensure_home(id, mode != access::write);
       void* block = nullptr;
       try {
@@ -888,9 +893,7 @@ struct tier_manager::impl {
       } catch (...) {
         // A write acquire takes a home buffer without reading the data in (it will be
         // overwritten); failing here, that empty buffer must not stand for the tensor's data.
-        if (!had_home && t.host != nullptr && !t.host_written && !t.nvme_reading) {
-          give_back_home_buffer(t);
-        }
+        give_back_unfilled_home(t);
         throw;
       }
       bring_up(id, block, mode != access::write);
@@ -935,9 +938,7 @@ struct tier_manager::impl {
         // The caller was to fill it (access::write) and never will: kept, the block would pass
         // for the tensor's data, and so would a home buffer taken without reading the data in.
         drop_device_copy(id);
-        if (!had_home && t.host != nullptr && !t.host_written && !t.nvme_reading) {
-          give_back_home_buffer(t);
-        }
+        give_back_unfilled_home(t);
       }
       throw;
     }
@@ -1131,6 +1132,9 @@ struct tier_manager::impl {
     for (const tensor& t : tensors) {
       if (t.host == nullptr && t.dev == nullptr && !t.nvme_current && t.host_written) {
         fail("'" + t.name + "' has no copy anywhere");
+      }
+      if (t.host != nullptr && !t.host_written && !t.nvme_reading && t.nvme_current && t.dev == nullptr) {
+        fail("'" + t.name + "' has a home buffer that holds none of its data, which is on NVMe");
       }
     }
     if (device_bytes > options.device_budget) fail("over the device budget");
