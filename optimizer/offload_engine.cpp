@@ -831,7 +831,19 @@ struct offload_engine::impl {
 
     // The first step's acquires are recorded as the schedule (the call after its optimizer step
     // ends the recording); later this restarts the schedule, which that call already did unless
-    // the previous step threw before reaching it.
+    // the previous step threw before reaching it. A first step that throws before its backward
+    // is through drops its partial recording, and the next step records the whole iteration.
+    struct abandon_unless_through {
+      tier_manager& tm;
+      bool through = false;
+      ~abandon_unless_through() {
+        if (through) return;
+        try {
+          tm.abandon_iteration();
+        } catch (...) {  // a failed lock: the recording is kept, which only costs prefetches
+        }
+      }
+    } iteration{*tm};
     tm->begin_iteration();
     model->begin_batch(batch);
     acquired_tensors held(*tm, compute);
@@ -861,6 +873,7 @@ struct offload_engine::impl {
       // the next backward overwrites the gradient (cached, it would outlive the step).
       tm->offload(layers[i].grad);
     }
+    iteration.through = true;
     s.forward_backward_seconds = seconds_since(forward_start) - s.optimizer_wait_seconds;
     s.exposed_transfer_seconds = model->wait_seconds() - wait_before;
 

@@ -789,6 +789,20 @@ TEST(OffloadEngineFaults, AModelThatThrowsLeavesNothingAcquired) {
   }
 }
 
+// Found in review: the first step's acquires are recorded as the schedule, and a first step that
+// threw part-way left its first acquires as the schedule for good: every later use was a miss
+// and a demand fetch. Its partial recording is now dropped and the next step records again.
+TEST(OffloadEngineFaults, AFirstStepThatThrowsLeavesNoPartialSchedule) {
+  offload_engine_options o = probe_options({}, 1024);
+  probe_engine e(kSmallLayers, o);
+  auto& model = dynamic_cast<probe_model&>(e.engine->model());
+  model.fail_forward_at = 1;
+  EXPECT_THROW(e.step(kProbeBatches[0]), std::runtime_error);
+  for (std::size_t s = 0; s < 3; ++s) e.step(kProbeBatches[s]);
+  // One iteration: each layer's param in forward, then its param and gradient in backward.
+  EXPECT_EQ(e.engine->tiers().schedule().size(), 3 * kSmallLayers.size());
+}
+
 // checkpoint() after a failed step finishes it first, or, when finishing fails again, throws and
 // commits nothing: a crash then resumes from the last whole step, never from a mixed one.
 TEST(OffloadEngineFaults, ACheckpointAfterAFailedStepCommitsOnlyWholeSteps) {

@@ -1223,6 +1223,15 @@ void tier_manager::begin_iteration() {
   m.prefetch_from_nvme();
 }
 
+void tier_manager::abandon_iteration() {
+  std::lock_guard lock(impl_->mutex);
+  impl& m = *impl_;
+  if (!m.is_recording) return;
+  m.is_recording = false;
+  m.recording.clear();
+  m.recording_overwrites.clear();
+}
+
 void tier_manager::set_schedule(std::vector<tensor_id> order) {
   std::lock_guard lock(impl_->mutex);
   for (tensor_id id : order) (void)impl_->at(id, "set_schedule");

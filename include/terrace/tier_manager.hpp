@@ -188,6 +188,10 @@ class tier_manager {
   /// prefetching its first tensors at once (without blocking on a transfer).
   /// @throws io_error when making room in the host tier for an NVMe prefetch fails (as acquire).
   void begin_iteration();
+  /// @brief Says the iteration begun last did not finish (it threw part-way). An iteration being
+  /// recorded is dropped, and the next begin_iteration records again: otherwise its first part
+  /// would become the schedule for good, and every later use a miss. A schedule in use is kept.
+  void abandon_iteration();
   /// @brief Sets the access order of one iteration explicitly (replaces any recorded one).
   /// @throws logic_error for an unknown id.
   void set_schedule(std::vector<tensor_id> order);
