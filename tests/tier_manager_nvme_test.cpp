@@ -428,6 +428,55 @@ TEST(TierManagerNvme, AFailedWriteAcquireAfterAFailedReadAheadLeavesTheDataOnNvm
   dev->destroy_stream(compute);
 }
 
+// Found in review: with a host budget no larger than the device budget, the pinned memory fills
+// with the homes of tensors on the device, which cannot leave while their device copies stand.
+// A demand for host room then failed with out_of_memory although no tensor was acquired; the
+// pinned pool's refusal already evicted a device copy in that case, the budget's did not.
+TEST(TierManagerNvme, AHostBudgetFullOfDeviceCopiesHomesEvictsOneOfThem) {
+  for (const std::size_t device_tensors : {4, 3}) {
+    SCOPED_TRACE(std::to_string(device_tensors) + " tensors of device budget, 3 of host");
+    testing::scratch_dir dir("tm-host-under-device");
+    auto store = tensor_store::create(dir.path(), store_options());
+    auto dev = make_device("sim", {});
+    caching_allocator mem(*dev);
+    pinned_host_pool host(*dev, {});
+    stream_ref compute = dev->create_stream();
+    {
+      tier_manager_options to;
+      to.device_budget = device_tensors * kBytes;
+      to.host_budget = 3 * kBytes;
+      tier_manager tm(*dev, mem, host, to, &store);
+      std::vector<tensor_id> ids;
+      for (int i = 0; i < 6; ++i) ids.push_back(tm.add("t" + std::to_string(i), kBytes, pattern(i).data()));
+      for (int i = 3; i < 6; ++i) {  // on the device, released: their homes fill the host budget
+        tm.acquire(ids[i], compute);
+        tm.release(ids[i], compute);
+      }
+      dev->synchronize(compute);
+      ASSERT_FALSE(tm.on_host(ids[0]));
+      const auto* d = static_cast<const unsigned char*>(tm.acquire(ids[0], compute));
+      dev->synchronize(compute);
+      EXPECT_EQ(std::vector<unsigned char>(d, d + kBytes), pattern(0));
+      tm.release(ids[0], compute);
+      const auto* h = static_cast<const unsigned char*>(tm.host_data(ids[1], access::read));
+      EXPECT_EQ(std::vector<unsigned char>(h, h + kBytes), pattern(1));
+      tm.check_invariants();
+      // With the device copies whose homes fill the budget acquired, the refusal is final.
+      for (int i = 3; i < 6; ++i) tm.acquire(ids[i], compute);
+      try {
+        tm.host_data(ids[2], access::read);
+        ADD_FAILURE() << "expected out_of_memory";
+      } catch (const out_of_memory& e) {
+        EXPECT_NE(std::string(e.what()).find("belongs to an acquired tensor"), std::string::npos) << e.what();
+      }
+      for (int i = 3; i < 6; ++i) tm.release(ids[i], compute);
+      tm.check_invariants();
+      dev->synchronize_device();
+    }
+    dev->destroy_stream(compute);
+  }
+}
+
 // Found in review: acquire pinned the tensor, then ran the prefetch walks, whose failure (another
 // tensor's NVMe read) threw out of acquire and left the pin behind. Another tensor's failed read
 // no longer fails an acquire (finish_read_ahead); the failures here are each tensor's own read,

@@ -742,15 +742,20 @@ struct tier_manager::impl {
   // (its alignment rounding, the memlock limit, regions too fragmented for the size), home copies
   // move to NVMe one at a time (Belady) until the pool serves it. A home copy under a device copy
   // cannot leave, so when no other can, an unpinned device copy is evicted (Belady) and its home
-  // leaves next; only the homes of acquired tensors make the pool's refusal final.
+  // leaves next, for the budget as for the pool; only the homes of acquired tensors make either
+  // refusal final. (A host budget below the device budget fills with the homes of device copies.)
   void take_home_buffer_on_demand(tensor_id id) {
     tensor& t = tensors[id];
     refuse_larger_than_host_budget(t);
-    if (!make_host_room(t.bytes, id, kNever)) {
-      throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
-                          detail::describe_bytes(t.bytes) + ") in the host budget of " +
-                          detail::describe_bytes(options.host_budget) +
-                          ": every home copy there is in use on the device");
+    while (!make_host_room(t.bytes, id, kNever)) {
+      const tensor_id on_device = victim(id, kNever);
+      if (on_device == static_cast<tensor_id>(-1)) {
+        throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
+                            detail::describe_bytes(t.bytes) + ") in the host budget of " +
+                            detail::describe_bytes(options.host_budget) +
+                            ": every home copy there belongs to an acquired tensor");
+      }
+      evict(on_device);
     }
     for (bool landed = false;;) {
       try {
