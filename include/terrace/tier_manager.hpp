@@ -131,8 +131,14 @@ class tier_manager {
   tensor_id add(std::string name, std::size_t bytes, const void* initial = nullptr);
 
   /// @brief The tensor's device copy, valid for work queued on `stream` from now on; pins it.
-  /// Does not block the host on the transfer. Acquiring a pinned tensor again pins it again.
-  /// @throws logic_error for an unknown id; out_of_memory when pinned tensors leave no room.
+  /// `stream` is ordered after the manager's own copies (up, down, and those of the block's
+  /// previous owners), never after the caller's other streams: work of another stream that wrote
+  /// the tensor must be ordered by the caller (an event), as for any device memory. The copy up
+  /// does not block the host; a tensor on NVMe is read into pinned memory first, and making room
+  /// may wait for puts to NVMe and for copies down of the evicted tensors.
+  /// Acquiring a pinned tensor again pins it again.
+  /// @throws logic_error for an unknown id; out_of_memory when acquired tensors leave no room in
+  ///         the device budget, or their homes none in the host budget; io_error from NVMe.
   void* acquire(tensor_id id, stream_ref stream, access mode = access::read);
   /// @brief Unpins; the device copy may be evicted once the work queued on `stream` so far is done.
   /// @throws logic_error for an unknown id or a tensor that is not acquired.
