@@ -483,8 +483,9 @@ extern "C" TERRACE_API void terrace_torch_begin_allocate_to_pool(
       << "replays write the blocks it freed during capture again, and terrace has none; it would "
       << "hand those blocks to other tensors. Capture in a process that does not install terrace "
       << "(torch.cuda.graph, torch.compile(mode=\"reduce-overhead\"))";
-  terrace::c_boundary::set_error("terrace_torch_begin_allocate_to_pool", "", msg.str().c_str());
-  throw std::runtime_error(msg.str());
+  const std::string text = msg.str();
+  terrace::c_boundary::set_error("terrace_torch_begin_allocate_to_pool", "", text.c_str());
+  throw std::runtime_error(text);
 }
 
 extern "C" {

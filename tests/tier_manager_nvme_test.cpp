@@ -41,21 +41,38 @@ tensor_store_options store_options() {
   return o;
 }
 
-// Device room for 2 tensors, pinned room for 3, the rest on NVMe.
+// Every NVMe read fails with EIO, until the fault is cleared.
+io_fault failing_reads() {
+  io_fault f;
+  f.what = io_fault::kind::eio;
+  f.writes = false;
+  f.count = 1000;
+  return f;
+}
+
+tier_manager_options budgets(std::size_t device_budget, std::size_t host_budget) {
+  tier_manager_options o;
+  o.device_budget = device_budget;
+  o.host_budget = host_budget;
+  return o;
+}
+
+// A sim device, its allocator, a pinned pool and a tier manager over `store`; by default device
+// room for 2 tensors, pinned room for 3, the rest on NVMe.
 struct rig3 {
-  std::unique_ptr<device_backend> dev = make_device("sim", {});
-  caching_allocator memory{*dev};
+  std::unique_ptr<device_backend> dev;
+  caching_allocator memory;
   pinned_host_pool host;
   std::unique_ptr<tier_manager> tm;
-  stream_ref compute = dev->create_stream();
+  stream_ref compute;
 
-  explicit rig3(tensor_store& store, std::size_t host_tensors = 3, pinned_pool_options pool = {})
-      : host(*dev, pool) {
-    tier_manager_options o;
-    o.device_budget = 2 * kBytes;
-    o.host_budget = host_tensors * kBytes;
-    tm = std::make_unique<tier_manager>(*dev, memory, host, o, &store);
+  rig3(tensor_store& store, const tier_manager_options& options, const device_options& device = {},
+       pinned_pool_options pool = {})
+      : dev(make_device("sim", device)), memory(*dev), host(*dev, pool), compute(dev->create_stream()) {
+    tm = std::make_unique<tier_manager>(*dev, memory, host, options, &store);
   }
+  explicit rig3(tensor_store& store, std::size_t host_tensors = 3, pinned_pool_options pool = {})
+      : rig3(store, budgets(2 * kBytes, host_tensors * kBytes), {}, pool) {}
   ~rig3() {
     dev->synchronize_device();
     tm.reset();
@@ -99,6 +116,16 @@ int run_iteration(rig3& r, const std::vector<tensor_id>& ids, std::vector<int>& 
 std::vector<tensor_id> add_patterned(rig3& r, const std::string& prefix, int count) {
   std::vector<tensor_id> ids;
   for (int i = 0; i < count; ++i) ids.push_back(r.tm->add(prefix + std::to_string(i), kBytes, pattern(i).data()));
+  return ids;
+}
+
+// `count` tensors t0, t1, ... of `bytes` each, tensor i filled with 0x10 + i.
+std::vector<tensor_id> add_filled(rig3& r, int count, std::size_t bytes) {
+  std::vector<tensor_id> ids;
+  for (int i = 0; i < count; ++i) {
+    const std::vector<unsigned char> init(bytes, static_cast<unsigned char>(0x10 + i));
+    ids.push_back(r.tm->add("t" + std::to_string(i), bytes, init.data()));
+  }
   return ids;
 }
 
@@ -346,33 +373,19 @@ TEST(TierManagerNvme, AFailedWriteAcquireLeavesNoEmptyHomeBufferStandingForTheDa
   auto store = tensor_store::create(dir.path(), store_options());
   device_options o;
   o.capacity = 32 << 20;
-  auto dev = make_device("sim", o);
-  caching_allocator mem(*dev);
   pinned_pool_options po;
   po.region_size = 4 << 20;
-  pinned_host_pool host(*dev, po);
-  stream_ref compute = dev->create_stream();
-  {
-    tier_manager_options to;
-    to.device_budget = 8 << 20;
-    to.host_budget = 2 * n;  // t0 and t1 go to NVMe as t2 and t3 are added
-    tier_manager tm(*dev, mem, host, to, &store);
-    std::vector<tensor_id> ids;
-    for (int i = 0; i < 4; ++i) {
-      std::vector<unsigned char> init(n, static_cast<unsigned char>(0x10 + i));
-      ids.push_back(tm.add("t" + std::to_string(i), n, init.data()));
-    }
-    ASSERT_FALSE(tm.on_host(ids[0]));
-    void* other = mem.allocate(32 << 20, compute, "other");  // the device is full for a moment
-    EXPECT_THROW(tm.acquire(ids[0], compute, access::write), out_of_memory);
-    mem.deallocate(other, compute);
-    dev->synchronize_device();
-    tm.check_invariants();
-    const auto* h = static_cast<const unsigned char*>(tm.host_data(ids[0], access::read));
-    EXPECT_EQ(h[0], 0x10);
-    EXPECT_EQ(h[n - 1], 0x10);
-  }
-  dev->destroy_stream(compute);
+  rig3 r(store, budgets(8 << 20, 2 * n), o, po);  // t0 and t1 go to NVMe as t2 and t3 are added
+  const auto ids = add_filled(r, 4, n);
+  ASSERT_FALSE(r.tm->on_host(ids[0]));
+  void* other = r.memory.allocate(32 << 20, r.compute, "other");  // the device is full for a moment
+  EXPECT_THROW(r.tm->acquire(ids[0], r.compute, access::write), out_of_memory);
+  r.memory.deallocate(other, r.compute);
+  r.dev->synchronize_device();
+  r.tm->check_invariants();
+  const auto* h = static_cast<const unsigned char*>(r.tm->host_data(ids[0], access::read));
+  EXPECT_EQ(h[0], 0x10);
+  EXPECT_EQ(h[n - 1], 0x10);
 }
 
 // Found in the next review: the same, when the home buffer was taken by a read ahead whose read
@@ -385,47 +398,29 @@ TEST(TierManagerNvme, AFailedWriteAcquireAfterAFailedReadAheadLeavesTheDataOnNvm
   auto store = tensor_store::create(dir.path(), store_options());
   device_options o;
   o.capacity = 32 << 20;
-  auto dev = make_device("sim", o);
-  caching_allocator mem(*dev);
-  pinned_host_pool host(*dev, {});
-  stream_ref compute = dev->create_stream();
-  {
-    tier_manager_options to;
-    to.device_budget = 8 << 20;
-    to.host_budget = 3 * n;
-    tier_manager tm(*dev, mem, host, to, &store);
-    std::vector<tensor_id> ids;
-    for (int i = 0; i < 4; ++i) {
-      std::vector<unsigned char> init(n, static_cast<unsigned char>(0x10 + i));
-      ids.push_back(tm.add("t" + std::to_string(i), n, init.data()));
-    }
-    ASSERT_FALSE(tm.on_host(ids[0]));
-    tm.set_schedule({ids[0]});
-    tm.begin_iteration();  // no room for t0's read yet: a home copy starts leaving
-    store.wait_all();
-    io_fault f;
-    f.what = io_fault::kind::eio;
-    f.writes = false;
-    f.count = 1000;
-    store.inject_fault(f);
-    tm.begin_iteration();  // t0's read ahead starts in a buffer of its own, and fails
-    store.wait_all();
-    void* other = mem.allocate(32 << 20, compute, "other");  // the device is full for a moment
-    EXPECT_THROW(tm.acquire(ids[0], compute, access::write), out_of_memory);
-    std::memset(other, 0xEE, 32 << 20);  // sim device memory is host memory: no stale luck
-    mem.deallocate(other, compute);
-    dev->synchronize_device();
-    store.inject_fault({});
-    tm.check_invariants();
-    const auto* d = static_cast<const unsigned char*>(tm.acquire(ids[0], compute, access::read));
-    dev->synchronize(compute);
-    std::size_t wrong = 0;
-    for (std::size_t k = 0; k < n; ++k) wrong += d[k] != 0x10;
-    EXPECT_EQ(wrong, 0u) << "of " << n << " bytes of t0 on the device";
-    tm.release(ids[0], compute);
-    tm.check_invariants();
-  }
-  dev->destroy_stream(compute);
+  rig3 r(store, budgets(8 << 20, 3 * n), o);
+  const auto ids = add_filled(r, 4, n);
+  ASSERT_FALSE(r.tm->on_host(ids[0]));
+  r.tm->set_schedule({ids[0]});
+  r.tm->begin_iteration();  // no room for t0's read yet: a home copy starts leaving
+  store.wait_all();
+  store.inject_fault(failing_reads());
+  r.tm->begin_iteration();  // t0's read ahead starts in a buffer of its own, and fails
+  store.wait_all();
+  void* other = r.memory.allocate(32 << 20, r.compute, "other");  // the device is full for a moment
+  EXPECT_THROW(r.tm->acquire(ids[0], r.compute, access::write), out_of_memory);
+  std::memset(other, 0xEE, 32 << 20);  // sim device memory is host memory: no stale luck
+  r.memory.deallocate(other, r.compute);
+  r.dev->synchronize_device();
+  store.inject_fault({});
+  r.tm->check_invariants();
+  const auto* d = static_cast<const unsigned char*>(r.tm->acquire(ids[0], r.compute, access::read));
+  r.dev->synchronize(r.compute);
+  std::size_t wrong = 0;
+  for (std::size_t k = 0; k < n; ++k) wrong += d[k] != 0x10;
+  EXPECT_EQ(wrong, 0u) << "of " << n << " bytes of t0 on the device";
+  r.tm->release(ids[0], r.compute);
+  r.tm->check_invariants();
 }
 
 // Found in review: with a host budget no larger than the device budget, the pinned memory fills
@@ -437,43 +432,32 @@ TEST(TierManagerNvme, AHostBudgetFullOfDeviceCopiesHomesEvictsOneOfThem) {
     SCOPED_TRACE(std::to_string(device_tensors) + " tensors of device budget, 3 of host");
     testing::scratch_dir dir("tm-host-under-device");
     auto store = tensor_store::create(dir.path(), store_options());
-    auto dev = make_device("sim", {});
-    caching_allocator mem(*dev);
-    pinned_host_pool host(*dev, {});
-    stream_ref compute = dev->create_stream();
-    {
-      tier_manager_options to;
-      to.device_budget = device_tensors * kBytes;
-      to.host_budget = 3 * kBytes;
-      tier_manager tm(*dev, mem, host, to, &store);
-      std::vector<tensor_id> ids;
-      for (int i = 0; i < 6; ++i) ids.push_back(tm.add("t" + std::to_string(i), kBytes, pattern(i).data()));
-      for (int i = 3; i < 6; ++i) {  // on the device, released: their homes fill the host budget
-        tm.acquire(ids[i], compute);
-        tm.release(ids[i], compute);
-      }
-      dev->synchronize(compute);
-      ASSERT_FALSE(tm.on_host(ids[0]));
-      const auto* d = static_cast<const unsigned char*>(tm.acquire(ids[0], compute));
-      dev->synchronize(compute);
-      EXPECT_EQ(std::vector<unsigned char>(d, d + kBytes), pattern(0));
-      tm.release(ids[0], compute);
-      const auto* h = static_cast<const unsigned char*>(tm.host_data(ids[1], access::read));
-      EXPECT_EQ(std::vector<unsigned char>(h, h + kBytes), pattern(1));
-      tm.check_invariants();
-      // With the device copies whose homes fill the budget acquired, the refusal is final.
-      for (int i = 3; i < 6; ++i) tm.acquire(ids[i], compute);
-      try {
-        tm.host_data(ids[2], access::read);
-        ADD_FAILURE() << "expected out_of_memory";
-      } catch (const out_of_memory& e) {
-        EXPECT_NE(std::string(e.what()).find("belongs to an acquired tensor"), std::string::npos) << e.what();
-      }
-      for (int i = 3; i < 6; ++i) tm.release(ids[i], compute);
-      tm.check_invariants();
-      dev->synchronize_device();
+    rig3 r(store, budgets(device_tensors * kBytes, 3 * kBytes));
+    tier_manager& tm = *r.tm;
+    const auto ids = add_patterned(r, "t", 6);
+    for (int i = 3; i < 6; ++i) {  // on the device, released: their homes fill the host budget
+      tm.acquire(ids[i], r.compute);
+      tm.release(ids[i], r.compute);
     }
-    dev->destroy_stream(compute);
+    r.dev->synchronize(r.compute);
+    ASSERT_FALSE(tm.on_host(ids[0]));
+    const auto* d = static_cast<const unsigned char*>(tm.acquire(ids[0], r.compute));
+    r.dev->synchronize(r.compute);
+    EXPECT_EQ(std::vector<unsigned char>(d, d + kBytes), pattern(0));
+    tm.release(ids[0], r.compute);
+    const auto* h = static_cast<const unsigned char*>(tm.host_data(ids[1], access::read));
+    EXPECT_EQ(std::vector<unsigned char>(h, h + kBytes), pattern(1));
+    tm.check_invariants();
+    // With the device copies whose homes fill the budget acquired, the refusal is final.
+    for (int i = 3; i < 6; ++i) tm.acquire(ids[i], r.compute);
+    try {
+      tm.host_data(ids[2], access::read);
+      ADD_FAILURE() << "expected out_of_memory";
+    } catch (const out_of_memory& e) {
+      EXPECT_NE(std::string(e.what()).find("belongs to an acquired tensor"), std::string::npos) << e.what();
+    }
+    for (int i = 3; i < 6; ++i) tm.release(ids[i], r.compute);
+    tm.check_invariants();
   }
 }
 
@@ -492,11 +476,7 @@ TEST(TierManagerNvme, AnAcquireThatFailsInAnotherTensorsPrefetchLeavesNothingPin
     r.tm->release(id, r.compute);
     r.dev->synchronize(r.compute);
   }
-  io_fault f;
-  f.what = io_fault::kind::eio;
-  f.writes = false;
-  f.count = 1000;
-  store.inject_fault(f);
+  store.inject_fault(failing_reads());
   r.tm->begin_iteration();  // the schedule is known: prefetch starts NVMe reads, which fail
   int failures = 0;
   for (tensor_id id : ids) {
@@ -564,11 +544,7 @@ TEST(TierManagerNvme, AFailedReadAheadFailsOnlyTheUseOfItsOwnTensor) {
   r.tm->set_schedule({ids[0], ids[3]});
   r.tm->begin_iteration();  // no room for x0's read yet: x4 starts leaving for NVMe
   store.wait_all();
-  io_fault f;
-  f.what = io_fault::kind::eio;
-  f.writes = false;
-  f.count = 1000;
-  store.inject_fault(f);
+  store.inject_fault(failing_reads());
   r.tm->begin_iteration();  // x4 has left: x0's read starts, and fails
   store.wait_all();
   ASSERT_FALSE(r.tm->on_device(ids[5]));

@@ -572,11 +572,16 @@ struct tier_manager::impl {
     ++counters.host_evictions;
   }
 
-  // A home buffer that holds none of t's data (a write acquire took it without reading the data
-  // in, or a read into it failed) goes back when the acquire fails: whether it was taken by
-  // this acquire or by a read ahead that failed before it, kept it would pass for the data.
+  // Whether t has a home buffer that holds none of its data, and no read is filling it: a write
+  // acquire took it without reading the data in, or a read into it failed.
+  static bool unfilled_home(const tensor& t) {
+    return t.host != nullptr && !t.host_written && !t.nvme_reading;
+  }
+
+  // An unfilled home goes back when the acquire fails: whether it was taken by this acquire or
+  // by a read ahead that failed before it, kept it would pass for the data.
   void give_back_unfilled_home(tensor& t) {
-    if (t.host != nullptr && !t.host_written && !t.nvme_reading) give_back_home_buffer(t);
+    if (unfilled_home(t)) give_back_home_buffer(t);
   }
 
   // The pinned buffer of `t` goes back to the pool and out of the host budget.
@@ -820,7 +825,7 @@ struct tier_manager::impl {
     if (t.host == nullptr) take_home_buffer_on_demand(id);
     // A buffer that holds none of the data (just taken, or left by a write acquire that failed)
     // is filled from NVMe when the data is wanted.
-    if (need_data && t.nvme_current && !t.host_written && !t.nvme_reading) {
+    if (need_data && t.nvme_current && unfilled_home(t)) {
       t.nvme_io = nvme->get(t.name, t.host, t.bytes);
       t.nvme_reading = true;
       counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
@@ -1138,7 +1143,7 @@ struct tier_manager::impl {
       if (t.host == nullptr && t.dev == nullptr && !t.nvme_current && t.host_written) {
         fail("'" + t.name + "' has no copy anywhere");
       }
-      if (t.host != nullptr && !t.host_written && !t.nvme_reading && t.nvme_current && t.dev == nullptr) {
+      if (unfilled_home(t) && t.nvme_current && t.dev == nullptr) {
         fail("'" + t.name + "' has a home buffer that holds none of its data, which is on NVMe");
       }
     }

@@ -367,6 +367,10 @@ std::vector<trace_event> load_trace(const std::string& path) {
   if (!in) {
     throw logic_error("cannot open trace '" + path + "': " + std::strerror(errno));
   }
+  return read_trace_jsonl_of(in, path);
+}
+
+std::vector<trace_event> read_trace_jsonl_of(std::istream& in, const std::string& path) {
   try {
     return read_trace_jsonl(in);
   } catch (const logic_error& e) {

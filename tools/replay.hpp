@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <istream>
 #include <optional>
 #include <string>
 #include <utility>
@@ -124,5 +125,8 @@ std::vector<std::pair<std::string, replay_result>> replay_policies(const std::ve
 /// @throws terrace::logic_error naming the file when it cannot be opened, and the file and line
 /// for a malformed line.
 std::vector<trace_event> load_trace(const std::string& path);
+/// @brief Reads a JSON-lines trace from `in`, already open on `path`.
+/// @throws terrace::logic_error naming the file and the line for a malformed line.
+std::vector<trace_event> read_trace_jsonl_of(std::istream& in, const std::string& path);
 
 }  // namespace terrace::tools

@@ -359,11 +359,7 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
     auto jsonl = [&] {
       imported_trace t;
       t.format = "terrace-jsonl";
-      try {
-        t.events = read_trace_jsonl(input.from_start());
-      } catch (const logic_error& e) {
-        throw logic_error(path + ": " + std::string(message_without_origin(e)));
-      }
+      t.events = read_trace_jsonl_of(input.from_start(), path);
       return t;
     };
     const first_line_facts first = input.first_line();

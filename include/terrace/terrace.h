@@ -22,10 +22,11 @@
  * (the default) picks CUDA when a GPU is present and the simulated device otherwise.
  *
  * No C++ exception ever crosses this boundary, except those of terrace_torch_malloc and
- * terrace_torch_begin_allocate_to_pool, which are for PyTorch's C++ caller alone. Functions that can fail return 0 on success and a negative
- * TERRACE_E* code on failure; terrace_malloc returns NULL. terrace_last_error() then describes the
- * failure (per thread). The free hooks cannot report failure: a bad free (double, foreign) is
- * refused (nothing is changed), counted in num_bad_frees, and described by terrace_last_error().
+ * terrace_torch_begin_allocate_to_pool, which are for PyTorch's C++ caller alone. Functions that
+ * can fail return 0 on success and a negative TERRACE_E* code on failure; terrace_malloc returns
+ * NULL. terrace_last_error() then describes the failure (per thread). The free hooks cannot
+ * report failure: a bad free (double, foreign) is refused (nothing is changed), counted in
+ * num_bad_frees, and described by terrace_last_error().
  */
 #ifndef TERRACE_TERRACE_H_
 #define TERRACE_TERRACE_H_
