@@ -15,6 +15,8 @@
 
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <thread>
 #include <map>
 #include <random>
 #include <string>
@@ -149,6 +151,63 @@ TEST(TensorStoreCrash, KillNineAtRandomMomentsLosesNothingCommitted) {
   std::printf("crash test: %d kills, reached generation %llu (%d recovered a commit the report missed)\n", kills,
               static_cast<unsigned long long>(reported), advanced_past_report);
   EXPECT_GT(reported, 5u) << "the children made too little progress to test anything";
+}
+
+// A create killed at a random moment: the directory it leaves must be one that open() accepts
+// (the create committed) or one that a second create() turns into a store. Found in review: a
+// kill after the swap files were made and before the index committed left a directory that
+// create() (swap.0 exists) and open() (no index) both refused.
+TEST(TensorStoreCrash, KillNineDuringCreateLeavesADirectoryThatCreateOrOpenAccepts) {
+  tensor_store_options o = options();
+  o.capacity = std::uint64_t{256} << 20;
+  o.files = 4;
+  std::mt19937 rng(777);
+  int interrupted = 0, committed = 0, before_anything = 0;
+  for (int i = 0; i < 30 || interrupted < 3; ++i) {
+    ASSERT_LT(i, 600) << "never killed a create between its first swap file and its index";
+    testing::scratch_dir dir("create-crash");
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      try {
+        tensor_store::create(dir.path(), o);
+      } catch (...) {
+        ::_exit(2);
+      }
+      ::_exit(0);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100 + rng() % 60000));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ASSERT_FALSE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << "the create failed by itself";
+    if (std::filesystem::exists(dir.path() / "index")) {
+      ++committed;
+      EXPECT_NO_THROW(tensor_store::open(dir.path(), o)) << "iteration " << i;
+      continue;
+    }
+    const bool made_files = std::filesystem::exists(dir.path() / "swap.0");
+    (made_files ? interrupted : before_anything) += 1;
+    try {
+      tensor_store::open(dir.path(), o);
+      ADD_FAILURE() << "iteration " << i << ": opened a store whose create did not commit";
+    } catch (const io_error& e) {
+      if (made_files) {
+        EXPECT_NE(std::string(e.what()).find("create() was interrupted"), std::string::npos) << e.what();
+      }
+    }
+    try {
+      auto s = tensor_store::create(dir.path(), o);
+      const std::vector<unsigned char> v(1000, 7);
+      s.put("v", v.data(), v.size()).wait();
+      s.checkpoint();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "iteration " << i << ": create after the kill: " << e.what();
+    }
+    EXPECT_NO_THROW(tensor_store::open(dir.path(), o)) << "iteration " << i;
+  }
+  std::printf("create crash test: %d kills mid-create, %d after the commit, %d before any swap file\n", interrupted,
+              committed, before_anything);
 }
 
 }  // namespace

@@ -330,6 +330,44 @@ TEST(TensorStore, EraseOfAFailedPutIsAnUnknownIdAndLetsItsSpaceGo) {
   EXPECT_THROW(s.erase("w"), io_error);  // and it stays unknown
 }
 
+// Found in review: a failed put kept its extent until a get, erase or checkpoint of its id settled
+// it, so a later put that needed the space reported the store full ("0 B is held ...") while ids()
+// was empty.
+TEST(TensorStore, AFailedPutsSpaceGoesToTheNextPutThatNeedsIt) {
+  scratch_dir dir("failed-put-space");
+  auto s = tensor_store::create(dir.path(), small(8 * MiB));
+  auto v = pattern(6 * MiB, 4);
+  s.inject_fault(fault(io_fault::kind::eio, false, true));
+  EXPECT_THROW(s.put("a", v.data(), v.size()).wait(), io_error);
+  ASSERT_TRUE(s.ids().empty());
+  s.put("b", v.data(), v.size()).wait();  // threw out_of_memory before the fix
+  expect_tensor(s, "b", v);
+  EXPECT_FALSE(s.contains("a"));
+  EXPECT_EQ(s.used_bytes(), 6 * MiB);
+}
+
+// The full store's message accounts for all the space in use: live tensors and what the committed
+// checkpoint holds, each with its figure, adding up to what is not free.
+TEST(TensorStore, AFullStoresMessageAccountsForTheSpaceInUse) {
+  scratch_dir dir("full-message");
+  auto s = tensor_store::create(dir.path(), small(MiB));
+  auto v = pattern(512 * KiB, 5);
+  s.put("committed", v.data(), v.size()).wait();
+  s.checkpoint();
+  s.erase("committed");  // held until the next checkpoint
+  s.put("live", v.data(), 256 * KiB).wait();
+  try {
+    s.put("big", v.data(), v.size());
+    FAIL() << "a put past the free space must throw";
+  } catch (const out_of_memory& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("in use: 256.00 KiB by 1 tensor,"), std::string::npos) << m;
+    EXPECT_NE(m.find("512.00 KiB held for the committed checkpoint"), std::string::npos) << m;
+  }
+  s.checkpoint();
+  s.put("big", v.data(), v.size()).wait();
+}
+
 TEST(TensorStore, InjectedReadErrorFailsTheGetOnly) {
   scratch_dir dir("rerr");
   auto s = tensor_store::create(dir.path(), small());
@@ -437,6 +475,77 @@ TEST(IoUringEngine, RefusedTransfersBackOffThenFailWithTheirError) {
     EXPECT_NE(std::string(e.what()).find("7 times in a row"), std::string::npos) << e.what();
   }
   EXPECT_GE(failed_took, std::chrono::microseconds(3150));
+}
+
+// Found in review: an io_uring_submit error other than EINTR, EAGAIN and EBUSY aborted the
+// process. ENOMEM (the kernel allocates a context for a ring's first user) is waited out like a
+// refusal; one that outlasts max_refusals fails the requests whose transfers were not taken, and
+// the engine goes on.
+TEST(IoUringEngine, RefusedSubmissionsAreRetriedThenFailTheirRequestsNotTheProcess) {
+  engine_rig rig("submit-enomem");
+  rig.options.max_refusals = 3;
+  rig.start();
+  io_fault f;
+  f.what = io_fault::kind::submit_enomem;
+  f.count = 3;
+  rig.engine->inject(f);
+  EXPECT_EQ(rig.write(256 * KiB).first, nullptr);  // 3 refusals, then taken
+  f.count = 1000;
+  rig.engine->inject(f);
+  const auto [failed, took] = rig.write(256 * KiB);
+  ASSERT_NE(failed, nullptr);
+  try {
+    std::rethrow_exception(failed);
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), ENOMEM) << e.what();
+    EXPECT_NE(std::string(e.what()).find("the kernel refused to take it"), std::string::npos) << e.what();
+  }
+  rig.engine->inject(io_fault{});  // the kernel has memory again
+  EXPECT_EQ(rig.write(256 * KiB).first, nullptr);
+  EXPECT_EQ(rig.write(MiB).first, nullptr);
+}
+
+// Found in review: a wait that reported EBADR (completions the kernel dropped for want of memory)
+// aborted the process. The request whose completion was lost fails with EBADR once everything
+// submitted before it has finished (so no transfer of it can still be running), and the engine
+// goes on.
+TEST(IoUringEngine, ALostCompletionFailsItsRequestAndTheEngineGoesOn) {
+  engine_rig rig("lost-completion");
+  rig.options.queue_depth = 4;
+  rig.start();
+  io_fault f;
+  f.what = io_fault::kind::lost_completion;
+  f.reads = false;
+  f.skip = 2;
+  rig.engine->inject(f);
+  const auto [failed, took] = rig.write(MiB);  // 16 blocks, the third one's completion lost
+  ASSERT_NE(failed, nullptr);
+  try {
+    std::rethrow_exception(failed);
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), EBADR) << e.what();
+    EXPECT_NE(std::string(e.what()).find("completion was lost"), std::string::npos) << e.what();
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(rig.write(MiB).first, nullptr);
+}
+
+TEST(TensorStore, ALostCompletionFailsThePutOnlyAndTheStoreGoesOn) {
+  scratch_dir dir("lost-completion-store");
+  auto s = tensor_store::create(dir.path(), small());
+  auto v = pattern(300 * KiB + 5, 3);
+  s.put("kept", v.data(), v.size()).wait();
+  s.inject_fault(fault(io_fault::kind::lost_completion, false, true));
+  try {
+    s.put("w", v.data(), v.size()).wait();
+    FAIL() << "the lost completion was not reported";
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), EBADR) << e.what();
+  }
+  EXPECT_FALSE(s.contains("w"));
+  s.put("w", v.data(), v.size()).wait();
+  expect_tensor(s, "w", v);
+  expect_tensor(s, "kept", v);
+  EXPECT_EQ(s.checkpoint(), 1u);
 }
 
 // Found in review: a refused piece waiting out its pause did not count in the queue depth, so
@@ -624,7 +733,8 @@ TEST(TensorStore, StripesAcrossSeveralFiles) {
     s.checkpoint();
   }
   for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(std::filesystem::file_size(dir.path() / ("swap." + std::to_string(i))), 4 * MiB);
+    // 4 MiB of data, then the 4 KiB trailer naming the store and the file's place in the stripe.
+    EXPECT_EQ(std::filesystem::file_size(dir.path() / ("swap." + std::to_string(i))), 4 * MiB + 4 * KiB);
     std::ifstream f(dir.path() / ("swap." + std::to_string(i)), std::ios::binary);
     std::vector<char> head(64 * KiB);
     f.read(head.data(), static_cast<std::streamsize>(head.size()));
@@ -923,6 +1033,317 @@ TEST(TensorStore, AnOpenStoreLocksItsSwapFilesAndRefusesASecondOpener) {
   ::flock(fd, LOCK_UN);
   ::close(fd);
   EXPECT_NO_THROW(tensor_store::open(dir.path(), small()));
+}
+
+std::map<std::string, std::string> files_in(const std::filesystem::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    std::ifstream in(e.path(), std::ios::binary);
+    out[e.path().filename()] = std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return out;
+}
+
+void write_file(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+// Found in review: open() of a directory holding no store created a `lock` file there and
+// removed a file of the user's named index.tmp before finding no index; create() removed such a
+// file too, when it committed generation 0.
+TEST(TensorStore, OpenAndCreateLeaveFilesThatAreNotTheStoresAlone) {
+  scratch_dir dir("not-a-store");
+  write_file(dir.path() / "index.tmp", "the user's own notes\n");
+  const auto before = files_in(dir.path());
+  try {
+    tensor_store::open(dir.path(), small());
+    FAIL() << "opened a directory without a store";
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), ENOENT) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no file 'index'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(files_in(dir.path()), before);  // no lock made, index.tmp kept
+  // An index that is no store's: refused, and the lock open() made for it removed again.
+  write_file(dir.path() / "index", "not an index");
+  EXPECT_THROW(tensor_store::open(dir.path(), small()), io_error);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "lock"));
+  std::filesystem::remove(dir.path() / "index");
+  // create() refuses to remove it, before making anything.
+  try {
+    tensor_store::create(dir.path(), small());
+    FAIL() << "create went ahead over the user's index.tmp";
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), EEXIST) << e.what();
+    EXPECT_NE(std::string(e.what()).find("index.tmp is not a tensor store index"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(files_in(dir.path()), before);
+  // Moved away, the create works; an index.tmp of the store's own (a crash mid-checkpoint) is
+  // removed by open(), while one of the user's, put there since, is refused and kept.
+  std::filesystem::remove(dir.path() / "index.tmp");
+  auto v = pattern(5000, 3);
+  {
+    auto s = tensor_store::create(dir.path(), small());
+    s.put("v", v.data(), v.size()).wait();
+    s.checkpoint();
+  }
+  std::filesystem::copy_file(dir.path() / "index", dir.path() / "index.tmp");
+  { auto s = tensor_store::open(dir.path(), small()); }
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "index.tmp"));
+  write_file(dir.path() / "index.tmp", "the user's own notes\n");
+  EXPECT_THROW(tensor_store::open(dir.path(), small()), io_error);
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "index.tmp"));
+  std::filesystem::remove(dir.path() / "index.tmp");
+  auto s = tensor_store::open(dir.path(), small());
+  expect_tensor(s, "v", v);
+}
+
+// The states a create killed before its index committed can leave, rebuilt from a real store:
+// its marker, swap files carrying the marker's identity (or empty: killed between a file's
+// creation and its first write), maybe an index.tmp. Found in review: such a directory was
+// refused by both create() (EEXIST on swap.0) and open() ("no file 'index'").
+TEST(TensorStore, ACreateInterruptedBeforeItsIndexCommittedIsExplainedAndCleanedUpByTheNextCreate) {
+  tensor_store_options o = small(4 * MiB);
+  o.files = 2;
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE("variant " + std::to_string(variant));
+    scratch_dir dir("interrupted-create");
+    { auto s = tensor_store::create(dir.path(), o); }
+    const int dfd = ::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    ASSERT_GE(dfd, 0);
+    const auto index = detail::read_index(dfd, dir.path().string());
+    ::close(dfd);
+    ASSERT_TRUE(index.identity.has_value());
+    const auto marker = detail::encode_create_marker(*index.identity);
+    if (variant == 2) {
+      write_file(dir.path() / "creating", "");  // killed right after creating the marker
+      std::filesystem::remove(dir.path() / "swap.0");
+      std::filesystem::remove(dir.path() / "swap.1");
+    } else {
+      std::ofstream(dir.path() / "creating", std::ios::binary)
+          .write(reinterpret_cast<const char*>(marker.data()), static_cast<std::streamsize>(marker.size()));
+      if (variant == 1) std::filesystem::resize_file(dir.path() / "swap.1", 0);
+    }
+    std::filesystem::rename(dir.path() / "index", dir.path() / "index.tmp");
+    write_file(dir.path() / "swap.9", "a file of the user's, named like a swap file");
+    try {
+      tensor_store::open(dir.path(), o);
+      FAIL() << "opened a store whose create was interrupted";
+    } catch (const io_error& e) {
+      EXPECT_NE(std::string(e.what()).find("create() was interrupted"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("call create() again"), std::string::npos) << e.what();
+    }
+    auto v = pattern(3 * MiB, 1);
+    {
+      auto s = tensor_store::create(dir.path(), o);  // EEXIST on swap.0 before the fix
+      s.put("v", v.data(), v.size()).wait();
+      s.checkpoint();
+    }
+    auto s = tensor_store::open(dir.path(), o);
+    expect_tensor(s, "v", v);
+    EXPECT_EQ(files_in(dir.path())["swap.9"], "a file of the user's, named like a swap file");
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "creating"));
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "index.tmp"));
+  }
+  // A swap file of another create (another identity) is not removed: the create refuses it.
+  scratch_dir dir("interrupted-create-foreign");
+  scratch_dir other("interrupted-create-other");
+  { auto s = tensor_store::create(other.path(), small(MiB)); }
+  const auto marker = detail::encode_create_marker(detail::new_store_identity());
+  std::ofstream(dir.path() / "creating", std::ios::binary)
+      .write(reinterpret_cast<const char*>(marker.data()), static_cast<std::streamsize>(marker.size()));
+  std::filesystem::copy_file(other.path() / "swap.0", dir.path() / "swap.0");
+  EXPECT_THROW(tensor_store::create(dir.path(), small(MiB)), io_error);
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "swap.0"));
+  // A file named like the marker that is not one is left alone too.
+  scratch_dir dir2("interrupted-create-not-a-marker");
+  write_file(dir2.path() / "creating", "the user's");
+  EXPECT_THROW(tensor_store::create(dir2.path(), small(MiB)), io_error);
+  EXPECT_EQ(files_in(dir2.path()), (std::map<std::string, std::string>{{"creating", "the user's"}}));
+}
+
+// Found in review: a store opened with another store's stripe directory was accepted (the file's
+// size was all that was checked), and its puts overwrote the other store's committed tensors.
+TEST(TensorStore, AnotherStoresSwapFileIsRefusedNamingIt) {
+  scratch_dir base("identity");
+  for (const char* d : {"a", "b", "na", "nb"}) std::filesystem::create_directories(base.path() / d);
+  tensor_store_options oa = small(4 * MiB);
+  oa.stripe_directories = {base.path() / "na"};
+  tensor_store_options ob = oa;
+  ob.stripe_directories = {base.path() / "nb"};
+  auto va = pattern(MiB, 1);
+  {
+    auto a = tensor_store::create(base.path() / "a", oa);
+    a.put("weights", va.data(), va.size()).wait();
+    a.checkpoint();
+  }
+  { auto b = tensor_store::create(base.path() / "b", ob); }
+  try {
+    tensor_store::open(base.path() / "b", oa);  // A's stripe directory
+    FAIL() << "store b opened store a's swap file";
+  } catch (const io_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find((base.path() / "na" / "swap.0").string()), std::string::npos) << m;
+    EXPECT_NE(m.find("another tensor store"), std::string::npos) << m;
+  }
+  auto a = tensor_store::open(base.path() / "a", oa);
+  expect_tensor(a, "weights", va);
+  auto b = tensor_store::open(base.path() / "b", ob);  // its own: fine
+}
+
+TEST(TensorStore, SwapFilesInTheWrongStripeOrderAreRefused) {
+  scratch_dir base("stripe-order");
+  for (const char* d : {"s", "x", "y"}) std::filesystem::create_directories(base.path() / d);
+  tensor_store_options o = small(4 * MiB);
+  o.files = 2;
+  o.stripe_directories = {base.path() / "x", base.path() / "y"};
+  { auto s = tensor_store::create(base.path() / "s", o); }
+  // swap.0 and swap.1 moved into each other's place: same names and sizes, different files.
+  std::filesystem::rename(base.path() / "x" / "swap.0", base.path() / "s" / "tmp");
+  std::filesystem::rename(base.path() / "y" / "swap.1", base.path() / "x" / "swap.0");
+  std::filesystem::rename(base.path() / "s" / "tmp", base.path() / "y" / "swap.1");
+  try {
+    tensor_store::open(base.path() / "s", o);
+    FAIL() << "opened swap files out of their order";
+  } catch (const io_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is swap file 1 of 2"), std::string::npos) << e.what();
+  }
+}
+
+// A store written before identities (index format version 1, swap files without a trailer)
+// opens unchecked and stays in that format.
+TEST(TensorStore, AStoreFromBeforeIdentitiesOpensAndKeepsItsFormat) {
+  scratch_dir dir("v1-store");
+  auto v = pattern(200 * KiB, 6);
+  {
+    auto s = tensor_store::create(dir.path(), small(MiB));
+    s.put("v", v.data(), v.size()).wait();
+    s.checkpoint();
+  }
+  const auto rewrite_as_v1 = [&] {
+    const int dfd = ::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    auto index = detail::read_index(dfd, dir.path().string());
+    index.identity.reset();
+    detail::write_index_atomically(dfd, dir.path().string(), index);
+    ::close(dfd);
+    std::filesystem::resize_file(dir.path() / "swap.0", index.file_size);
+  };
+  rewrite_as_v1();
+  const auto version = [&] {
+    std::ifstream in(dir.path() / "index", std::ios::binary);
+    char header[12] = {};
+    in.read(header, sizeof header);
+    std::uint32_t v = 0;
+    std::memcpy(&v, header + 8, 4);
+    return v;
+  };
+  ASSERT_EQ(version(), 1u);
+  {
+    auto s = tensor_store::open(dir.path(), small(MiB));
+    expect_tensor(s, "v", v);
+    s.put("w", v.data(), v.size()).wait();
+    s.checkpoint();
+  }
+  EXPECT_EQ(version(), 1u);
+  auto s = tensor_store::open(dir.path(), small(MiB));
+  expect_tensor(s, "w", v);
+}
+
+// Found in review: a child forked without exec (a DataLoader worker) inherited the lock's flock
+// and the swap files', and open() after the parent closed the store failed with "is open in
+// another process" for as long as the child lived. The child now lets go of them at the fork,
+// and any use of the store in it fails clearly.
+TEST(TensorStore, AChildForkedWithoutExecNeitherHoldsTheStoreNorCanUseIt) {
+  scratch_dir dir("fork");
+  auto v = pattern(300 * KiB, 2);
+  auto s = std::make_unique<tensor_store>(tensor_store::create(dir.path(), small()));
+  s->put("v", v.data(), v.size()).wait();
+  s->checkpoint();
+  int checked[2], release[2];
+  ASSERT_EQ(::pipe(checked), 0);
+  ASSERT_EQ(::pipe(release), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::alarm(20);  // a hang here must not hang the test
+    int result = 0;
+    try {
+      s->put("x", v.data(), v.size());
+      result = 1;
+    } catch (const io_error& e) {
+      if (e.code() != EBADF || std::string(e.what()).find("forked") == std::string::npos) result = 2;
+    }
+    try {
+      (void)s->contains("v");
+      result = 3;
+    } catch (const io_error&) {
+    }
+    s.reset();  // left as it is: must neither hang nor touch the parent's files
+    char c = static_cast<char>(result);
+    if (::write(checked[1], &c, 1) != 1) ::_exit(4);
+    [[maybe_unused]] auto n = ::read(release[0], &c, 1);  // alive until the parent has reopened
+    ::_exit(result);
+  }
+  ::close(checked[1]);  // so that a child that dies early is an end of file, not a hang
+  ::close(release[0]);
+  char c = 0;
+  ASSERT_EQ(::read(checked[0], &c, 1), 1);
+  EXPECT_EQ(c, 0) << "the child's use of the store did not fail as it should";
+  expect_tensor(*s, "v", v);  // the parent's store is intact
+  s.reset();
+  try {
+    auto again = tensor_store::open(dir.path(), small());  // while the child lives
+    expect_tensor(again, "v", v);
+  } catch (const io_error& e) {
+    ADD_FAILURE() << e.what();
+  }
+  ASSERT_EQ(::write(release[1], "x", 1), 1);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  for (int fd : {checked[0], release[1]}) ::close(fd);
+}
+
+// The owner killed with a forked child alive: the child must not keep the owner's ring, and with
+// it the swap files and their locks (open() would wait 30 s for them, then fail).
+TEST(TensorStore, AChildForkedFromAKilledOwnerDoesNotKeepItsSwapFilesLocked) {
+  scratch_dir dir("fork-killed");
+  int ready[2], release[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(release), 0);
+  const pid_t owner = ::fork();
+  if (owner == 0) {
+    auto s = tensor_store::create(dir.path(), small());
+    auto v = pattern(MiB, 1);
+    s.put("v", v.data(), v.size()).wait();
+    s.checkpoint();
+    const pid_t worker = ::fork();
+    if (worker == 0) {
+      ::alarm(60);
+      ::close(release[1]);
+      char c;
+      [[maybe_unused]] auto n = ::read(release[0], &c, 1);
+      ::_exit(0);
+    }
+    const pid_t both[2] = {::getpid(), worker};
+    if (::write(ready[1], both, sizeof both) != sizeof both) ::_exit(1);
+    ::pause();  // killed here, the store open
+    ::_exit(1);
+  }
+  ::close(ready[1]);  // so that an owner that dies early is an end of file, not a hang
+  ::close(release[0]);
+  pid_t both[2] = {};
+  ASSERT_EQ(::read(ready[0], both, sizeof both), static_cast<ssize_t>(sizeof both));
+  ::kill(owner, SIGKILL);
+  ::waitpid(owner, nullptr, 0);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    auto s = tensor_store::open(dir.path(), small());
+    expect_tensor(s, "v", pattern(MiB, 1));
+  } catch (const io_error& e) {
+    ADD_FAILURE() << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  ::close(release[1]);  // the worker, now an orphan, reads its end of file and exits
+  ::close(ready[0]);
 }
 
 TEST(TensorStore, StripesOnFileSystemsWithAndWithoutODirectAreAllDrivenBuffered) {

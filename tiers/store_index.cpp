@@ -2,6 +2,7 @@
 #include "tiers/store_index.hpp"
 
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,9 +15,14 @@
 namespace terrace::detail {
 namespace {
 
-constexpr char kMagic[8] = {'T', 'R', 'C', 'S', 'T', 'I', 'D', 'X'};
-constexpr std::uint32_t kVersion = 1;
+// Version 1: no identity (stores created before 2026-11-25); written again only for such a store.
+constexpr std::uint32_t kVersionWithoutIdentity = 1;
+constexpr std::uint32_t kVersion = 2;
 constexpr std::size_t kHeaderBytes = 40;
+constexpr char kSwapMagic[8] = {'T', 'R', 'C', 'S', 'T', 'S', 'W', 'P'};
+constexpr std::uint32_t kRecordVersion = 1;  // of the swap trailer and the create marker
+constexpr std::size_t kTrailerFields = 52;   // up to and with its CRC
+constexpr std::size_t kMarkerBytes = 36;
 
 template <class T>
 void put_le(std::vector<unsigned char>& out, T v) {
@@ -50,6 +56,10 @@ class reader {
     return s;
   }
   std::size_t left() const { return n_ - at_; }
+  void skip(std::size_t n) {
+    need(n);
+    at_ += n;
+  }
 
  private:
   void need(std::size_t n) const {
@@ -86,6 +96,7 @@ std::vector<unsigned char> encode_index(const store_index& index) {
   put_le<std::uint32_t>(payload, index.files);
   put_le<std::uint32_t>(payload, 0);
   put_le<std::uint64_t>(payload, index.file_size);
+  if (index.identity) put_bytes(payload, index.identity->data(), index.identity->size());
   put_le<std::uint64_t>(payload, index.entries.size());
   for (const auto& e : index.entries) {
     put_le<std::uint32_t>(payload, static_cast<std::uint32_t>(e.id.size()));
@@ -97,8 +108,8 @@ std::vector<unsigned char> encode_index(const store_index& index) {
   }
   std::vector<unsigned char> out;
   out.reserve(kHeaderBytes + payload.size());
-  put_bytes(out, kMagic, 8);
-  put_le<std::uint32_t>(out, kVersion);
+  put_bytes(out, kIndexMagic, 8);
+  put_le<std::uint32_t>(out, index.identity ? kVersion : kVersionWithoutIdentity);
   put_le<std::uint32_t>(out, 0);
   put_le<std::uint64_t>(out, index.generation);
   put_le<std::uint64_t>(out, payload.size());
@@ -113,7 +124,7 @@ store_index decode_index(const unsigned char* data, std::size_t size, const std:
     throw io_error("terrace: index " + where + " is truncated: " + std::to_string(size) +
                    " bytes, shorter than its 40-byte header");
   }
-  if (std::memcmp(data, kMagic, 8) != 0) throw io_error("terrace: " + where + " is not a terrace tensor store index");
+  if (std::memcmp(data, kIndexMagic, 8) != 0) throw io_error("terrace: " + where + " is not a terrace tensor store index");
   reader h(data + 8, kHeaderBytes - 8, where);
   const auto version = h.get<std::uint32_t>();
   h.get<std::uint32_t>();
@@ -125,9 +136,10 @@ store_index decode_index(const unsigned char* data, std::size_t size, const std:
   if (crc32c(0, data, kHeaderBytes - 4) != header_crc) {
     throw checksum_error("terrace: index " + where + " is corrupt: its header fails its CRC32C", EBADMSG);
   }
-  if (version != kVersion) {
+  if (version != kVersion && version != kVersionWithoutIdentity) {
     throw io_error("terrace: index " + where + " has format version " + std::to_string(version) +
-                   "; this build reads version " + std::to_string(kVersion));
+                   "; this build reads versions " + std::to_string(kVersionWithoutIdentity) + " to " +
+                   std::to_string(kVersion));
   }
   if (size - kHeaderBytes != payload_bytes) {
     throw io_error("terrace: index " + where + " is truncated: its header announces " +
@@ -143,6 +155,11 @@ store_index decode_index(const unsigned char* data, std::size_t size, const std:
   index.files = r.get<std::uint32_t>();
   r.get<std::uint32_t>();
   index.file_size = r.get<std::uint64_t>();
+  if (version >= 2) {
+    store_identity id;
+    for (auto& b : id) b = r.get<unsigned char>();
+    index.identity = id;
+  }
   const auto count = r.get<std::uint64_t>();
   for (std::uint64_t i = 0; i < count; ++i) {
     index_entry e;
@@ -163,8 +180,17 @@ void write_index_atomically(int dirfd, const std::string& dir, const store_index
                             index_write* w) {
   const auto bytes = encode_index(index);
   const std::string tmp = dir + "/" + kIndexTempName;
-  // A stale temporary is what a crash mid-checkpoint leaves; it was never committed.
-  if (::unlinkat(dirfd, kIndexTempName, 0) != 0 && errno != ENOENT) throw io_error(sys("cannot remove " + tmp, errno), errno);
+  // A stale temporary of ours is what a crash mid-checkpoint leaves; it was never committed.
+  switch (origin_of(dirfd, kIndexTempName, dir, kIndexMagic)) {
+    case file_origin::absent: break;
+    case file_origin::ours:
+      if (::unlinkat(dirfd, kIndexTempName, 0) != 0 && errno != ENOENT)
+        throw io_error(sys("cannot remove " + tmp, errno), errno);
+      break;
+    case file_origin::foreign:
+      throw io_error("terrace: " + tmp + " is not a tensor store index; refusing to remove it (move it away)",
+                     EEXIST);
+  }
   const int fd = ::openat(dirfd, kIndexTempName, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) throw io_error(sys("cannot create " + tmp, errno), errno);
   try {
@@ -210,6 +236,103 @@ store_index read_index(int dirfd, const std::string& dir) {
   }
   ::close(fd);
   return decode_index(bytes.data(), bytes.size(), path);
+}
+
+store_identity new_store_identity() {
+  store_identity id;
+  std::size_t got = 0;
+  while (got < id.size()) {
+    const ssize_t n = ::getrandom(id.data() + got, id.size() - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw io_error(sys("cannot draw a random identity for the store (getrandom)", errno), errno);
+    }
+    got += static_cast<std::size_t>(n);
+  }
+  return id;
+}
+
+std::string to_hex(const store_identity& id) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : id) {
+    out += digits[b >> 4];
+    out += digits[b & 15];
+  }
+  return out;
+}
+
+std::vector<unsigned char> encode_swap_trailer(const swap_trailer& t) {
+  std::vector<unsigned char> out;
+  put_bytes(out, kSwapMagic, 8);
+  put_le<std::uint32_t>(out, kRecordVersion);
+  put_le<std::uint32_t>(out, t.file);
+  put_le<std::uint32_t>(out, t.files);
+  put_le<std::uint32_t>(out, 0);
+  put_le<std::uint64_t>(out, t.file_size);
+  put_bytes(out, t.identity.data(), t.identity.size());
+  put_le<std::uint32_t>(out, crc32c(0, out.data(), out.size()));
+  out.resize(kSwapTrailerBytes, 0);
+  return out;
+}
+
+std::optional<swap_trailer> decode_swap_trailer(const unsigned char* data, std::size_t size) {
+  if (size < kTrailerFields || std::memcmp(data, kSwapMagic, 8) != 0) return std::nullopt;
+  const std::string where = "swap-file trailer";
+  reader r(data + 8, kTrailerFields - 8, where);
+  if (r.get<std::uint32_t>() != kRecordVersion) return std::nullopt;
+  swap_trailer t;
+  t.file = r.get<std::uint32_t>();
+  t.files = r.get<std::uint32_t>();
+  r.skip(4);
+  t.file_size = r.get<std::uint64_t>();
+  for (auto& b : t.identity) b = r.get<unsigned char>();
+  if (r.get<std::uint32_t>() != crc32c(0, data, kTrailerFields - 4)) return std::nullopt;
+  return t;
+}
+
+std::vector<unsigned char> encode_create_marker(const store_identity& id) {
+  std::vector<unsigned char> out;
+  put_bytes(out, kCreateMarkerMagic, 8);
+  put_le<std::uint32_t>(out, kRecordVersion);
+  put_le<std::uint32_t>(out, 0);
+  put_bytes(out, id.data(), id.size());
+  put_le<std::uint32_t>(out, crc32c(0, out.data(), out.size()));
+  return out;
+}
+
+std::optional<store_identity> decode_create_marker(const unsigned char* data, std::size_t size) {
+  if (size != kMarkerBytes || std::memcmp(data, kCreateMarkerMagic, 8) != 0) return std::nullopt;
+  const std::string where = "create marker";
+  reader r(data + 8, kMarkerBytes - 8, where);
+  if (r.get<std::uint32_t>() != kRecordVersion) return std::nullopt;
+  r.skip(4);
+  store_identity id;
+  for (auto& b : id) b = r.get<unsigned char>();
+  if (r.get<std::uint32_t>() != crc32c(0, data, kMarkerBytes - 4)) return std::nullopt;
+  return id;
+}
+
+file_origin origin_of(int dirfd, const char* name, const std::string& dir, const char (&magic)[8]) {
+  const std::string path = dir + "/" + name;
+  // O_NONBLOCK: a FIFO of that name must not hang the store; O_NOFOLLOW: a symlink is foreign.
+  const int fd = ::openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    const int e = errno;
+    if (e == ENOENT) return file_origin::absent;
+    if (e == ELOOP) return file_origin::foreign;
+    throw io_error(sys("cannot open " + path, e), e);
+  }
+  struct ::stat st {};
+  file_origin origin = file_origin::foreign;
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
+    char head[8];
+    const ssize_t n = st.st_size == 0 ? 0 : ::pread(fd, head, sizeof head, 0);
+    if (st.st_size == 0 || (n == static_cast<ssize_t>(sizeof head) && std::memcmp(head, magic, 8) == 0))
+      origin = file_origin::ours;
+  }
+  ::close(fd);
+  return origin;
 }
 
 }  // namespace terrace::detail

@@ -16,6 +16,7 @@
 #include "terrace/stats.hpp"
 #include "terrace/tensor_store.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -29,11 +30,13 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "terrace/error.hpp"
 #include "tiers/crc32c.hpp"
 #include "tiers/extent_allocator.hpp"
+#include "tiers/fork_guard.hpp"
 #include "tiers/io_engine.hpp"
 #include "tiers/store_index.hpp"
 
@@ -76,6 +79,7 @@ namespace detail {
 namespace {
 
 using completion_ptr = std::shared_ptr<io_completion>;
+constexpr const char* kLockName = "lock";
 
 std::string sys(const std::string& what, int e) {
   return "terrace: " + what + ": " + std::strerror(e) + " (errno " + std::to_string(e) + ")";
@@ -131,7 +135,8 @@ void disable_direct(int fd, const std::string& path) {
 
 // ------------------------------------------------------------------------------ the store itself
 
-class tensor_store_impl {
+// A forked child (fork_guard.hpp) closes the store's descriptors; every call there throws.
+class tensor_store_impl : private fork_guard {
  public:
   struct entry {
     std::uint64_t offset = 0;
@@ -154,48 +159,234 @@ class tensor_store_impl {
     TERRACE_EXPECTS(opt.block_size >= kDirectAlign && opt.block_size % kDirectAlign == 0 &&
                         opt.block_size <= kMaxBlockSize,
                     "block_size must be a multiple of 4 KiB, at most 256 MiB");
+    TERRACE_EXPECTS(!create || opt.capacity > 0, "capacity must be positive");
+    fork_guard::install();
     dirfd_.fd = open_directory(dir);
-    lock_store();
-    store_index index;
-    if (create) {
-      TERRACE_EXPECTS(opt.capacity > 0, "capacity must be positive");
-      index.block_size = opt.block_size;
-      index.files = opt.files;
-      const std::uint64_t per_file = (opt.capacity + opt.files - 1) / opt.files;
-      index.file_size = (per_file + opt.block_size - 1) / opt.block_size * opt.block_size;
-      if (::faccessat(dirfd_.fd, kIndexName, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
-        throw io_error("terrace: " + dir_ + " already holds a tensor store; open it instead", EEXIST);
-    } else {
-      ::unlinkat(dirfd_.fd, kIndexTempName, 0);  // an uncommitted checkpoint
-      index = read_index(dirfd_.fd, dir_);
-      if (index.block_size < kDirectAlign || index.block_size % kDirectAlign ||
-          index.block_size > kMaxBlockSize || index.files == 0 ||
-          index.file_size % index.block_size)
-        throw io_error("terrace: index " + dir_ + "/index is malformed: bad geometry");
-    }
-    block_size_ = index.block_size;
-    generation_ = index.generation;
     try {
+      store_index index = create ? prepare_create(opt) : prepare_open();
+      block_size_ = index.block_size;
+      generation_ = index.generation;
+      identity_ = index.identity;
       open_and_start(dir, opt, index, create);
+      if (create) remove_create_marker();
     } catch (...) {
-      // The destructor does not run for a constructor that throws: close what was opened, and
-      // remove what a failed create made, so that the same create can be tried again.
-      engine_.reset();
-      for (int fd : fds_) ::close(fd);
-      fds_.clear();
-      for (auto& [dfd, base] : created_) ::unlinkat(dfd >= 0 ? dfd : dirfd_.fd, base.c_str(), 0);
-      forget_created();
+      undo_failed_constructor();
       throw;
     }
     forget_created();
+    register_for_fork();
   }
 
   ~tensor_store_impl() {
+    unregister_for_fork();
     engine_.reset();  // drains every transfer before the files close
     for (int fd : fds_) ::close(fd);
   }
 
  private:
+  // ---- create and open
+  //
+  // Neither touches a file the store did not write. open() creates or removes nothing before it
+  // has found an index, and removes only the leftovers of a crash that carry the store's own
+  // records (origin_of). create() writes the marker kCreatingName first and removes it once its
+  // index has committed: a create killed in between leaves a directory that open() explains and
+  // that the next create() cleans up, recognising the swap files by the identity in the marker.
+
+  store_index prepare_open() {
+    refuse_unless_store();
+    lock_store();
+    store_index index = read_index(dirfd_.fd, dir_);
+    if (index.block_size < kDirectAlign || index.block_size % kDirectAlign || index.block_size > kMaxBlockSize ||
+        index.files == 0 || index.file_size % index.block_size)
+      throw io_error("terrace: index " + dir_ + "/index is malformed: bad geometry");
+    // What a crash may leave: the temporary of an uncommitted checkpoint, or the marker of a
+    // create killed after its index committed. Another file of the temporary's name would make
+    // every checkpoint fail: refused now, rather than after a training step.
+    if (!remove_if_ours(kIndexTempName, kIndexMagic))
+      throw io_error("terrace: " + dir_ + "/" + kIndexTempName + " is not a tensor store index; refusing " +
+                         "to remove it (move it away and open the store again)",
+                     EEXIST);
+    remove_if_ours(kCreatingName, kCreateMarkerMagic);
+    return index;
+  }
+
+  void refuse_unless_store() const {
+    struct ::stat st {};
+    if (::fstatat(dirfd_.fd, kIndexName, &st, AT_SYMLINK_NOFOLLOW) == 0) return;
+    const int e = errno;
+    if (e != ENOENT) throw io_error(sys("cannot stat " + dir_ + "/" + kIndexName, e), e);
+    if (::fstatat(dirfd_.fd, kCreatingName, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+      throw io_error("terrace: " + dir_ + " holds no tensor store: a create() was interrupted before " +
+                         "committing it (the file '" + kCreatingName + "' is left from it, and no index); " +
+                         "call create() again: it removes what the interrupted one left and creates the store",
+                     ENOENT);
+    }
+    throw io_error("terrace: " + dir_ + " holds no tensor store (no file 'index')", ENOENT);
+  }
+
+  store_index prepare_create(const tensor_store_options& opt) {
+    lock_store();
+    if (::faccessat(dirfd_.fd, kIndexName, F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+      throw io_error("terrace: " + dir_ + " already holds a tensor store; open it instead", EEXIST);
+    // Refused before anything is made: the commit would have to remove it.
+    if (origin_of(dirfd_.fd, kIndexTempName, dir_, kIndexMagic) == file_origin::foreign)
+      throw io_error("terrace: " + dir_ + "/" + kIndexTempName + " is not a tensor store index; refusing " +
+                         "to remove it (move it away and create the store again)",
+                     EEXIST);
+    remove_interrupted_create(opt);
+    store_index index;
+    index.block_size = opt.block_size;
+    index.files = opt.files;
+    const std::uint64_t per_file = (opt.capacity + opt.files - 1) / opt.files;
+    index.file_size = (per_file + opt.block_size - 1) / opt.block_size * opt.block_size;
+    index.identity = new_store_identity();
+    write_create_marker(*index.identity);
+    return index;
+  }
+
+  // A create killed before its index committed left its marker, maybe swap files and an
+  // index.tmp. The swap files are recognised by the identity the marker carries (in their
+  // trailer), or by being empty (killed between a file's creation and its trailer, the first
+  // thing written to it); any other file of such a name stays, and the create's O_EXCL refuses it.
+  // Swap files are looked for where this create puts them (the options' stripe directories).
+  void remove_interrupted_create(const tensor_store_options& opt) {
+    std::optional<store_identity> identity;
+    switch (origin_of(dirfd_.fd, kCreatingName, dir_, kCreateMarkerMagic)) {
+      case file_origin::absent: return;
+      case file_origin::foreign:
+        throw io_error("terrace: " + dir_ + "/" + kCreatingName + " is not a tensor store's create marker; " +
+                           "refusing to remove it (move it away and create the store again)",
+                       EEXIST);
+      case file_origin::ours: identity = read_create_marker(); break;
+    }
+    // An empty or damaged marker: its create had made no swap file yet (they come after the
+    // marker is durable), or its identity is lost and nothing can be told to be its.
+    if (identity) {
+      std::vector<std::filesystem::path> dirs = opt.stripe_directories;
+      if (dirs.empty()) dirs.push_back(dir_);
+      std::sort(dirs.begin(), dirs.end());
+      dirs.erase(std::unique(dirs.begin(), dirs.end()), dirs.end());
+      for (const auto& d : dirs) remove_swap_files_of(d, *identity);
+    }
+    remove_if_ours(kIndexTempName, kIndexMagic);
+    if (::unlinkat(dirfd_.fd, kCreatingName, 0) != 0 && errno != ENOENT)
+      throw io_error(sys("cannot remove " + dir_ + "/" + kCreatingName, errno), errno);
+    sync_directory(dirfd_.fd, dir_);
+  }
+
+  std::optional<store_identity> read_create_marker() const {
+    fd_guard f;
+    f.fd = ::openat(dirfd_.fd, kCreatingName, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (f.fd < 0) throw io_error(sys("cannot open " + dir_ + "/" + kCreatingName, errno), errno);
+    unsigned char buf[64];
+    const ssize_t n = ::pread(f.fd, buf, sizeof buf, 0);
+    if (n < 0) throw io_error(sys("cannot read " + dir_ + "/" + kCreatingName, errno), errno);
+    return decode_create_marker(buf, static_cast<std::size_t>(n));
+  }
+
+  void remove_swap_files_of(const std::filesystem::path& d, const store_identity& identity) {
+    fd_guard dfd;
+    dfd.fd = open_directory(d);
+    std::vector<std::string> names;
+    {
+      const int scan_fd = ::dup(dfd.fd);
+      DIR* scan = scan_fd >= 0 ? ::fdopendir(scan_fd) : nullptr;
+      if (scan == nullptr) {
+        const int e = errno;
+        if (scan_fd >= 0) ::close(scan_fd);
+        throw io_error(sys("cannot list " + d.string(), e), e);
+      }
+      while (const dirent* entry = ::readdir(scan)) {
+        const std::string name = entry->d_name;
+        if (name.size() > 5 && name.compare(0, 5, "swap.") == 0 &&
+            std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+          names.push_back(name);
+      }
+      ::closedir(scan);
+    }
+    bool removed = false;
+    for (const auto& name : names) {
+      if (!is_swap_file_of(dfd.fd, name, identity)) continue;
+      if (::unlinkat(dfd.fd, name.c_str(), 0) != 0 && errno != ENOENT)
+        throw io_error(sys("cannot remove " + (d / name).string(), errno), errno);
+      removed = true;
+    }
+    if (removed) sync_directory(dfd.fd, d.string());
+  }
+
+  static bool is_swap_file_of(int dfd, const std::string& name, const store_identity& identity) {
+    fd_guard f;
+    f.fd = ::openat(dfd, name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    struct ::stat st {};
+    if (f.fd < 0 || ::fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
+    if (st.st_size == 0) return true;
+    if (st.st_size < static_cast<off_t>(kSwapTrailerBytes)) return false;
+    std::vector<unsigned char> buf(kSwapTrailerBytes);
+    if (::pread(f.fd, buf.data(), buf.size(), st.st_size - static_cast<off_t>(kSwapTrailerBytes)) !=
+        static_cast<ssize_t>(buf.size()))
+      return false;
+    const auto trailer = decode_swap_trailer(buf.data(), buf.size());
+    return trailer && trailer->identity == identity;
+  }
+
+  void write_create_marker(const store_identity& identity) {
+    const std::string path = dir_ + "/" + kCreatingName;
+    fd_guard f;
+    f.fd = ::openat(dirfd_.fd, kCreatingName, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (f.fd < 0) throw io_error(sys("cannot create " + path, errno), errno);
+    marker_created_ = true;
+    const auto bytes = encode_create_marker(identity);
+    const ssize_t n = ::write(f.fd, bytes.data(), bytes.size());
+    if (n != static_cast<ssize_t>(bytes.size())) {
+      const int e = n < 0 ? errno : ENOSPC;
+      throw io_error(sys("cannot write " + path, e), e);
+    }
+    // Durable before the first swap file exists, so a crash never leaves one without it.
+    if (::fsync(f.fd) != 0) throw io_error(sys("cannot fsync " + path, errno), errno);
+    sync_directory(dirfd_.fd, dir_);
+  }
+
+  // The store is committed: a failure to remove the marker leaves one beside an index, which
+  // open() removes, so it is not reported.
+  void remove_create_marker() noexcept {
+    if (::unlinkat(dirfd_.fd, kCreatingName, 0) == 0) ::fsync(dirfd_.fd);
+    marker_created_ = false;
+  }
+
+  // Removes removable leftovers named `name`: returns false, touching nothing, when the file is
+  // not the store's (origin_of).
+  bool remove_if_ours(const char* name, const char (&magic)[8]) {
+    const file_origin origin = origin_of(dirfd_.fd, name, dir_, magic);
+    if (origin == file_origin::foreign) return false;
+    if (origin == file_origin::ours) {
+      if (::unlinkat(dirfd_.fd, name, 0) != 0 && errno != ENOENT)
+        throw io_error(sys("cannot remove " + dir_ + "/" + name, errno), errno);
+      sync_directory(dirfd_.fd, dir_);
+    }
+    return true;
+  }
+
+  static void sync_directory(int dfd, const std::string& path) {
+    if (::fsync(dfd) != 0) throw io_error(sys("cannot fsync directory " + path, errno), errno);
+  }
+
+  // The destructor does not run for a constructor that throws: closes what was opened and removes
+  // what this constructor made, so that the same create (or open) can be tried again and a
+  // directory that holds no store is left as it was. The index before the swap files and those
+  // before the marker: a crash in here leaves an interrupted create that the next one cleans up.
+  void undo_failed_constructor() noexcept {
+    engine_.reset();
+    for (int fd : fds_) ::close(fd);
+    fds_.clear();
+    if (index_created_) ::unlinkat(dirfd_.fd, kIndexName, 0);
+    for (auto& [dfd, base] : created_) ::unlinkat(dfd >= 0 ? dfd : dirfd_.fd, base.c_str(), 0);
+    forget_created();
+    if (marker_created_) ::unlinkat(dirfd_.fd, kCreatingName, 0);
+    // Safe while held: lock_store() checks that the file it locked is still the one named "lock".
+    if (lock_created_) ::unlinkat(dirfd_.fd, kLockName, 0);
+    if (index_created_ || marker_created_ || lock_created_) ::fsync(dirfd_.fd);
+  }
+
   void open_and_start(const std::filesystem::path& dir, const tensor_store_options& opt,
                       store_index& index, bool create) {
     open_files(dir, opt, index, create);
@@ -222,7 +413,13 @@ class tensor_store_impl {
     engine_ = make_io_uring_engine(eo, std::move(files));
     if (create) {
       index.generation = 0;
-      write_index_atomically(dirfd_.fd, dir_, index);
+      index_write w;
+      try {
+        write_index_atomically(dirfd_.fd, dir_, index, &w);
+      } catch (...) {
+        index_created_ = w.renamed;  // its directory fsync failed: removed with the rest
+        throw;
+      }
     }
   }
 
@@ -234,29 +431,68 @@ class tensor_store_impl {
   }
 
  public:
+  // ---- a child forked without exec
+  //
+  // Such a child (a PyTorch DataLoader worker) inherits the lock file's and the swap files'
+  // descriptors, and with their open file descriptions their flocks: the store would stay locked
+  // until it exited. It cannot use the store anyway: only the thread that forked exists in it, so
+  // the engine's threads are gone, and another thread of the parent may have held mutex_. So the
+  // child lets go of every descriptor at once (fork_guard's handler; the engine closes its ring
+  // there too), and every later call in it throws (usable()) before touching the store: nothing
+  // in the child can write a swap file or the index.
+
+  // In the child, the only thread: no lock may be taken (another parent thread may have held it).
+  void abandon_after_fork() noexcept override {
+    for (fd_guard* g : {&lock_fd_, &dirfd_}) {
+      if (g->fd >= 0) ::close(g->fd);
+      g->fd = -1;
+    }
+    for (int& fd : fds_) {
+      if (fd >= 0) ::close(fd);
+      fd = -1;
+    }
+  }
+  using fork_guard::forked_away;
+
+  tensor_store_impl& usable() {
+    if (forked_away()) {
+      throw io_error("terrace: tensor store " + dir_ + " was opened by the parent of this process, which " +
+                         "was forked from it without exec: a forked child cannot use the store (open it " +
+                         "in the child, once the parent has closed it)",
+                     EBADF);
+    }
+    return *this;
+  }
+  const tensor_store_impl& usable() const { return const_cast<tensor_store_impl*>(this)->usable(); }
+
   // ---- operations
 
   io_handle put(const std::string& id, const void* data, std::size_t size) {
     TERRACE_EXPECTS(data != nullptr || size == 0, "put of a null buffer");
     std::unique_lock lock(mutex_);
     std::optional<std::uint64_t> offset = alloc_->allocate(size);
-    if (!offset && !retiring_.empty()) {
-      // Space may be waiting on transfers of erased tensors: let them finish.
+    if (!offset) {
+      // Space may be waiting on transfers of erased tensors, or held by puts that failed or are
+      // about to: let the transfers in flight finish, drop the failed puts, and try again. So a
+      // put is refused only for want of space that nothing in flight or failed would give back,
+      // and the message's figures are exact.
       auto pending = retiring_inflight();
-      lock.unlock();
-      for (auto& c : pending) wait_quietly(c);
-      lock.lock();
-      reap_retiring();
+      for (auto& [other, e] : entries_)
+        if (e.write && !is_ready(e.write)) pending.push_back(e.write);
+      if (!pending.empty()) {
+        lock.unlock();
+        for (auto& c : pending) wait_quietly(c);
+        lock.lock();
+        reap_retiring();
+      }
+      settle_failed_puts();
       offset = alloc_->allocate(size);
     }
     if (!offset) {
-      std::uint64_t held = 0;
-      for (auto& h : held_) held += h.size;
       throw out_of_memory("terrace: tensor store " + dir_ + " is full: put of tensor '" + id + "' needs " +
                           human_bytes(alloc_->extent_size(size)) + " but " + human_bytes(alloc_->free_bytes()) +
                           " of " + human_bytes(alloc_->capacity()) + " is free (largest hole " +
-                          human_bytes(alloc_->largest_hole()) + "); " + human_bytes(held) +
-                          " is held for the committed checkpoint until the next checkpoint()");
+                          human_bytes(alloc_->largest_hole()) + "); in use: " + space_in_use());
     }
     entry e;
     e.offset = *offset;
@@ -414,6 +650,7 @@ class tensor_store_impl {
     index.block_size = block_size_;
     index.files = static_cast<std::uint32_t>(fds_.size());
     index.file_size = file_size_;
+    index.identity = identity_;
     // 3. The data first, then the index that points at it.
     // A failed fdatasync poisons the store for checkpoints: Linux may mark the lost pages clean
     // and report success on the next call, which would then commit an index over lost data.
@@ -517,6 +754,46 @@ class tensor_store_impl {
     return it;
   }
 
+  // Drops every put that has finished in error, as a get or erase of its id would: its extent
+  // would otherwise stay allocated, unseen by ids(), until one came. Not one whose id has a version
+  // parked by a running checkpoint: dropped before the snapshot, it would leave that version out
+  // of the index; the snapshot drops it instead.
+  void settle_failed_puts() {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      auto next = std::next(it);
+      const entry& e = it->second;
+      if (e.write && is_ready(e.write) && error_of(e.write) && !parked_.contains(it->first)) drop(it);
+      it = next;
+    }
+  }
+
+  // What the allocated space holds, for a full store's message: every extent is counted in one of
+  // these, so the figures add up to capacity - free.
+  std::string space_in_use() const {
+    std::uint64_t live = 0, writing = 0, failed = 0, parked = 0, held = 0, retiring = 0;
+    std::size_t live_count = 0;
+    for (const auto& [id, e] : entries_) {
+      const std::uint64_t bytes = alloc_->extent_size(e.size);
+      if (!present(e)) {
+        failed += bytes;
+      } else {
+        ++live_count;
+        (is_ready(e.write) ? live : writing) += bytes;
+      }
+    }
+    for (const auto& [id, e] : parked_) parked += alloc_->extent_size(e.size);
+    for (const auto& f : held_) held += alloc_->extent_size(f.size);
+    for (const auto& f : retiring_) retiring += alloc_->extent_size(f.size);
+    std::string out = human_bytes(live + writing) + " by " + std::to_string(live_count) + " tensor" +
+                      (live_count == 1 ? "" : "s");
+    if (writing) out += " (" + human_bytes(writing) + " of it by puts in flight)";
+    out += ", " + human_bytes(held) + " held for the committed checkpoint until the next checkpoint()";
+    if (parked) out += ", " + human_bytes(parked) + " by replaced versions the running checkpoint may take";
+    if (failed) out += ", " + human_bytes(failed) + " by failed puts a running checkpoint has yet to drop";
+    if (retiring) out += ", " + human_bytes(retiring) + " by erased or replaced tensors with transfers in flight";
+    return out;
+  }
+
   // Drops an entry whose put has finished in error, and rethrows that error for the caller.
   void settle(std::map<std::string, entry>::iterator it) {
     entry& e = it->second;
@@ -589,14 +866,41 @@ class tensor_store_impl {
 
   // ---- setup
 
+  // One process per store: a second opener would allocate over the first one's extents.
   void lock_store() {
-    // One process per store: a second opener would allocate over the first one's extents.
-    lock_fd_.fd = ::openat(dirfd_.fd, "lock", O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (lock_fd_.fd < 0) throw io_error(sys("cannot open " + dir_ + "/lock", errno), errno);
-    if (::flock(lock_fd_.fd, LOCK_EX | LOCK_NB) != 0) {
-      const int e = errno;
-      if (e == EWOULDBLOCK) throw io_error("terrace: tensor store " + dir_ + " is open in another process", e);
-      throw io_error(sys("cannot lock " + dir_ + "/lock", e), e);
+    const std::string path = dir_ + "/" + kLockName;
+    for (;;) {
+      bool created = true;
+      int fd = ::openat(dirfd_.fd, kLockName, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd < 0 && errno == EEXIST) {
+        created = false;
+        fd = ::openat(dirfd_.fd, kLockName, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0 && errno == ENOENT) continue;  // removed meanwhile by a failed opener
+      }
+      if (fd < 0) throw io_error(sys("cannot open " + path, errno), errno);
+      lock_fd_.fd = fd;
+      if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        const int e = errno;
+        if (e == EWOULDBLOCK) {
+          throw io_error("terrace: tensor store " + dir_ + " is open in another process, or in a child " +
+                             "process forked (without exec) from one that had it open, which holds its " +
+                             "lock until it exits or calls exec",
+                         e);
+        }
+        throw io_error(sys("cannot lock " + path, e), e);
+      }
+      // A failed opener that had created the file removes it while holding it: the file locked
+      // here may be one it removed since this call opened it. Only the file that bears the name
+      // is the lock.
+      struct ::stat held {}, named {};
+      if (::fstat(fd, &held) != 0) throw io_error(sys("cannot stat " + path, errno), errno);
+      if (::fstatat(dirfd_.fd, kLockName, &named, AT_SYMLINK_NOFOLLOW) == 0 && named.st_dev == held.st_dev &&
+          named.st_ino == held.st_ino) {
+        lock_created_ = created;
+        return;
+      }
+      ::close(lock_fd_.fd);
+      lock_fd_.fd = -1;
     }
   }
 
@@ -614,17 +918,29 @@ class tensor_store_impl {
       if (e != EWOULDBLOCK) throw io_error(sys("cannot lock " + path, e), e);
       if (std::chrono::steady_clock::now() > deadline) {
         throw io_error("terrace: " + path + " is still locked after 30 s: a process that had the " +
-                           "store open is still writing it",
+                           "store open is still writing it, or a child process forked from it (without " +
+                           "exec) holds it",
                        e);
       }
       std::this_thread::sleep_for(1ms);
     }
   }
 
+  // Each swap file ends with a trailer (encode_swap_trailer) naming the store's identity, which the
+  // index also carries, and the file's place in the stripe: open() refuses a swap file of another
+  // store (a stripe directory of another store, whose committed tensors this one's puts would
+  // overwrite) and swap files out of order. Why a trailer past the data, not a header block at
+  // the start: the striped layout (logical offset to file offset, the engine's contract) and the
+  // allocator stay as they were, so a store created before identities opens unchanged, and no
+  // transfer can reach it (the engine's range ends at file_size). Why in the file's bytes: it
+  // survives copying the directory for a backup (cp, rsync, tar), as inode numbers would not, and
+  // needs nothing of the file system, as extended attributes would (plain cp drops them too).
+  // A store with no identity in its index (created before) is opened unchecked.
   void open_files(const std::filesystem::path& dir, const tensor_store_options& opt, const store_index& index,
                   bool create) {
     file_size_ = index.file_size;
     direct_ = opt.direct;
+    const std::uint64_t bytes_on_disk = index.file_size + (index.identity ? kSwapTrailerBytes : 0);
     for (std::uint32_t i = 0; i < index.files; ++i) {
       std::filesystem::path d = opt.stripe_directories.empty() ? dir : opt.stripe_directories[i % opt.stripe_directories.size()];
       fd_guard local;
@@ -644,16 +960,25 @@ class tensor_store_impl {
       }
       fds_.push_back(fd);
       names_.push_back(path);
+      if (create) created_.emplace_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd), base);
       lock_swap_file(fd, path);
+      swap_trailer trailer;
+      if (index.identity) trailer = {*index.identity, i, index.files, index.file_size};
       if (create) {
-        created_.emplace_back(opt.stripe_directories.empty() ? -1 : ::dup(dfd), base);
+        // The trailer first: a create killed from here on leaves a file its identity names (one
+        // killed before is empty), which the next create() can tell from a file of its own.
+        const auto bytes = encode_swap_trailer(trailer);
+        const ssize_t n = ::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(index.file_size));
+        if (n != static_cast<ssize_t>(bytes.size())) {
+          const int e = n < 0 ? errno : ENOSPC;
+          throw io_error(sys("cannot preallocate " + human_bytes(bytes_on_disk) + " for " + path, e), e);
+        }
         // Preallocated: a write inside the file never meets ENOSPC, so a full disk is reported
-        // here, once, rather than in the middle of a training step.
-        int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(index.file_size));
-        if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) rc = ::ftruncate(fd, static_cast<off_t>(index.file_size));
-        if (rc != 0) {
+        // here, once, rather than in the middle of a training step. (Without fallocate, the
+        // trailer's write has given the file its size.)
+        if (::fallocate(fd, 0, 0, static_cast<off_t>(bytes_on_disk)) != 0 && errno != EOPNOTSUPP && errno != ENOSYS) {
           const int e = errno;
-          throw io_error(sys("cannot preallocate " + human_bytes(index.file_size) + " for " + path, e), e);
+          throw io_error(sys("cannot preallocate " + human_bytes(bytes_on_disk) + " for " + path, e), e);
         }
         // Its size durable before the index that names it commits (generation 0, just below),
         // whatever the file system orders on its own: a lost size would make the store unopenable.
@@ -662,9 +987,10 @@ class tensor_store_impl {
       } else {
         struct ::stat st {};
         if (::fstat(fd, &st) != 0) throw io_error(sys("cannot stat " + path, errno), errno);
-        if (static_cast<std::uint64_t>(st.st_size) != index.file_size)
-          throw io_error("terrace: " + path + " is " + std::to_string(st.st_size) + " bytes; the index says " +
-                         std::to_string(index.file_size));
+        if (static_cast<std::uint64_t>(st.st_size) != bytes_on_disk)
+          throw io_error("terrace: " + path + " is " + std::to_string(st.st_size) + " bytes; the index of " + dir_ +
+                         " says " + std::to_string(bytes_on_disk) + ": not this store's swap file?");
+        if (index.identity) check_trailer(fd, path, trailer);
       }
       if (direct_ && !enable_direct(fd, path)) {
         // Buffered from here on, for every file: the engine drives them all one way, and an
@@ -675,12 +1001,42 @@ class tensor_store_impl {
     }
   }
 
+  // Read before O_DIRECT is turned on (the buffer is not aligned).
+  void check_trailer(int fd, const std::string& path, const swap_trailer& want) const {
+    std::vector<unsigned char> buf(kSwapTrailerBytes);
+    const ssize_t n = ::pread(fd, buf.data(), buf.size(), static_cast<off_t>(want.file_size));
+    if (n < 0) throw io_error(sys("cannot read the trailer of " + path, errno), errno);
+    const auto got = decode_swap_trailer(buf.data(), static_cast<std::size_t>(n));
+    if (!got) {
+      throw io_error("terrace: " + path + " does not end with a tensor store swap-file trailer: it is not a " +
+                         "swap file of the store in " + dir_ + " (check stripe_directories)",
+                     EINVAL);
+    }
+    if (got->identity != want.identity) {
+      throw io_error("terrace: " + path + " is a swap file of another tensor store (identity " +
+                         to_hex(got->identity) + "; the store in " + dir_ + " is " + to_hex(want.identity) +
+                         "): do stripe_directories name another store's directories?",
+                     EINVAL);
+    }
+    if (got->file != want.file || got->files != want.files || got->file_size != want.file_size) {
+      throw io_error("terrace: " + path + " is swap file " + std::to_string(got->file) + " of " +
+                         std::to_string(got->files) + " of the store in " + dir_ + ", expected here as file " +
+                         std::to_string(want.file) + " of " + std::to_string(want.files) +
+                         ": are stripe_directories in the order the store was created with?",
+                     EINVAL);
+    }
+  }
+
   const std::string dir_;
   fd_guard dirfd_;
   fd_guard lock_fd_;
   std::vector<int> fds_;
   std::vector<std::string> names_;
+  std::optional<store_identity> identity_;   // absent for a store created before identities
   std::vector<std::pair<int, std::string>> created_;  // during the constructor only
+  bool lock_created_ = false;    // during the constructor only: what a failure removes
+  bool marker_created_ = false;  // during the constructor only
+  bool index_created_ = false;   // during the constructor only
   bool sync_failed_ = false;                 // under checkpoint_mutex_
   std::atomic<bool> fake_sync_failure_{false};  // the sync_eio seam
   std::atomic<bool> fake_index_sync_failure_{false};  // the index_sync_eio seam
@@ -710,8 +1066,18 @@ class tensor_store_impl {
 
 tensor_store::tensor_store(std::unique_ptr<detail::tensor_store_impl> impl) : impl_(std::move(impl)) {}
 tensor_store::tensor_store(tensor_store&&) noexcept = default;
-tensor_store& tensor_store::operator=(tensor_store&&) noexcept = default;
-tensor_store::~tensor_store() = default;
+
+// In a forked child the store is left as it is, never torn down: its destructor would join engine
+// threads that do not exist in the child, and destroy condition variables on which parent
+// threads were waiting at the fork (glibc's pthread_cond_destroy then waits for them forever).
+tensor_store& tensor_store::operator=(tensor_store&& other) noexcept {
+  if (impl_ && impl_->forked_away()) (void)impl_.release();
+  impl_ = std::move(other.impl_);
+  return *this;
+}
+tensor_store::~tensor_store() {
+  if (impl_ && impl_->forked_away()) (void)impl_.release();
+}
 
 tensor_store tensor_store::create(const std::filesystem::path& directory, const tensor_store_options& options) {
   return tensor_store(std::make_unique<detail::tensor_store_impl>(directory, options, true));
@@ -720,19 +1086,19 @@ tensor_store tensor_store::open(const std::filesystem::path& directory, const te
   return tensor_store(std::make_unique<detail::tensor_store_impl>(directory, options, false));
 }
 
-io_handle tensor_store::put(const std::string& id, const void* data, std::size_t size) { return impl_->put(id, data, size); }
-io_handle tensor_store::get(const std::string& id, void* into, std::size_t capacity) { return impl_->get(id, into, capacity); }
-void tensor_store::erase(const std::string& id) { impl_->erase(id); }
-std::uint64_t tensor_store::checkpoint() { return impl_->checkpoint(); }
-void tensor_store::wait_all() { impl_->wait_all(); }
-bool tensor_store::contains(const std::string& id) const { return impl_->contains(id); }
-std::optional<std::size_t> tensor_store::size_of(const std::string& id) const { return impl_->size_of(id); }
-std::vector<std::string> tensor_store::ids() const { return impl_->ids(); }
-std::uint64_t tensor_store::generation() const { return impl_->generation(); }
-std::uint64_t tensor_store::capacity() const { return impl_->capacity(); }
-std::uint64_t tensor_store::used_bytes() const { return impl_->used_bytes(); }
-bool tensor_store::direct() const { return impl_->direct(); }
-std::string tensor_store::describe() const { return impl_->describe(); }
-void tensor_store::inject_fault(const io_fault& fault) { impl_->inject_fault(fault); }
+io_handle tensor_store::put(const std::string& id, const void* data, std::size_t size) { return impl_->usable().put(id, data, size); }
+io_handle tensor_store::get(const std::string& id, void* into, std::size_t capacity) { return impl_->usable().get(id, into, capacity); }
+void tensor_store::erase(const std::string& id) { impl_->usable().erase(id); }
+std::uint64_t tensor_store::checkpoint() { return impl_->usable().checkpoint(); }
+void tensor_store::wait_all() { impl_->usable().wait_all(); }
+bool tensor_store::contains(const std::string& id) const { return impl_->usable().contains(id); }
+std::optional<std::size_t> tensor_store::size_of(const std::string& id) const { return impl_->usable().size_of(id); }
+std::vector<std::string> tensor_store::ids() const { return impl_->usable().ids(); }
+std::uint64_t tensor_store::generation() const { return impl_->usable().generation(); }
+std::uint64_t tensor_store::capacity() const { return impl_->usable().capacity(); }
+std::uint64_t tensor_store::used_bytes() const { return impl_->usable().used_bytes(); }
+bool tensor_store::direct() const { return impl_->usable().direct(); }
+std::string tensor_store::describe() const { return impl_->usable().describe(); }
+void tensor_store::inject_fault(const io_fault& fault) { impl_->usable().inject_fault(fault); }
 
 }  // namespace terrace

@@ -37,9 +37,10 @@ bool holds_store(const fs::path& dir) {
   return fs::is_regular_file(dir / "store" / "index", ec);
 }
 
-// A file the tensor store writes in its folder: index, index.tmp, lock, swap.N.
+// A file the tensor store writes in its folder: index, index.tmp, lock, creating, swap.N.
 bool is_store_file(const std::string& name) {
-  if (name == "index" || name == "index.tmp" || name == "lock") return true;
+  // The names of tiers/store_index.hpp and tensor_store.cpp; "creating" marks an interrupted create.
+  if (name == "index" || name == "index.tmp" || name == "lock" || name == "creating") return true;
   if (name.size() <= 5 || name.rfind("swap.", 0) != 0) return false;
   return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }

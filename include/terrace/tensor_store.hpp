@@ -8,6 +8,11 @@
 /// recovers exactly the last committed checkpoint. See docs/nvme.md for the knobs and numbers.
 ///
 /// Thread safety: every member of tensor_store may be called from any thread.
+///
+/// fork(): a child forked without exec (a PyTorch DataLoader worker) cannot use a store its parent
+/// opened: every member called there throws io_error (EBADF). The child lets go of the store's
+/// files at the fork, so the store stays openable by the parent or another process while the
+/// child lives. Handles inherited by the child never complete there.
 #pragma once
 
 #include <cstddef>
@@ -63,6 +68,14 @@ struct io_fault {
     /// the next checkpoint's directory fsync, after its index was renamed into place, fails with
     /// EIO (faked by the store; reads, writes, skip and count do not apply)
     index_sync_eio,
+    /// the ring's submissions fail with ENOMEM, `count` of them in a row (reads and writes do not
+    /// apply): the engine pauses and tries again, and after about 10 s of refusals fails the
+    /// requests whose transfers it could not submit, with ENOMEM
+    submit_enomem,
+    /// the transfer's completion is dropped, as the kernel drops one it has no memory to queue,
+    /// and the ring's next wait reports EBADR: the engine fails the request that lost it with
+    /// EBADR, once everything submitted before has finished
+    lost_completion,
   };
   kind what = kind::none;
   bool reads = true;    ///< applies to reads
@@ -96,17 +109,23 @@ struct tensor_store_options {
 class tensor_store {
  public:
   /// @brief Creates a new, empty store in `directory`, which must exist; commits generation 0.
-  /// Files are created 0600 with O_EXCL|O_NOFOLLOW; nothing outside the directory is touched.
-  /// @throws io_error when the directory is missing or already holds a store, or a swap file
-  /// cannot be created or preallocated (ENOSPC: what() says how much was asked);
-  /// logic_error for bad options.
+  /// Files are created 0600 with O_EXCL|O_NOFOLLOW; nothing outside the directory (and the
+  /// stripe directories) is touched, and no file the store did not write is removed. A create
+  /// interrupted before its commit (kill -9) leaves a directory that the next create() with the
+  /// same stripe directories cleans up.
+  /// @throws io_error when the directory is missing or already holds a store, holds a file named
+  /// as one of the store's that the store did not write, or a swap file cannot be created or
+  /// preallocated (ENOSPC: what() says how much was asked); logic_error for bad options.
   static tensor_store create(const std::filesystem::path& directory,
                              const tensor_store_options& options = {});
 
   /// @brief Opens an existing store at its last committed checkpoint; anything written after it is
-  /// forgotten and its space reused.
-  /// @throws io_error for a missing directory or swap file, a store locked by another process, or a
-  /// truncated index; checksum_error for a corrupt index.
+  /// forgotten and its space reused. In a directory without a store it creates and removes
+  /// nothing.
+  /// @throws io_error for a missing directory, no store in it (what() says when a create() was
+  /// interrupted: create() again), a missing swap file or one of another store or out of its
+  /// place (stripe_directories naming the wrong directories or in the wrong order), a store
+  /// locked by another process, or a truncated index; checksum_error for a corrupt index.
   static tensor_store open(const std::filesystem::path& directory,
                            const tensor_store_options& options = {});
 
@@ -118,8 +137,10 @@ class tensor_store {
   /// @brief Stores `size` bytes from `data` under `id`, replacing any tensor of that id at once.
   /// `data` must stay valid and unchanged until the handle is ready. A put whose handle reports an
   /// error leaves `id` absent. Space is allocated before any write is issued.
-  /// @throws out_of_memory when the store cannot hold `size` more bytes (what() gives what is free,
-  /// the largest hole and what only the next checkpoint() will release); nothing changes then.
+  /// @throws out_of_memory when the store cannot hold `size` more bytes, even once the transfers
+  /// in flight have finished and the puts that failed are dropped (what() gives what is free, the
+  /// largest hole, and what holds the rest: live tensors, what only the next checkpoint() will
+  /// release, and any other use); nothing observable changes then.
   io_handle put(const std::string& id, const void* data, std::size_t size);
 
   /// @brief Reads tensor `id` into `into` (at least size_of(id) bytes), verifying every block's
