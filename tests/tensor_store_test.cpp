@@ -1319,12 +1319,14 @@ TEST(TensorStore, AChildForkedFromAKilledOwnerDoesNotKeepItsSwapFilesLocked) {
     if (worker == 0) {
       ::alarm(60);
       ::close(release[1]);
+      // Ready from here: the fork handlers run in the child before fork() returns in it, but the
+      // parent's fork() may return (and the owner be killed, the store opened) before that.
+      const pid_t both[2] = {::getppid(), ::getpid()};
+      if (::write(ready[1], both, sizeof both) != sizeof both) ::_exit(1);
       char c;
       [[maybe_unused]] auto n = ::read(release[0], &c, 1);
       ::_exit(0);
     }
-    const pid_t both[2] = {::getpid(), worker};
-    if (::write(ready[1], both, sizeof both) != sizeof both) ::_exit(1);
     ::pause();  // killed here, the store open
     ::_exit(1);
   }
