@@ -195,6 +195,8 @@ class fuzz_run {
   int restarts() const { return restarts_; }
   int reader_windows() const { return reader_windows_; }
   std::int64_t pool_refusals() const { return pool_refusals_; }
+  bool host_below_device() const { return host_budget_ != 0 && host_budget_ < budget_; }
+  int host_budget_refusals() const { return host_budget_refusals_; }
   bool with_nvme() const { return nvme_; }
 
  private:
@@ -294,7 +296,10 @@ class fuzz_run {
       store_ = std::make_unique<tensor_store>(tensor_store::create(dir_->path(), so));
       // The device's tensors keep their home copies here, so it must hold the budget's worth and
       // one more tensor; the rest of the tensors live on NVMe.
-      host_budget_ = budget_ + sorted[0] * (1 + draw(3));
+      // In a quarter of the seeds the host budget is below the device budget (at least the largest
+      // tensor): the homes of the device's copies then fill it, and room for a home copy is made
+      // by evicting device copies, until only acquired tensors' homes are left.
+      host_budget_ = chance(25) ? sorted[0] + draw(budget_ - sorted[0]) : budget_ + sorted[0] * (1 + draw(3));
       to.host_budget = host_budget_;
     }
     variant_ = std::string(bandwidth_ ? "bandwidth" : "no bandwidth") + ", " +
@@ -462,7 +467,7 @@ class fuzz_run {
       p = static_cast<unsigned char*>(tm_->acquire(id, stream_[s], mode));
     } catch (const out_of_memory& e) {
       note("  out_of_memory");
-      if (fits && !pool_refusal_allowed(id, e)) {
+      if (fits && !pool_refusal_allowed(id, e) && !host_budget_refusal_allowed(id, e)) {
         fail("acquire of t" + std::to_string(id) + " (" + std::to_string(size_[id]) +
              " bytes) threw out_of_memory with " + std::to_string(pinned_bytes()) +
              " bytes pinned in a budget of " + std::to_string(budget_) + ": " + e.what());
@@ -528,6 +533,16 @@ class fuzz_run {
     return acquired.size() >= pool_slots_;
   }
 
+  // Under a host budget below the device budget, the homes of acquired tensors (which cannot leave
+  // while their device copies are pinned) may leave no room for another's.
+  bool host_budget_refusal_allowed(tensor_id id, const out_of_memory& e) {
+    if (!host_below_device()) return false;
+    if (std::string(e.what()).find("host budget") == std::string::npos) return false;
+    if (pinned_bytes() + size_[id] <= host_budget_) return false;
+    ++host_budget_refusals_;
+    return true;
+  }
+
   void io_error_allowed(const std::string& call, const io_error& e) {
     if (!faults_injected_) fail(call + " threw io_error with no fault injected: " + e.what());
     if (std::string(e.what()).empty()) fail(call + " threw an io_error that says nothing");
@@ -574,6 +589,10 @@ class fuzz_run {
       note("  io_error");
       io_error_allowed("host read of t" + std::to_string(id), e);
       return;
+    } catch (const out_of_memory& e) {  // a home buffer was needed (not only on NVMe)
+      if (!host_budget_refusal_allowed(id, e)) fail(std::string("host read threw out_of_memory: ") + e.what());
+      note("  out_of_memory (the host budget)");
+      return;
     }
     if (want_[id]) {
       if (const auto at = first_difference(got.data(), *want_[id])) {
@@ -601,8 +620,9 @@ class fuzz_run {
       io_error_allowed("host write of t" + std::to_string(id), e);
       return;
     } catch (const out_of_memory& e) {
-      if (!pool_refusal_allowed(id, e)) fail(std::string("host_data for writing threw out_of_memory: ") + e.what());
-      note("  out_of_memory (the pinned pool)");
+      if (!pool_refusal_allowed(id, e) && !host_budget_refusal_allowed(id, e))
+        fail(std::string("host_data for writing threw out_of_memory: ") + e.what());
+      note("  out_of_memory (the pinned pool or the host budget)");
       return;
     }
     if (whole) {
@@ -995,6 +1015,7 @@ class fuzz_run {
   std::atomic<bool> stop_reader_{false};
   int reader_ops_left_ = 0;
   std::int64_t pool_refusals_ = 0;
+  int host_budget_refusals_ = 0;  // out_of_memory for want of host budget, judged allowed
   std::string reader_failure_;
   std::string reader_io_error_;
 };
@@ -1003,7 +1024,7 @@ TEST(TierManagerFuzz, RandomWorkloadsKeepEveryByteAcrossTiersStreamsAndFaults) {
   const std::optional<fuzz::seed_range> seeds = fuzz::seeds_from_environment(kDefaultSeeds);
   if (!seeds) return;
   tier_stats total;
-  int io_errors = 0, restarts = 0, reader_windows = 0;
+  int io_errors = 0, restarts = 0, reader_windows = 0, host_below_device = 0, host_budget_refusals = 0;
   std::int64_t pool_refusals = 0;
   for (std::uint64_t seed = seeds->first; seed < seeds->end(); ++seed) {
     fuzz_run run(seed);
@@ -1016,18 +1037,21 @@ TEST(TierManagerFuzz, RandomWorkloadsKeepEveryByteAcrossTiersStreamsAndFaults) {
     restarts += run.restarts();
     reader_windows += run.reader_windows();
     pool_refusals += run.pool_refusals();
+    host_below_device += run.host_below_device() ? 1 : 0;
+    host_budget_refusals += run.host_budget_refusals();
   }
   std::printf("[          ] evictions %lld (to NVMe %lld, ahead %lld), prefetches %lld (hits %lld, "
               "from NVMe %lld), fence waits %lld, schedule misses %lld, copies down %lld, "
               "failed puts %lld, io errors surfaced %d, restarts %d, optimizer thread windows %d, "
-              "pinned pool refusals %lld\n",
+              "pinned pool refusals %lld, seeds with a host budget below the device budget %d (host "
+              "budget refusals %d)\n",
               static_cast<long long>(total.evictions), static_cast<long long>(total.host_evictions),
               static_cast<long long>(total.host_evictions_ahead), static_cast<long long>(total.prefetches),
               static_cast<long long>(total.prefetch_hits), static_cast<long long>(total.nvme_prefetches),
               static_cast<long long>(total.fence_waits), static_cast<long long>(total.schedule_misses),
               static_cast<long long>(total.device_to_host_copies),
               static_cast<long long>(total.failed_puts), io_errors, restarts, reader_windows,
-              static_cast<long long>(pool_refusals));
+              static_cast<long long>(pool_refusals), host_below_device, host_budget_refusals);
   // The default range must reach what it is for (a narrower one, from the environment, need not).
   if (seeds->count >= 8) {
     EXPECT_GT(total.evictions, 0);
@@ -1036,6 +1060,7 @@ TEST(TierManagerFuzz, RandomWorkloadsKeepEveryByteAcrossTiersStreamsAndFaults) {
     EXPECT_GT(total.schedule_misses, 0);
     EXPECT_GT(restarts, 0);
     EXPECT_GT(reader_windows, 0);
+    EXPECT_GT(host_below_device, 0);
   }
   fuzz::print_passed(*seeds);
 }

@@ -226,6 +226,26 @@ TEST(TierManagerNvme, ReadHomeIsSafeWhileAnotherThreadMovesHomeCopies) {
   EXPECT_GT(r.tm->stats().nvme_read_bytes, static_cast<std::int64_t>(8 * kBytes));
 }
 
+// A host budget below the device budget, filled by the home of an acquired tensor: a tensor never
+// written has nothing to read, so read_home gives zeros without asking the budget for a buffer
+// (the fuzzer found it refused with out_of_memory on the optimizer thread).
+TEST(TierManagerNvme, ReadHomeOfATensorNeverWrittenNeedsNoRoomInTheHostBudget) {
+  testing::scratch_dir dir("tm-read-home-unwritten");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store, budgets(2 * kBytes, kBytes));
+  const tensor_id held = r.tm->add("held", kBytes, pattern(1).data());
+  const tensor_id blank = r.tm->add("blank", kBytes);
+  r.tm->acquire(held, r.compute, access::read);
+  std::vector<unsigned char> out(kBytes, 0xab);
+  EXPECT_NO_THROW(r.tm->read_home(blank, out.data()));
+  EXPECT_EQ(out, std::vector<unsigned char>(kBytes, 0));
+  // host_data needs a buffer for the caller to write into: that refusal is the budget's.
+  EXPECT_THROW(r.tm->host_data(blank, access::write), out_of_memory);
+  r.tm->release(held, r.compute);
+  r.dev->synchronize(r.compute);
+  r.tm->check_invariants();
+}
+
 TEST(TierManagerNvme, ACheckpointResumesWithTheSameNames) {
   testing::scratch_dir dir("tm-ckpt");
   {

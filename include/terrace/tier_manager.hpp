@@ -167,7 +167,8 @@ class tier_manager {
   /// bytes), all under the manager's lock. A host_data() pointer may be invalidated by another
   /// thread's call that moves the home copy to NVMe (under a host budget); this cannot be. A
   /// tensor only on NVMe is read straight into `out` (no home buffer is taken; other calls wait
-  /// for the read). For an optimizer that runs beside the training thread (offload_engine's
+  /// for the read); one that holds no data yet (never written) reads as zeros, taking no buffer
+  /// either. For an optimizer that runs beside the training thread (offload_engine's
   /// delayed_update).
   /// @throws as host_data(id); io_error or checksum_error from the NVMe read.
   void read_home(tensor_id id, void* out);
