@@ -26,6 +26,8 @@
 //   - out_of_memory only when the pinned tensors really leave no room; misuse is logic_error; in
 //     a third of the NVMe seeds the pinned pool holds fewer home copies than the host budget
 //     allows, and its refusal reaches the caller only when acquired tensors hold all its slots;
+//     in a quarter the host budget is below the device budget, and its refusal reaches the caller
+//     only when the homes of acquired tensors leave no room;
 //   - an io_error only after a fault was injected (a failed transfer or checkpoint sync); after
 //     it, nothing committed is lost and the manager goes on working: once the faults are
 //     disarmed, each tensor reads back after at most one more error (a read already in flight);
