@@ -398,6 +398,19 @@ TEST(TensorStore, ShortTransfersAndEagainAreCompleted) {
   }
 }
 
+// A failed request's error: an io_error with errno `code` whose message says each of `says`.
+void expect_io_error(const std::exception_ptr& error, int code, std::initializer_list<const char*> says) {
+  ASSERT_NE(error, nullptr);
+  try {
+    std::rethrow_exception(error);
+  } catch (const io_error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const char* s : says) EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not an io_error: " << e.what();
+  }
+}
+
 // The engine alone over one 1 MiB file: writes of `data`'s first bytes, waited for, and refusals
 // (EAGAIN) injected on the next writes.
 class engine_rig {
@@ -467,13 +480,7 @@ TEST(IoUringEngine, RefusedTransfersBackOffThenFailWithTheirError) {
   // 7 refusals: the 7th fails it, with EAGAIN and the count.
   rig.refuse(7);
   const auto [failed, failed_took] = rig.write(64 * KiB);
-  ASSERT_NE(failed, nullptr);
-  try {
-    std::rethrow_exception(failed);
-  } catch (const io_error& e) {
-    EXPECT_EQ(e.code(), EAGAIN);
-    EXPECT_NE(std::string(e.what()).find("7 times in a row"), std::string::npos) << e.what();
-  }
+  expect_io_error(failed, EAGAIN, {"7 times in a row"});
   EXPECT_GE(failed_took, std::chrono::microseconds(3150));
 }
 
@@ -493,13 +500,7 @@ TEST(IoUringEngine, RefusedSubmissionsAreRetriedThenFailTheirRequestsNotTheProce
   f.count = 1000;
   rig.engine->inject(f);
   const auto [failed, took] = rig.write(256 * KiB);
-  ASSERT_NE(failed, nullptr);
-  try {
-    std::rethrow_exception(failed);
-  } catch (const io_error& e) {
-    EXPECT_EQ(e.code(), ENOMEM) << e.what();
-    EXPECT_NE(std::string(e.what()).find("the kernel refused to take it"), std::string::npos) << e.what();
-  }
+  expect_io_error(failed, ENOMEM, {"the kernel refused to take it"});
   rig.engine->inject(io_fault{});  // the kernel has memory again
   EXPECT_EQ(rig.write(256 * KiB).first, nullptr);
   EXPECT_EQ(rig.write(MiB).first, nullptr);
@@ -519,13 +520,7 @@ TEST(IoUringEngine, ALostCompletionFailsItsRequestAndTheEngineGoesOn) {
   f.skip = 2;
   rig.engine->inject(f);
   const auto [failed, took] = rig.write(MiB);  // 16 blocks, the third one's completion lost
-  ASSERT_NE(failed, nullptr);
-  try {
-    std::rethrow_exception(failed);
-  } catch (const io_error& e) {
-    EXPECT_EQ(e.code(), EBADR) << e.what();
-    EXPECT_NE(std::string(e.what()).find("completion was lost"), std::string::npos) << e.what();
-  }
+  expect_io_error(failed, EBADR, {"completion was lost"});
   for (int i = 0; i < 3; ++i) EXPECT_EQ(rig.write(MiB).first, nullptr);
 }
 
@@ -561,14 +556,7 @@ TEST(IoUringEngine, RefusedPiecesHoldTheirPlaceAndAFailedRequestDropsThem) {
     rig.start();
     rig.refuse(7);
     const auto [error, took] = rig.write(MiB);
-    ASSERT_NE(error, nullptr);
-    try {
-      std::rethrow_exception(error);
-    } catch (const io_error& e) {
-      EXPECT_EQ(e.code(), EAGAIN);
-      EXPECT_NE(std::string(e.what()).find("at offset 0 "), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("7 times in a row"), std::string::npos) << e.what();
-    }
+    expect_io_error(error, EAGAIN, {"at offset 0 ", "7 times in a row"});
   }
   {
     // The checksum hook fails the request at once; its refused pieces are then dropped, not
