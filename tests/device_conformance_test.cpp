@@ -800,6 +800,26 @@ TEST(SimBandwidth, AVanishingBandwidthIsSlowNotInstant) {
   dev->release(d, 16 * KiB);
 }
 
+// Found in review: the device's destructor stopped its streams one at a time, so a stream waiting
+// (through an event) on another stream's copy sat out that copy's whole modelled time before the
+// other stream was told to stop: here 20 s, for a vanishing bandwidth a century.
+TEST(SimBandwidth, DestroyingTheDeviceCutsShortCopiesThatAnotherStreamWaitsFor) {
+  std::vector<unsigned char> host(20 * KiB, 6);  // outlives the device: the copy reads it
+  const auto t0 = clock_type::now();
+  {
+    auto dev = sim(1e3);  // 20 KiB take 20 s
+    void* d = dev->reserve(host.size());
+    stream_ref slow = dev->create_stream();
+    event_ref e = dev->create_event();
+    dev->copy_async(d, host.data(), host.size(), copy_kind::host_to_device, slow);
+    dev->record(e, slow);
+    dev->wait(stream_ref{}, e);  // the default stream, stopped first, waits for the copy
+    enqueue_host_function(*dev, stream_ref{}, [] {});
+    // The device goes with the streams, the event and the segment still live: it cleans up.
+  }
+  EXPECT_LT(seconds_since(t0), 5.0) << "the destructor waited out the modelled copy";
+}
+
 TEST(SimBandwidth, ARunOfSmallCopiesKeepsTheModelledRate) {
   constexpr double kBandwidth = 1e9;
   auto dev = sim(kBandwidth);

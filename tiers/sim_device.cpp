@@ -138,13 +138,19 @@ class sim_stream {
     return std::exchange(error_, std::string{});
   }
 
-  /// Runs what is queued, then stops the worker. Idempotent.
-  void stop_and_join() noexcept {
+  /// Tells the worker to stop once the queue is empty, without waiting for it; from now on its
+  /// copies skip their modelled time. Idempotent.
+  void request_stop() noexcept {
     {
       std::lock_guard<std::mutex> lock(m_);
       stopping_ = true;
     }
     work_cv_.notify_one();
+  }
+
+  /// Runs what is queued, then stops the worker. Idempotent.
+  void stop_and_join() noexcept {
+    request_stop();
     if (worker_.joinable()) worker_.join();
   }
 
@@ -288,6 +294,10 @@ class sim_device final : public device_backend {
       streams_.clear();
       events_.clear();
     }
+    // Every stream is told first, then joined: a stream draining a wait on another stream's copy
+    // would otherwise sit out that copy's modelled time, up to a century, before the other stream
+    // heard it should stop.
+    for (auto& s : streams) s->request_stop();
     for (auto& s : streams) s->stop_and_join();
     // What the owner leaked goes back to the host.
     for (const auto& [p, bytes] : segments_) free_segment(reinterpret_cast<void*>(p), bytes);
