@@ -692,6 +692,23 @@ TEST(SimErrors, SynchronizeDeviceReportsTheErrorsOfEveryStream) {
   dev->destroy_stream(b);
 }
 
+// Found in review: destroy_stream drained the stream and dropped the error a host function had
+// raised, so a checking "kernel" that failed just before its stream was destroyed passed
+// silently; synchronize_device(), which the contract names, never saw it.
+TEST(SimErrors, AnErrorOnADestroyedStreamSurfacesAtTheNextSynchronizeDevice) {
+  auto dev = sim();
+  stream_ref s = dev->create_stream();
+  enqueue_host_function(*dev, s, [] { throw std::runtime_error("boom before destroy"); });
+  dev->destroy_stream(s);  // never throws: the error waits for the device
+  try {
+    dev->synchronize_device();
+    FAIL() << "the host function's exception was lost with its stream";
+  } catch (const device_error& e) {
+    EXPECT_TRUE(contains(e.what(), "boom before destroy")) << e.what();
+  }
+  EXPECT_NO_THROW(dev->synchronize_device()) << "reported once";
+}
+
 TEST(SimErrors, HostFunctionsNeedASimDeviceAndAFunction) {
   auto null_dev = make_device("null");
   try {

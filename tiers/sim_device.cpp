@@ -138,6 +138,12 @@ class sim_stream {
     return std::exchange(error_, std::string{});
   }
 
+  /// Takes the first error a host function raised, if any, without waiting for queued work.
+  std::string take_error() {
+    std::lock_guard<std::mutex> lock(m_);
+    return std::exchange(error_, std::string{});
+  }
+
   /// Tells the worker to stop once the queue is empty, without waiting for it; from now on its
   /// copies skip their modelled time. Idempotent.
   void request_stop() noexcept {
@@ -496,6 +502,16 @@ class sim_device final : public device_backend {
       streams_.erase(it);
     }
     stream->stop_and_join();  // drains: queued work still runs
+    // An error no synchronize() took would die with the stream: the device keeps it for the next
+    // synchronize_device(), as the contract promises (a failed checking "kernel" must not pass).
+    try {
+      if (std::string error = stream->take_error(); !error.empty()) {
+        std::lock_guard<std::mutex> lock(handles_mutex_);
+        orphaned_errors_ += (orphaned_errors_.empty() ? "" : "; ") + error;
+      }
+    } catch (...) {
+      // Out of memory for the message: destroy_stream may not throw, and the stream is gone.
+    }
   }
 
   void do_synchronize_stream(stream_ref s) override {
@@ -507,14 +523,15 @@ class sim_device final : public device_backend {
 
   void do_synchronize_device() override {
     std::vector<std::shared_ptr<sim_stream>> streams;
+    std::string errors;  // those of destroyed streams first: they were raised earlier
     {
       std::lock_guard<std::mutex> lock(handles_mutex_);
       if (default_stream_) streams.push_back(default_stream_);
       for (const auto& [key, s] : streams_) streams.push_back(s);
+      errors = std::exchange(orphaned_errors_, std::string{});
     }
     // drain() hands each stream's error over once: every one goes into the exception (keeping
     // only the first lost the others for good, and their streams then synchronised clean).
-    std::string errors;
     for (const auto& s : streams) {
       std::string error = s->drain();
       if (error.empty()) continue;
@@ -630,10 +647,11 @@ class sim_device final : public device_backend {
   vmm_book vmm_;
   capacity_meter meter_;  // charged and uncharged under memory_mutex_
 
-  std::mutex handles_mutex_;  // guards the three below
+  std::mutex handles_mutex_;  // guards the four below
   std::shared_ptr<sim_stream> default_stream_;
   std::unordered_map<void*, std::shared_ptr<sim_stream>> streams_;
   std::unordered_map<void*, std::shared_ptr<sim_event>> events_;
+  std::string orphaned_errors_;  // raised on streams destroyed before a synchronize() took them
   std::atomic<std::uint64_t> streams_created_{0};  // names streams in error messages
 };
 
