@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <limits>
 #include <memory>
 #include <random>
@@ -709,6 +710,46 @@ TEST(SimErrors, AnErrorOnADestroyedStreamSurfacesAtTheNextSynchronizeDevice) {
   EXPECT_NO_THROW(dev->synchronize_device()) << "reported once";
 }
 
+// Found in review: a host function that synchronized its own stream (directly, or through
+// synchronize_device()) waited for itself: the stream, and every later synchronize of it, hung
+// with no message. Now the call is refused inside the host function, whose error says why.
+TEST(SimErrors, AHostFunctionThatSynchronizesItsOwnStreamFailsInsteadOfHanging) {
+  auto dev = sim();
+  stream_ref s = dev->create_stream();
+  event_ref before = dev->create_event();
+  dev->record(before, s);
+  std::atomic<bool> waited_for_earlier_work{false};
+  enqueue_host_function(*dev, s, [&] {
+    dev->synchronize(before);  // work ahead of it: fine
+    waited_for_earlier_work = true;
+  });
+  enqueue_host_function(*dev, s, [&] { dev->synchronize(s); });
+  enqueue_host_function(*dev, s, [&] { dev->synchronize_device(); });
+  // Without the refusal this would never return: watch it from another thread, and on a hang
+  // leak the device (its worker cannot be joined) rather than hang the test binary.
+  auto outcome = std::make_shared<std::promise<std::string>>();
+  std::future<std::string> done = outcome->get_future();
+  std::thread([d = dev.get(), s, outcome] {
+    std::string what;
+    try {
+      d->synchronize(s);
+    } catch (const device_error& e) {
+      what = e.what();
+    }
+    outcome->set_value(what);
+  }).detach();
+  if (done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    (void)dev.release();
+    FAIL() << "a host function that synchronized its own stream hung it";
+  }
+  const std::string what = done.get();
+  EXPECT_TRUE(contains(what, "its own stream")) << what;
+  EXPECT_TRUE(waited_for_earlier_work.load());
+  EXPECT_NO_THROW(dev->synchronize(s)) << "reported once";
+  dev->destroy_event(before);
+  dev->destroy_stream(s);
+}
+
 TEST(SimErrors, HostFunctionsNeedASimDeviceAndAFunction) {
   auto null_dev = make_device("null");
   try {
@@ -773,6 +814,20 @@ TEST(SimDeathTest, DestroyingAnUnknownOrTheDefaultStreamAborts) {
   event_ref e = dev->create_event();
   dev->destroy_event(e);
   EXPECT_DEATH(dev->destroy_event(e), "unknown event");
+}
+
+// Found in review with the test above: destroying a stream from one of its own host functions
+// ended in std::terminate on a std::system_error ("Resource deadlock avoided") from join().
+TEST(SimDeathTest, DestroyingAStreamFromItsOwnHostFunctionAbortsSayingWhy) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        auto dev = sim();
+        stream_ref s = dev->create_stream();
+        enqueue_host_function(*dev, s, [&] { dev->destroy_stream(s); });
+        dev->synchronize(s);
+      },
+      "destroy_stream from a host function on that stream");
 }
 
 // ---------------------------------------------------------------- sim bandwidth model

@@ -122,20 +122,30 @@ class sim_stream {
   }
 
   /// Blocks until reached(ticket); returns whether it had to block.
+  /// @throws logic_error when called from this stream's own worker for work not yet run.
   bool wait_until(std::uint64_t ticket) {
     if (reached(ticket)) return false;
     std::unique_lock<std::mutex> lock(m_);
+    refuse_waiting_for_itself(ticket);
     done_cv_.wait(lock, [&] { return reached(ticket); });
     return true;
   }
 
   /// Blocks until everything pushed before the call has run; returns (and clears) the first error
   /// a host function raised, if any.
+  /// @throws logic_error when called from this stream's own worker (a host function on it).
   std::string drain() {
     std::unique_lock<std::mutex> lock(m_);
     const std::uint64_t target = pushed_;
+    refuse_waiting_for_itself(target);
     done_cv_.wait(lock, [&] { return reached(target); });
     return std::exchange(error_, std::string{});
+  }
+
+  /// True on this stream's worker thread, i.e. inside one of its host functions.
+  bool on_worker() {
+    std::lock_guard<std::mutex> lock(m_);
+    return worker_id_ == std::this_thread::get_id();
   }
 
   /// Takes the first error a host function raised, if any, without waiting for queued work.
@@ -164,6 +174,7 @@ class sim_stream {
   void run() {
     pthread_setname_np(pthread_self(), "terrace-sim");
     std::unique_lock<std::mutex> lock(m_);
+    worker_id_ = std::this_thread::get_id();
     for (;;) {
       if (queue_.empty()) {
         if (stopping_) return;
@@ -236,6 +247,18 @@ class sim_stream {
     work_cv_.wait_until(lock, link_free_at_, [&] { return stopping_; });
   }
 
+  // A host function that synchronizes its own stream (synchronize, synchronize_device, or
+  // synchronize(event) of work queued behind it) would wait for itself forever: a hang with no
+  // message. Refused instead; the host function's error then says why.
+  // REQUIRES: m_ held.
+  void refuse_waiting_for_itself(std::uint64_t ticket) const {
+    if (worker_id_ != std::this_thread::get_id() || reached(ticket)) return;
+    throw logic_error("terrace: device 'sim': a host function on " + label_ +
+                      " waits for work queued behind it on its own stream (synchronize, "
+                      "synchronize_device or synchronize of an event recorded after it): it would "
+                      "wait for itself forever");
+  }
+
   void set_error(std::string message) {
     std::lock_guard<std::mutex> lock(m_);
     if (error_.empty()) error_ = std::move(message);
@@ -252,6 +275,7 @@ class sim_stream {
   std::atomic<std::uint64_t> finished_{0};  // written by the worker under m_; read without it
   bool stopping_ = false;
   std::string error_;
+  std::thread::id worker_id_;  // set by the worker before its first item
 
   // The worker's own: when the modelled link finished the previous item.
   clock_type::time_point link_free_at_{};
@@ -497,6 +521,11 @@ class sim_device final : public device_backend {
         contract_violation("sim", s.native ? "destroy_stream of an unknown stream " +
                                                  hex_address(reinterpret_cast<std::uintptr_t>(s.native))
                                            : std::string("destroy_stream of the default stream"));
+      }
+      if (it->second->on_worker()) {
+        // join() would throw std::system_error out of this noexcept call: say what happened.
+        contract_violation("sim", "destroy_stream from a host function on that stream (it would "
+                                  "wait for itself)");
       }
       stream = std::move(it->second);
       streams_.erase(it);
