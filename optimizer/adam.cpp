@@ -108,6 +108,11 @@ void check_scale(float grad_scale) {
                   "adam: grad_scale must be finite and > 0, got " + std::to_string(grad_scale));
 }
 
+// What the kernels multiply each gradient by, rounded to float once, as the update uses it.
+float grad_multiplier(float grad_scale, float clip_coef) noexcept {
+  return static_cast<float>(static_cast<double>(clip_coef) / grad_scale);
+}
+
 }  // namespace
 
 namespace detail {
@@ -130,7 +135,7 @@ adam_scalars make_adam_scalars(const adam_options& o, std::int64_t step, float g
       static_cast<float>(1.0 / std::sqrt(bc2)),
       decoupled ? 0.0f : static_cast<float>(o.weight_decay),
       decoupled ? static_cast<float>(1.0 - o.lr * o.weight_decay) : 1.0f,
-      static_cast<float>(static_cast<double>(clip_coef) / grad_scale),
+      grad_multiplier(grad_scale, clip_coef),
   };
 }
 
@@ -157,7 +162,9 @@ struct adam_optimizer::impl {
   // how the chunks were shared between threads (pieces cut anywhere summed their blocks from
   // their own starts, and the partial sums were added in thread order: the norm's last bits
   // changed with the thread count).
-  detail::grad_scan_result scan(std::span<const adam_tensor> tensors, std::size_t total, dtype grad_dtype) {
+  // `grad_mul`: finiteness is that of the gradients times it (adam_kernels::scan).
+  detail::grad_scan_result scan(std::span<const adam_tensor> tensors, std::size_t total, dtype grad_dtype,
+                                float grad_mul) {
     constexpr std::size_t kChunk = 4096;  // = grad_scan_t's block
     std::vector<std::size_t> first(tensors.size() + 1, 0);  // each tensor's first chunk
     for (std::size_t t = 0; t < tensors.size(); ++t) {
@@ -177,7 +184,7 @@ struct adam_optimizer::impl {
         const std::size_t b = (c - first[t]) * kChunk;
         const std::size_t n = std::min(tensors[t].size - b, kChunk);
         const auto* g = static_cast<const std::byte*>(tensors[t].grad) + b * size_of(grad_dtype);
-        const detail::grad_scan_result r = kernels->scan(g, grad_dtype, n);
+        const detail::grad_scan_result r = kernels->scan(g, grad_dtype, n, grad_mul);
         sums[c] = r.sum_squares;
         if (!r.finite) finite[k] = 0;
       }
@@ -234,7 +241,9 @@ grad_norm_result adam_optimizer::grad_norm(std::span<const adam_tensor> tensors,
     total += tensors[i].size;
   }
   std::lock_guard lock(impl_->mutex);
-  const detail::grad_scan_result r = impl_->scan(tensors, total, grad_dtype);
+  // finite: also after unscaling, so that a caller passing it on as grads_known_finite makes the
+  // step skip what the step's own check would skip (clip_coef <= 1 only shrinks the values).
+  const detail::grad_scan_result r = impl_->scan(tensors, total, grad_dtype, grad_multiplier(grad_scale, 1.0f));
   return {std::sqrt(r.sum_squares) / grad_scale, r.finite};
 }
 
@@ -264,6 +273,11 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
   check_scale(so.grad_scale);
   TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef >= 0,
                   "adam: clip_coef must be finite and >= 0, got " + std::to_string(so.clip_coef));
+  // A grad_scale below ~1/FLT_MAX makes the multiplier inf, and every zero gradient NaN.
+  const float grad_mul = grad_multiplier(so.grad_scale, so.clip_coef);
+  TERRACE_EXPECTS(std::isfinite(grad_mul), "adam: clip_coef / grad_scale (" + std::to_string(so.clip_coef) +
+                                               " / " + std::to_string(so.grad_scale) +
+                                               ") overflows float; grad_scale is too small");
   const dtype state = impl_->options.state_dtype;
   const bool lion = impl_->options.mode == adam_mode::lion;
   std::size_t total = 0;
@@ -288,7 +302,7 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
                       std::to_string(non_empty) + " tensors; set it on all or none");
 
   std::lock_guard lock(impl_->mutex);
-  if (so.check_finite && !so.grads_known_finite && !impl_->scan(tensors, total, so.grad_dtype).finite) {
+  if (so.check_finite && !so.grads_known_finite && !impl_->scan(tensors, total, so.grad_dtype, grad_mul).finite) {
     return false;
   }
 

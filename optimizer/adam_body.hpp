@@ -195,17 +195,20 @@ double sum_of_squares_in_double(const void* grad, std::size_t begin, std::size_t
 }
 
 // Sum of squares and finiteness in one read. x * 0 is 0 for every finite x and NaN otherwise, so
-// one extra add carries the finiteness check without a branch. Squares are summed in float within
+// one extra add carries the finiteness check without a branch; it is taken of x * grad_mul, the
+// value the update computes (a finite x whose unscaled value overflows would otherwise pass and
+// put inf and NaN into the moments and the weight). Squares are summed in float within
 // blocks of a few thousand elements and the blocks in double: accurate to ~1e-6 relative. A block
 // of finite values whose float sum overflows is summed again in double, so a finite gradient
 // always has a finite norm.
 template <class V, dtype G>
-grad_scan_result grad_scan_t(const void* grad, std::size_t n) noexcept {
+grad_scan_result grad_scan_t(const void* grad, std::size_t n, float grad_mul) noexcept {
   using F = typename V::F;
   constexpr std::size_t block = 4096;
   double total = 0;
   float poison = 0;
   const F zero = V::set1(0.0f);
+  const F mul = V::set1(grad_mul);
   for (std::size_t begin = 0; begin < n; begin += block) {
     const std::size_t end = begin + block < n ? begin + block : n;
     F sum = zero;
@@ -215,7 +218,7 @@ grad_scan_result grad_scan_t(const void* grad, std::size_t n) noexcept {
       for (; i + V::N <= end; i += V::N) {
         const F x = load<V, G>(grad, i);
         sum = V::fmadd(x, x, sum);
-        nan_if_bad = V::fmadd(x, zero, nan_if_bad);
+        nan_if_bad = V::fmadd(V::mul(x, mul), zero, nan_if_bad);
       }
     }
     float tail = 0;
@@ -223,7 +226,7 @@ grad_scan_result grad_scan_t(const void* grad, std::size_t n) noexcept {
     for (; i < end; ++i) {
       const float x = load<scalar_traits, G>(grad, i);
       tail += x * x;
-      tail_poison += x * 0.0f;
+      tail_poison += x * grad_mul * 0.0f;
     }
     const float block_poison = V::reduce_add(nan_if_bad) + tail_poison;
     const double block_sum = static_cast<double>(V::reduce_add(sum)) + tail;
@@ -235,11 +238,11 @@ grad_scan_result grad_scan_t(const void* grad, std::size_t n) noexcept {
 }
 
 template <class V>
-grad_scan_result grad_scan(const void* grad, dtype grad_dtype, std::size_t n) noexcept {
+grad_scan_result grad_scan(const void* grad, dtype grad_dtype, std::size_t n, float grad_mul) noexcept {
   switch (grad_dtype) {
-    case dtype::f32: return grad_scan_t<V, dtype::f32>(grad, n);
-    case dtype::bf16: return grad_scan_t<V, dtype::bf16>(grad, n);
-    case dtype::f16: return grad_scan_t<V, dtype::f16>(grad, n);
+    case dtype::f32: return grad_scan_t<V, dtype::f32>(grad, n, grad_mul);
+    case dtype::bf16: return grad_scan_t<V, dtype::bf16>(grad, n, grad_mul);
+    case dtype::f16: return grad_scan_t<V, dtype::f16>(grad, n, grad_mul);
   }
   return {0, true};
 }

@@ -53,13 +53,16 @@ struct adam_span {
 
 struct grad_scan_result {
   double sum_squares;  // of the raw gradient values
-  bool finite;
+  bool finite;         // of the gradient values times grad_mul, as the update sees them
 };
 
 struct adam_kernels {
   simd_isa isa;
   void (*update)(const adam_scalars&, const adam_config&, const adam_span&) noexcept;
-  grad_scan_result (*scan)(const void* grad, dtype grad_dtype, std::size_t n) noexcept;
+  // `grad_mul` is the step's clip_coef / grad_scale: a finite gradient whose unscaled value
+  // overflows float (grad_scale < 1) is not finite for the update, and GradScaler, which checks
+  // after unscaling, skips that step.
+  grad_scan_result (*scan)(const void* grad, dtype grad_dtype, std::size_t n, float grad_mul) noexcept;
 };
 
 const adam_kernels& kernels_scalar() noexcept;

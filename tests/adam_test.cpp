@@ -385,6 +385,48 @@ TEST_P(AdamPerIsa, HugeFiniteGradientsHaveAFiniteNormAndClipToATinyCoefficient) 
   }
 }
 
+// Found in review: the check looked at the raw gradients, GradScaler at the unscaled ones. With a
+// loss scale below 1 (GradScaler backs off below 1 after enough overflows) a finite 3e38 became inf
+// when unscaled: the step went ahead and wrote inf into m and v and NaN into the weight, for good.
+// And a grad_scale below 1/FLT_MAX made the multiplier itself inf: every zero gradient NaN.
+TEST_P(AdamPerIsa, GradientThatOverflowsWhenUnscaledSkipsTheStep) {
+  for (dtype grad : {dtype::f32, dtype::bf16}) {  // (f16 holds nothing that 0.5 can overflow)
+    for (std::size_t at : {5ul, 3000ul}) {         // SIMD body, scalar tail
+      auto tensors = make_tensors({3001}, dtype::f32, grad, true);
+      adam_optimizer adam(small_options(GetParam(), dtype::f32, 2));
+      run_steps(adam, tensors, 1, 2, grad);
+      tensors[0].g.set(at, 3e38f);  // finite; 6e38 unscaled
+      const auto before = tensors;
+      const std::vector<adam_tensor> views{tensors[0].view()};
+      adam_step_options so;
+      so.grad_dtype = grad;
+      so.grad_scale = 0.5f;
+      so.check_finite = true;
+      const std::string what = std::string(to_string(grad)) + " element " + std::to_string(at);
+      EXPECT_FALSE(adam.step(views, so)) << what;
+      EXPECT_EQ(adam.step_count(), 2) << what;
+      EXPECT_TRUE(same_state(before, tensors)) << what;
+      // The norm pass, whose finiteness a caller passes on as grads_known_finite, says the same.
+      EXPECT_FALSE(adam.grad_norm(views, grad, 0.5f).finite) << what;
+      EXPECT_TRUE(adam.grad_norm(views, grad, 1.0f).finite) << what;
+    }
+  }
+  auto tensors = make_tensors({100}, dtype::f32, dtype::f32, false);
+  for (std::size_t i = 0; i < 100; ++i) tensors[0].g.set(i, 0.0f);
+  const auto before = tensors;
+  adam_optimizer adam(small_options(GetParam(), dtype::f32, 1));
+  adam_step_options so;
+  so.grad_scale = 1e-39f;  // finite and > 0, but 1 / 1e-39 is beyond float
+  const std::vector<adam_tensor> views{tensors[0].view()};
+  try {
+    adam.step(views, so);
+    ADD_FAILURE() << "a multiplier of inf accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("grad_scale is too small"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(same_state(before, tensors));
+}
+
 INSTANTIATE_TEST_SUITE_P(Isa, AdamPerIsa, ::testing::ValuesIn(available_isas()),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 

@@ -91,7 +91,8 @@ struct adam_step_options {
   /// Multiplies the unscaled gradients: clip_coefficient() of the global norm, or 1.
   float clip_coef = 1.0f;
   /// If set, a step whose gradients hold an inf or NaN is skipped: nothing is written and the
-  /// step counter does not advance (torch.cuda.amp.GradScaler's behaviour). Costs a read-only
+  /// step counter does not advance (torch.cuda.amp.GradScaler's behaviour, which checks the
+  /// unscaled values: a finite gradient that overflows when divided by a grad_scale < 1 counts). Costs a read-only
   /// scan of the gradients unless `grads_known_finite` says the caller already knows.
   bool check_finite = false;
   /// The caller already checked (grad_norm() reports finiteness): skips the scan.
@@ -111,7 +112,8 @@ struct adam_buffers {
 /// @brief The result of adam_optimizer::grad_norm.
 struct grad_norm_result {
   double norm = 0;     ///< L2 norm of grad / grad_scale over all tensors
-  bool finite = true;  ///< false if any gradient element is inf or NaN (norm is then meaningless)
+  bool finite = true;  ///< false if any element of grad / grad_scale is inf or NaN (norm is then
+                       ///< meaningless)
 };
 
 /// @brief torch.nn.utils.clip_grad_norm_'s coefficient: min(1, max_norm / (norm + 1e-6)).
@@ -142,7 +144,8 @@ class adam_optimizer {
   /// nothing at all) if check_finite found an inf or NaN gradient.
   /// @throws terrace::logic_error on a null or misaligned buffer (each must be aligned to its
   /// element size), a tensor with size 0 is allowed; param_copy set on some tensors but not all;
-  /// grad_scale or clip_coef <= 0 or not finite; aliasing between param and its state is not
+  /// grad_scale <= 0, clip_coef < 0, either not finite, or clip_coef / grad_scale beyond float's
+  /// range; aliasing between param and its state is not
   /// checked. Nothing is written when it throws.
   bool step(std::span<const adam_tensor> tensors, const adam_step_options& step_options = {});
 
