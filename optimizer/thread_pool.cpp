@@ -43,6 +43,7 @@ void thread_pool::run_erased(void (*call)(void*, unsigned), void* fn, unsigned p
     std::lock_guard lock(mutex_);
     call_ = call;
     fn_ = fn;
+    std::fegetenv(&env_);
     pending_ = size_ - 1;
     ++generation_;
   }
@@ -57,6 +58,7 @@ void thread_pool::work(unsigned index) {
   for (;;) {
     void (*call)(void*, unsigned);
     void* fn;
+    std::fenv_t env;
     {
       std::unique_lock lock(mutex_);
       start_.wait(lock, [&] { return stop_ || generation_ != seen; });
@@ -64,7 +66,9 @@ void thread_pool::work(unsigned index) {
       seen = generation_;
       call = call_;
       fn = fn_;
+      env = env_;
     }
+    std::fesetenv(&env);
     call(fn, index);
     bool last;
     {

@@ -10,6 +10,7 @@
 // parameters takes tens of milliseconds; the condition-variable wake-up (~10 us) is noise there.
 #pragma once
 
+#include <cfenv>
 #include <climits>
 #include <condition_variable>
 #include <cstdint>
@@ -33,7 +34,9 @@ class thread_pool {
   /// Runs fn(i) for every i in [0, size()): i == 0 on the calling thread, the rest on the pool.
   /// Returns when all have returned. Calls from several threads are serialised. With `parts` 1,
   /// only fn(0) runs, on the calling thread, and no worker is woken (a job too small to split
-  /// would otherwise pay a wake-up and a wait per worker).
+  /// would otherwise pay a wake-up and a wait per worker). Every fn(i) runs in the caller's
+  /// floating-point environment (rounding mode, and on x86 MXCSR's flush-to-zero and
+  /// denormals-are-zero), not the one the worker was started with.
   /// REQUIRES: fn does not throw; fn(i) for i >= parts does nothing.
   template <class Fn>
   void run(Fn&& fn, unsigned parts = UINT_MAX) {
@@ -56,6 +59,11 @@ class thread_pool {
   bool stop_ = false;
   void (*call_)(void*, unsigned) = nullptr;
   void* fn_ = nullptr;
+  // The caller's floating-point environment, for the workers to take on. A thread inherits its
+  // creator's at creation only: a caller that set flush-to-zero afterwards (torch's
+  // set_flush_denormal, -ffast-math's startup code in a later-loaded library) had its part of a
+  // step flushed and the workers' parts not, so the results depended on the thread count.
+  std::fenv_t env_{};
   std::vector<std::thread> workers_;
 };
 

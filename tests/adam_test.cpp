@@ -4,6 +4,9 @@
 // the gradient norm and argument checking.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -445,6 +448,32 @@ TEST(AdamThreads, ResultsDoNotDependOnTheThreadCount) {
   EXPECT_TRUE(same_state(runs[0], runs[1]));
   EXPECT_TRUE(same_state(runs[0], runs[2]));
 }
+
+// Found in review: a worker thread keeps the floating-point environment it was started with, so
+// a caller that turned on flush-to-zero after creating the optimizer (torch.set_flush_denormal)
+// had its own part of a step flushed and the workers' parts not: m of 1e-38 (denormal) was 0 in
+// the first half of the tensor and 1e-38 in the second.
+#if defined(__x86_64__) || defined(__i386__)
+TEST(AdamThreads, ResultsDoNotDependOnTheThreadCountUnderFlushToZero) {
+  constexpr std::size_t n = 1 << 17;  // 2 threads really split it
+  constexpr unsigned ftz_daz = 0x8040;
+  std::vector<std::vector<float>> runs;
+  for (unsigned threads : {1u, 2u}) {
+    adam_optimizer adam(small_options(simd_isa::automatic, dtype::f32, threads));
+    std::vector<float> p(n, 1.0f), m(n, 0.0f), v(n, 0.0f), g(n, 1e-37f);  // m = 0.1 g: denormal
+    const adam_tensor t{p.data(), m.data(), v.data(), g.data(), nullptr, n};
+    const unsigned saved = _mm_getcsr();
+    _mm_setcsr(saved | ftz_daz);  // after the pool's threads started
+    const bool stepped = adam.step(std::span<const adam_tensor>(&t, 1));
+    _mm_setcsr(saved);
+    ASSERT_TRUE(stepped);
+    EXPECT_EQ(m[0], 0.0f) << "the caller's part was not flushed";
+    runs.push_back(std::move(m));
+  }
+  EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), n * sizeof(float)), 0)
+      << "last element: " << runs[0][n - 1] << " with 1 thread, " << runs[1][n - 1] << " with 2";
+}
+#endif
 
 TEST(AdamThreads, DistinctOptimizersStepConcurrently) {
   std::vector<std::vector<tensor_data>> data(2);
