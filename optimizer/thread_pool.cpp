@@ -1,6 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "optimizer/thread_pool.hpp"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <exception>
 #include <string>
 
@@ -8,7 +11,7 @@
 
 namespace terrace::detail {
 
-thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads) {
+thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads), owner_(::getpid()) {
   try {
     workers_.reserve(size_ - 1);
     for (unsigned i = 1; i < size_; ++i) workers_.emplace_back([this, i] { work(i); });
@@ -25,11 +28,20 @@ thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads) {
 thread_pool::~thread_pool() { stop_and_join(); }
 
 void thread_pool::stop_and_join() noexcept {
+  if (::getpid() != owner_) {
+    // A forked child, where the workers do not exist: joining one waits forever, and so do
+    // waking them and destroying the condition variable they wait on in the parent (glibc waits
+    // for its waiters). Their std::thread objects need only stop being joinable; the condition
+    // variable is left behind (a few bytes, once per pool per child).
+    for (auto& t : workers_) t.detach();
+    static_cast<void>(start_.release());
+    return;
+  }
   {
     std::lock_guard lock(mutex_);
     stop_ = true;
   }
-  start_.notify_all();
+  start_->notify_all();
   for (auto& t : workers_) t.join();
 }
 
@@ -37,6 +49,13 @@ void thread_pool::run_erased(void (*call)(void*, unsigned), void* fn, unsigned p
   std::lock_guard run_lock(run_mutex_);
   if (size_ == 1 || parts <= 1) {
     call(fn, 0);
+    return;
+  }
+  if (::getpid() != owner_) {
+    // A child forked without exec (multiprocessing's fork, a DataLoader worker) inherits the
+    // pool but none of its threads: woken workers that do not exist never finished, and the
+    // step waited forever. The child runs the parts itself, the same parts, so the same bits.
+    for (unsigned i = 0; i < std::min(parts, size_); ++i) call(fn, i);
     return;
   }
   {
@@ -47,7 +66,7 @@ void thread_pool::run_erased(void (*call)(void*, unsigned), void* fn, unsigned p
     pending_ = size_ - 1;
     ++generation_;
   }
-  start_.notify_all();
+  start_->notify_all();
   call(fn, 0);
   std::unique_lock lock(mutex_);
   done_.wait(lock, [this] { return pending_ == 0; });
@@ -61,7 +80,7 @@ void thread_pool::work(unsigned index) {
     std::fenv_t env;
     {
       std::unique_lock lock(mutex_);
-      start_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      start_->wait(lock, [&] { return stop_ || generation_ != seen; });
       if (stop_) return;
       seen = generation_;
       call = call_;

@@ -14,7 +14,9 @@
 #include <climits>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <sys/types.h>
 #include <thread>
 #include <vector>
 
@@ -37,6 +39,9 @@ class thread_pool {
   /// would otherwise pay a wake-up and a wait per worker). Every fn(i) runs in the caller's
   /// floating-point environment (rounding mode, and on x86 MXCSR's flush-to-zero and
   /// denormals-are-zero), not the one the worker was started with.
+  /// In a child forked without exec, which has none of the workers, every fn(i) runs on the
+  /// calling thread, one after another (same parts, same results); the pool can be destroyed there.
+  /// A fork while another thread of the parent was inside run() is not supported.
   /// REQUIRES: fn does not throw; fn(i) for i >= parts does nothing.
   template <class Fn>
   void run(Fn&& fn, unsigned parts = UINT_MAX) {
@@ -50,9 +55,12 @@ class thread_pool {
   void stop_and_join() noexcept;
 
   unsigned size_;
+  pid_t owner_;  // the process that started the workers: getpid() differs in a forked child
   std::mutex run_mutex_;  // one job at a time
   std::mutex mutex_;
-  std::condition_variable start_;
+  // On the heap so that a forked child can leave it alone: glibc's pthread_cond_broadcast and
+  // pthread_cond_destroy wait for the workers waiting on it, which do not exist there.
+  std::unique_ptr<std::condition_variable> start_ = std::make_unique<std::condition_variable>();
   std::condition_variable done_;
   std::uint64_t generation_ = 0;
   unsigned pending_ = 0;

@@ -4,6 +4,8 @@
 // the gradient norm and argument checking.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #endif
@@ -14,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -504,6 +507,45 @@ TEST(AdamThreads, OptionsReadBesideSetLrSeesAWholeRate) {
   }
   scheduler.join();
   EXPECT_EQ(adam.options().lr, 3e-3);
+}
+
+// Found in review: a child forked without exec (multiprocessing's fork) inherits the optimizer but
+// not its worker threads. Its first step large enough to split woke workers that do not exist and
+// waited for them forever; destroying the optimizer there joined them, forever too. The child now
+// runs every part itself (the same parts: the same bits as the parent's step).
+TEST(AdamFork, AForkedChildStepsAndDestroysTheOptimizer) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "TSan does not follow a fork of a multithreaded process";
+#else
+  constexpr std::size_t n = 1 << 17;  // 2 threads really split it
+  auto optimizer = std::make_unique<adam_optimizer>(small_options(simd_isa::automatic, dtype::f32, 2));
+  std::vector<float> p(n, 1.0f), m(n, 0.0f), v(n, 0.0f), g(n);
+  for (std::size_t i = 0; i < n; ++i) g[i] = std::sin(static_cast<float>(i));
+  const adam_tensor t{p.data(), m.data(), v.data(), g.data(), nullptr, n};
+  ASSERT_TRUE(optimizer->step(std::span<const adam_tensor>(&t, 1)));
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(20);  // a hang ends as SIGALRM
+    const bool stepped = optimizer->step(std::span<const adam_tensor>(&t, 1));
+    std::vector<float> expected(n, 1.0f), em(n, 0.0f), ev(n, 0.0f);
+    const adam_tensor e{expected.data(), em.data(), ev.data(), g.data(), nullptr, n};
+    adam_optimizer one(small_options(simd_isa::automatic, dtype::f32, 1));
+    one.step(std::span<const adam_tensor>(&e, 1));
+    one.step(std::span<const adam_tensor>(&e, 1));
+    const bool same = std::memcmp(p.data(), expected.data(), n * sizeof(float)) == 0;
+    optimizer.reset();
+    std::_Exit(!stepped ? 3 : !same ? 4 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status)) + " (14: hung)"
+                              : "exit " + std::to_string(WEXITSTATUS(status)) + " (4: not the 1-thread bits)");
+  // The parent's optimizer still steps with its threads.
+  EXPECT_TRUE(optimizer->step(std::span<const adam_tensor>(&t, 1)));
+#endif
 }
 
 TEST(AdamDispatch, AutomaticPicksTheBestSupported) {
