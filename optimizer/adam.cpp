@@ -96,6 +96,23 @@ void check_options(const adam_options& o) {
                   "adam: unknown mode " + std::to_string(static_cast<int>(o.mode)));
   TERRACE_EXPECTS(o.state_dtype == dtype::f32 || o.state_dtype == dtype::bf16,
                   "adam: state_dtype must be f32 or bf16, got " + std::string(to_string(o.state_dtype)));
+  // (An unknown value fell through dispatch's switch to the scalar kernels, silently.)
+  TERRACE_EXPECTS(o.isa == simd_isa::automatic || o.isa == simd_isa::scalar || o.isa == simd_isa::avx2 ||
+                      o.isa == simd_isa::avx512,
+                  "adam: unknown isa " + std::to_string(static_cast<int>(o.isa)));
+}
+
+// Adds tensor `index`'s `size` to `total`. No buffer holds more than PTRDIFF_MAX bytes, so a larger
+// size is a caller's mistake, typically a negative length converted to size_t (through the C ABI):
+// unchecked, the total wrapped around, the split covered the wrong elements and the kernels ran
+// off the buffers.
+void add_size(std::size_t& total, std::size_t size, std::size_t index) {
+  constexpr std::size_t max_elements = PTRDIFF_MAX / sizeof(float);
+  TERRACE_EXPECTS(size <= max_elements - total,
+                  "adam: tensor " + std::to_string(index) + " has size " + std::to_string(size) +
+                      ", which takes the total past 2^61 elements: no buffer is that large "
+                      "(a negative length converted to size_t?)");
+  total += size;
 }
 
 void check_dtype(dtype t, const char* what) {
@@ -238,7 +255,7 @@ grad_norm_result adam_optimizer::grad_norm(std::span<const adam_tensor> tensors,
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].size == 0) continue;
     check_buffer(tensors[i].grad, grad_dtype, i, "grad");
-    total += tensors[i].size;
+    add_size(total, tensors[i].size, i);
   }
   std::lock_guard lock(impl_->mutex);
   // finite: also after unscaling, so that a caller passing it on as grads_known_finite makes the
@@ -295,13 +312,16 @@ bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_
       check_buffer(t.param_copy, so.copy_dtype, i, "param_copy");
       ++with_copy;
     }
-    total += t.size;
+    add_size(total, t.size, i);
   }
   TERRACE_EXPECTS(with_copy == 0 || with_copy == non_empty,
                   "adam: param_copy is set on " + std::to_string(with_copy) + " of " +
                       std::to_string(non_empty) + " tensors; set it on all or none");
 
   std::lock_guard lock(impl_->mutex);
+  // The next step's number must fit (signed overflow; torch's counter would go on as a float).
+  TERRACE_EXPECTS(impl_->steps.load(std::memory_order_relaxed) < INT64_MAX,
+                  "adam: the step counter is at its maximum, 2^63 - 1; set_step_count() to go on");
   if (so.check_finite && !so.grads_known_finite && !impl_->scan(tensors, total, so.grad_dtype, grad_mul).finite) {
     return false;
   }

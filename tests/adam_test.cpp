@@ -759,12 +759,29 @@ TEST(AdamErrors, BadHyperparametersAreRejected) {
   rejects([](adam_options& o) { o.eps = 0; }, "eps");
   rejects([](adam_options& o) { o.weight_decay = -1; }, "weight_decay");
   rejects([](adam_options& o) { o.state_dtype = dtype::f16; }, "state_dtype");
+  // Found in review: an unknown isa fell through dispatch's switch to the scalar kernels.
+  rejects([](adam_options& o) { o.isa = static_cast<simd_isa>(7); }, "unknown isa 7");
   adam_optimizer adam(adam_options{});
   EXPECT_THROW(adam.set_lr(0), logic_error);
   EXPECT_THROW(adam.set_step_count(-1), logic_error);
   EXPECT_THROW(adam.set_step_count(INT64_MAX), logic_error);  // the next step would overflow
   adam.set_step_count(INT64_MAX - 1);
   EXPECT_EQ(adam.step_count(), INT64_MAX - 1);
+  // Found in review: a step from INT64_MAX overflowed the counter (to INT64_MIN: bias corrections
+  // of -inf, a NaN weight). The last step is allowed, the one after it refused, writing nothing.
+  std::vector<float> p(4, 1.0f), m(4, 0.0f), v(4, 0.0f), g(4, 0.5f);
+  const adam_tensor t{p.data(), m.data(), v.data(), g.data(), nullptr, 4};
+  EXPECT_TRUE(adam.step(std::span<const adam_tensor>(&t, 1)));
+  EXPECT_EQ(adam.step_count(), INT64_MAX);
+  const std::vector<float> p_before = p, m_before = m, v_before = v;
+  try {
+    adam.step(std::span<const adam_tensor>(&t, 1));
+    ADD_FAILURE() << "a step past INT64_MAX accepted";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("step counter is at its maximum"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(adam.step_count(), INT64_MAX);
+  EXPECT_TRUE(p == p_before && m == m_before && v == v_before);
 }
 
 TEST(AdamErrorsDeathTest, ThreadsTheHostRefusesAreAnErrorNotATerminate) {
@@ -830,6 +847,21 @@ TEST(AdamErrors, BadBuffersAreRejectedAndNothingIsWritten) {
   bad = so;
   bad.grad_dtype = static_cast<dtype>(7);
   expect_error(views(), bad, "grad dtype");
+  // Found in review: sizes were added unchecked. A negative length converted to size_t, or two
+  // whose sum wrapped around, sent the kernels far past the buffers (a crash, at best).
+  v = views();
+  v[0].size = static_cast<std::size_t>(-1);
+  expect_error(v, so, "tensor 0 has size 18446744073709551615");
+  v = views();
+  v[0].size = std::size_t{1} << 60;
+  v[1].size = std::size_t{0} - (std::size_t{1} << 60) + 2;  // the sum wraps to 2
+  expect_error(v, so, "tensor 1 has size");
+  try {
+    adam.grad_norm(v, so.grad_dtype);
+    ADD_FAILURE() << "grad_norm accepted sizes that wrap around";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("a negative length converted to size_t"), std::string::npos) << e.what();
+  }
 
   // Mismatched lengths through the flat overload.
   std::vector<float> p(100);

@@ -134,7 +134,8 @@ class adam_optimizer {
  public:
   /// @brief Checks the options and starts the threads.
   /// @throws terrace::logic_error if lr <= 0, a beta is outside [0, 1), eps <= 0, weight_decay < 0
-  /// (or any is not finite), state_dtype is f16, or the requested isa is not supported here.
+  /// (or any is not finite), state_dtype is f16, or the requested isa is unknown or not supported
+  /// here.
   explicit adam_optimizer(const adam_options& options);
   ~adam_optimizer();
   adam_optimizer(const adam_optimizer&) = delete;
@@ -145,7 +146,8 @@ class adam_optimizer {
   /// @throws terrace::logic_error on a null or misaligned buffer (each must be aligned to its
   /// element size), a tensor with size 0 is allowed; param_copy set on some tensors but not all;
   /// grad_scale <= 0, clip_coef < 0, either not finite, or clip_coef / grad_scale beyond float's
-  /// range; aliasing between param and its state is not
+  /// range; sizes adding up past 2^61 elements (a negative length converted to size_t); the step
+  /// counter already at INT64_MAX; aliasing between param and its state is not
   /// checked. Nothing is written when it throws.
   bool step(std::span<const adam_tensor> tensors, const adam_step_options& step_options = {});
 
@@ -156,7 +158,8 @@ class adam_optimizer {
 
   /// @brief L2 norm of grad / grad_scale over all tensors (only `grad` and `size` are read), and
   /// whether every element is finite: the read-only pass in front of clipping.
-  /// @throws terrace::logic_error on a null or misaligned grad or grad_scale <= 0.
+  /// @throws terrace::logic_error on a null or misaligned grad, grad_scale <= 0, or sizes adding up
+  /// past 2^61 elements.
   grad_norm_result grad_norm(std::span<const adam_tensor> tensors, dtype grad_dtype,
                              float grad_scale = 1.0f);
 
