@@ -1,8 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "optimizer/thread_pool.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <exception>
 #include <string>
@@ -11,7 +9,8 @@
 
 namespace terrace::detail {
 
-thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads), owner_(::getpid()) {
+thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads) {
+  fork_guard::install();
   try {
     workers_.reserve(size_ - 1);
     for (unsigned i = 1; i < size_; ++i) workers_.emplace_back([this, i] { work(i); });
@@ -23,12 +22,16 @@ thread_pool::thread_pool(unsigned threads) : size_(threads < 1 ? 1 : threads), o
                         " optimizer worker threads (started " + std::to_string(workers_.size()) +
                         "): " + e.what());
   }
+  register_for_fork();
 }
 
-thread_pool::~thread_pool() { stop_and_join(); }
+thread_pool::~thread_pool() {
+  unregister_for_fork();
+  stop_and_join();
+}
 
 void thread_pool::stop_and_join() noexcept {
-  if (::getpid() != owner_) {
+  if (forked_away()) {
     // A forked child, where the workers do not exist: joining one waits forever, and so do
     // waking them and destroying the condition variable they wait on in the parent (glibc waits
     // for its waiters). Their std::thread objects need only stop being joinable; the condition
@@ -51,7 +54,7 @@ void thread_pool::run_erased(void (*call)(void*, unsigned), void* fn, unsigned p
     call(fn, 0);
     return;
   }
-  if (::getpid() != owner_) {
+  if (forked_away()) {
     // A child forked without exec (multiprocessing's fork, a DataLoader worker) inherits the
     // pool but none of its threads: woken workers that do not exist never finished, and the
     // step waited forever. The child runs the parts itself, the same parts, so the same bits.

@@ -16,13 +16,14 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <sys/types.h>
 #include <thread>
 #include <vector>
 
+#include "tiers/fork_guard.hpp"
+
 namespace terrace::detail {
 
-class thread_pool {
+class thread_pool : private fork_guard {
  public:
   /// `threads` counts the caller: 1 starts no thread. REQUIRES: threads >= 1.
   /// @throws out_of_memory, with every thread it started joined, when the host refuses a thread.
@@ -54,8 +55,10 @@ class thread_pool {
   void work(unsigned index);
   void stop_and_join() noexcept;
 
+  // Nothing to let go of at a fork: forked_away() is all the child needs (run, stop_and_join).
+  void abandon_after_fork() noexcept override {}
+
   unsigned size_;
-  pid_t owner_;  // the process that started the workers: getpid() differs in a forked child
   std::mutex run_mutex_;  // one job at a time
   std::mutex mutex_;
   // On the heap so that a forked child can leave it alone: glibc's pthread_cond_broadcast and

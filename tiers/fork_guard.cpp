@@ -33,8 +33,9 @@ struct fork_handlers {
 void fork_guard::install() {
   static const int rc = ::pthread_atfork(fork_handlers::prepare, fork_handlers::parent, fork_handlers::child);
   if (rc != 0) {
-    throw io_error("terrace: cannot install the fork handler that closes the tensor store's files in a forked "
-                   "child (pthread_atfork): " + std::string(std::strerror(rc)) + " (errno " + std::to_string(rc) + ")",
+    throw io_error("terrace: cannot install the fork handler that tells a forked child to let go of the "
+                   "store's files and the optimizer's threads (pthread_atfork): " + std::string(std::strerror(rc)) +
+                   " (errno " + std::to_string(rc) + ")",
                    rc);
   }
 }

@@ -6,6 +6,9 @@
 // parent closed it or was killed. Nothing of the store can be used in the child (the engine's
 // threads do not exist there), so a child handler of pthread_atfork closes them at once.
 //
+// The optimizer's thread pool uses the same mechanism to know it is in such a child, where its
+// workers do not exist (it then runs every part on the calling thread).
+//
 // One mechanism for every such object: it derives from fork_guard, and its registration lasts
 // from the end of its construction to the start of its destruction, so the child handler sees
 // only objects whose descriptors are all open and constant. The list is intrusive, so that
