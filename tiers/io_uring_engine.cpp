@@ -22,7 +22,6 @@
 #include <limits>
 #include <list>
 #include <thread>
-#include <unordered_set>
 
 #include "terrace/error.hpp"
 #include "tiers/fork_guard.hpp"
@@ -238,6 +237,29 @@ class uring_engine final : public io_engine, private fork_guard {
     int refusals = 0;       // EAGAIN in a row
     int interruptions = 0;  // EINTR in a row
     int short_transfers = 0;
+    piece* ring_prev = nullptr;  // in_ring_'s links, while submitted and not completed
+    piece* ring_next = nullptr;
+  };
+
+  // The pieces submitted and not yet completed (engine thread only), for failing them when their
+  // completions are lost or their submission is withdrawn. Intrusive: the completion path links
+  // and unlinks a piece without allocating.
+  struct ring_list {
+    piece* head = nullptr;
+    unsigned size = 0;
+    void link(piece* p) noexcept {
+      p->ring_prev = nullptr;
+      p->ring_next = head;
+      if (head != nullptr) head->ring_prev = p;
+      head = p;
+      ++size;
+    }
+    void unlink(piece* p) noexcept {
+      (p->ring_prev != nullptr ? p->ring_prev->ring_next : head) = p->ring_next;
+      if (p->ring_next != nullptr) p->ring_next->ring_prev = p->ring_prev;
+      p->ring_prev = p->ring_next = nullptr;
+      --size;
+    }
   };
 
   void stop_engine_thread() {
@@ -334,8 +356,7 @@ class uring_engine final : public io_engine, private fork_guard {
     const std::string why = "the kernel refused to take it: " + errno_text(e) +
                             (refusals > opt_.max_refusals ? ", " + std::to_string(refusals) + " times in a row" : "");
     for (piece* p : withdrawn) {
-      in_ring_.erase(p);
-      --inflight_;
+      in_ring_.unlink(p);
       fail_piece(p, why, e);
     }
   }
@@ -384,14 +405,16 @@ class uring_engine final : public io_engine, private fork_guard {
     const unsigned overflow = io_uring_smp_load_acquire(ring_.cq.koverflow);
     lost_ += overflow - overflow_seen_;
     overflow_seen_ = overflow;
-    if (in_ring_.size() + (wake_armed_ ? 1 : 0) > lost_) return;  // some are still running
-    std::vector<piece*> lost(in_ring_.begin(), in_ring_.end());
-    in_ring_.clear();
+    if (in_ring_.size + (wake_armed_ ? 1 : 0) > lost_) return;  // some are still running
+    std::vector<piece*> lost;
+    while (in_ring_.head != nullptr) {
+      lost.push_back(in_ring_.head);
+      in_ring_.unlink(in_ring_.head);
+    }
     wake_armed_ = false;  // armed again at the top of the loop
     lost_ = 0;
     finding_lost_ = false;
     for (piece* p : lost) {
-      --inflight_;
       fail_piece(p, "its completion was lost: the kernel had no memory to queue it (EBADR)", EBADR);
     }
   }
@@ -431,8 +454,7 @@ class uring_engine final : public io_engine, private fork_guard {
     }
     if (fixed_files_) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, p);
-    ++inflight_;
-    in_ring_.insert(p);
+    in_ring_.link(p);
   }
 
   // Starts the next block of `r`. Returns false when it cannot start now (no bounce slot free).
@@ -685,7 +707,7 @@ class uring_engine final : public io_engine, private fork_guard {
 
   // Pieces in the ring and pieces waiting out a refusal: a refused piece still holds its place in
   // the queue depth, or a refused drive would be sent every block of every request at once.
-  std::size_t busy() const { return inflight_ + backoff_.size(); }
+  std::size_t busy() const { return in_ring_.size + backoff_.size(); }
 
   // Puts the refused pieces whose pause is over back in the ring, and drops at once those whose
   // request has failed meanwhile (nothing would use their data).
@@ -723,7 +745,7 @@ class uring_engine final : public io_engine, private fork_guard {
       submit_pending();  // the ring first, then the hooks: a refill never waits for a checksum
       flush_hooks();
       active_.remove_if([](const std::shared_ptr<request_state>& r) { return r->io_done; });
-      if (stop && active_.empty() && inflight_ == 0) {
+      if (stop && active_.empty() && in_ring_.size == 0) {
         land_wake_read();
         break;
       }
@@ -779,8 +801,7 @@ class uring_engine final : public io_engine, private fork_guard {
           ++lost_;
           continue;
         }
-        in_ring_.erase(p);
-        --inflight_;
+        in_ring_.unlink(p);
         complete(p, res);
       }
       if (finding_lost_) attribute_lost_completions();
@@ -804,10 +825,9 @@ class uring_engine final : public io_engine, private fork_guard {
   bool stop_ = false;                                  // guarded by inbox_mutex_
 
   std::list<std::shared_ptr<request_state>> active_;  // engine thread only, oldest first
-  unsigned inflight_ = 0;                             // pieces in the ring (engine thread only)
   std::vector<hook_job> hooks_out_;                   // engine thread only: for flush_hooks()
   std::vector<std::pair<std::uint64_t, int>> cqe_batch_;  // engine thread only
-  std::unordered_set<piece*> in_ring_;  // engine thread only: pieces submitted, not yet completed
+  ring_list in_ring_;                   // engine thread only: pieces submitted, not yet completed
   bool wake_armed_ = false;             // engine thread only: the wake read is in the ring
   bool finding_lost_ = false;           // engine thread only: see find_lost_completions
   unsigned lost_ = 0;                   // engine thread only: completions lost, not yet attributed
