@@ -361,11 +361,12 @@ TEST(Import, APipeIsReadAsAFileIs) {
 }
 
 // A read error (here a directory; EIO alike) is said, whatever format was asked for, and is never
-// taken for the end of the input.
+// taken for the end of the input. Found in a user review: JSON lines (`--format jsonl`, or a name
+// ending .jsonl) were read apart from the others, so a directory read as "read error after line 0".
 TEST(Import, AnInputThatCannotBeReadIsAClearError) {
   const std::string dir = temp_path("a-directory");
   std::filesystem::create_directory(dir);
-  for (const char* format : {"auto", "pickle", "snapshot-json", "kineto", "rmm"}) {
+  for (const char* format : {"auto", "jsonl", "pickle", "snapshot-json", "kineto", "rmm"}) {
     try {
       tr::import_trace(dir, format);
       FAIL() << format;
@@ -374,6 +375,15 @@ TEST(Import, AnInputThatCannotBeReadIsAClearError) {
     }
   }
   std::filesystem::remove(dir);
+  const std::string named = temp_path("a-directory.jsonl");
+  std::filesystem::create_directory(named);
+  try {
+    tr::import_trace(named);
+    FAIL() << "a directory named .jsonl";
+  } catch (const terrace::logic_error& e) {
+    EXPECT_EQ(std::string(e.what()), "cannot read trace '" + named + "': Is a directory");
+  }
+  std::filesystem::remove(named);
   try {
     tr::import_trace(dir);
     FAIL() << "a missing file";
@@ -902,6 +912,10 @@ TEST(Cli, MistakesAreNamedAndStandardInputIsATrace) {
   r = run_cli("replay - < '" + sample + "'");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("replay of - on the null device"), std::string::npos) << r.output;
+  // Found in a later review: with the format named, `-` was opened as a file called "-".
+  r = run_cli("replay --format jsonl - < '" + sample + "'");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("2522 allocs"), std::string::npos) << r.output;
   r = run_cli("report '" + sample + "' -o /nonexistent-dir/r.html");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("/nonexistent-dir/r.html': No such file or directory"), std::string::npos) << r.output;

@@ -3,13 +3,10 @@
 // accounting of everything a window into a running job can contain.
 #include "tools/replay.hpp"
 
-#include <cerrno>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
-#include <cstring>
 #include <algorithm>
-#include <fstream>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -18,6 +15,7 @@
 #include "terrace/config.hpp"
 #include "terrace/device.hpp"
 #include "terrace/error.hpp"
+#include "tools/trace_input.hpp"
 
 namespace terrace::tools {
 
@@ -363,11 +361,10 @@ std::vector<std::pair<std::string, replay_result>> replay_policies(const std::ve
 }
 
 std::vector<trace_event> load_trace(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    throw logic_error("cannot open trace '" + path + "': " + std::strerror(errno));
-  }
-  return read_trace_jsonl_of(in, path);
+  // Through trace_input, as every other format: `-` is standard input, and a read error (EIO, a
+  // directory) is said as such rather than ending the trace early.
+  trace_input input(path);
+  return reading(path, [&] { return read_trace_jsonl_of(input.from_start(), path); });
 }
 
 std::vector<trace_event> read_trace_jsonl_of(std::istream& in, const std::string& path) {

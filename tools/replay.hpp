@@ -121,9 +121,9 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
 std::vector<std::pair<std::string, replay_result>> replay_policies(const std::vector<trace_event>& events,
                                                                    const replay_options& base);
 
-/// @brief Reads a JSON-lines trace from `path`.
-/// @throws terrace::logic_error naming the file when it cannot be opened, and the file and line
-/// for a malformed line.
+/// @brief Reads a JSON-lines trace from `path` (`-`: standard input).
+/// @throws terrace::logic_error naming the file when it cannot be opened or read, and the file and
+/// line for a malformed line.
 std::vector<trace_event> load_trace(const std::string& path);
 /// @brief Reads a JSON-lines trace from `in`, already open on `path`.
 /// @throws terrace::logic_error naming the file and the line for a malformed line.
