@@ -210,6 +210,9 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       {"--optimizer-host-budget 0 --store-capacity 1MiB --steps 2", "cannot hold the state"},
       {"--pinned-limit 64KiB --steps 2", "cannot place"},
       {"--corpus /nonexistent/corpus.txt --steps 2", "cannot read the corpus"},
+      // Found in a user review: a folder was an uncaught stream error (exit 1, no name).
+      {"--corpus '" + dir.path().string() + "' --steps 2",
+       "cannot read the corpus '" + dir.path().string() + "': Is a directory"},
       {"--resume --steps 2", "holds no checkpoint"},
       {"--steps 0", "--steps must be at least 1"},
       {"--alloc-conf policy:nonsense --steps 2", "bad item 'policy:nonsense'"},

@@ -3,8 +3,10 @@
 // layered_model, the corpus it reads, and its deterministic batches.
 #include <algorithm>
 #include <fstream>
+#include <ios>
 #include <iterator>
 #include <string>
+#include <system_error>
 
 #include "tools/train.hpp"
 
@@ -66,8 +68,14 @@ std::vector<std::uint8_t> load_corpus(const std::string& path, int context) {
     throw train_setup_error("cannot read the corpus '" + path +
                             "' (--corpus names another text file)");
   }
-  std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)),
-                                  std::istreambuf_iterator<char>());
+  std::vector<std::uint8_t> bytes;
+  try {
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure& e) {  // a read error (a directory, EIO): the file's fault
+    const std::error_code& code = e.code();
+    throw train_setup_error("cannot read the corpus '" + path + "': " +
+                            (code && code != std::io_errc::stream ? code.message() : e.what()));
+  }
   if (bytes.size() < static_cast<std::size_t>(context) + 1) {
     throw train_setup_error("the corpus '" + path + "' holds " + std::to_string(bytes.size()) +
                             " bytes: fewer than one context of " + std::to_string(context) +
