@@ -215,6 +215,9 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
        "cannot read the corpus '" + dir.path().string() + "': Is a directory"},
       {"--resume --steps 2", "holds no checkpoint"},
       {"--steps 0", "--steps must be at least 1"},
+      // Found in a user review: a negative or NaN clip turned clipping off without a word.
+      {"--clip -1 --steps 2", "--clip must be >= 0 (0: no clipping), got -1"},
+      {"--clip nan --steps 2", "--clip must be >= 0 (0: no clipping), got nan"},
       {"--alloc-conf policy:nonsense --steps 2", "bad item 'policy:nonsense'"},
       // Found in a user review: a folder that is not there failed only after training.
       {"--save-trace /nonexistent-dir/t.jsonl --steps 2", "/nonexistent-dir is not a directory"},

@@ -274,6 +274,12 @@ train_result run_train(const train_options& options) {
   if (o.dir.empty()) o.dir = default_dir();
   if (o.steps < 1) throw train_setup_error("--steps must be at least 1");
   if (o.checkpoint_every < 0) throw train_setup_error("--checkpoint-every must be >= 0");
+  // The engine clips only for a norm > 0: a negative or NaN one would turn clipping off unsaid.
+  if (!(o.clip >= 0)) {
+    char got[32];
+    std::snprintf(got, sizeof got, "%g", o.clip);
+    throw train_setup_error(std::string("--clip must be >= 0 (0: no clipping), got ") + got);
+  }
   if (o.device != "sim" && o.device != "cuda") {
     throw train_setup_error("--device must be sim or cuda, not '" + o.device + "'");
   }
