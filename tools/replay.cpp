@@ -331,7 +331,10 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
                         : 0.0;
   r.device_allocs = r.stats.num_device_alloc;
   r.plan = alloc.plan_stats();
-  if (!steady) {  // no steady state was reached: the steady figures are the whole trace's
+  // No steady state reached, or one from event 0 (the others' default): the window is the whole
+  // trace, and its figures are the whole trace's, in allocated bytes as `fragmentation` (the live
+  // bytes above are rounded requests, which would give the same window a second figure).
+  if (!steady || r.steady_from_event == 0) {
     r.steady_peak_live_bytes = r.peak_allocated_bytes;
     r.steady_peak_reserved_bytes = r.peak_reserved_bytes;
     r.steady_fragmentation = r.fragmentation;

@@ -96,8 +96,10 @@ struct replay_result {
   planner_stats plan{};                  ///< the planner's stats (enabled = false when off)
   std::vector<timeline_point> timeline;  ///< when options.timeline_points > 0
   std::size_t peak_live_event = 0;       ///< event index where live bytes peaked
-  /// From steady_from_event on (the whole trace when there is none): peak live bytes (rounded to
-  /// 512 B), peak bytes held from the backend, and 1 - the first / the second.
+  /// From steady_from_event on: peak live bytes (rounded to 512 B), peak bytes held from the
+  /// backend, and 1 - the first / the second. When there is none (steady_from_event ==
+  /// events_total) or it is 0, the whole trace's peak_allocated_bytes, peak_reserved_bytes and
+  /// fragmentation.
   std::size_t steady_from_event = 0;
   std::int64_t steady_peak_live_bytes = 0;
   std::int64_t steady_peak_reserved_bytes = 0;

@@ -72,10 +72,13 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
                        r.plan.undecided_requests, r.plan.dropped_plans));
     }
   }
-  line("steady state", fmt::format("from event {}: peak live {}, peak reserved {}, {:.2f} % unused",
-                                   r.steady_from_event, format_bytes(r.steady_peak_live_bytes),
-                                   format_bytes(r.steady_peak_reserved_bytes),
-                                   100.0 * r.steady_fragmentation));
+  line("steady state",
+       fmt::format("{}: peak live {}, peak reserved {}, {:.2f} % unused",
+                   r.steady_from_event < r.events_total
+                       ? fmt::format("from event {}", r.steady_from_event)
+                       : std::string("none reached (no plan formed): the whole trace's"),
+                   format_bytes(r.steady_peak_live_bytes), format_bytes(r.steady_peak_reserved_bytes),
+                   100.0 * r.steady_fragmentation));
   line("replay time", fmt::format("{:.4f} s, {:.0f} events/s", r.seconds, r.events_per_second));
   out += '\n';
   out += to_text(r.stats);
