@@ -783,6 +783,27 @@ TEST(Report, LargestHoldersIncludeBlocksFromBeforeTheWindow) {
   EXPECT_EQ(tr::largest_holders(ev, 4, 10).size(), 1u);  // only 0x200000 is left after event 4
 }
 
+// Found in a user review: the report's summary (the page's and `terrace report`'s output) left
+// out allocations that failed, so a trace too large for the device showed peaks without them and
+// no word of it (compare has an OOMs row).
+TEST(Report, TheSummarySaysWhenAllocationsFailed) {
+  std::vector<trace_event> ev(2);
+  ev[0].action = trace_action::alloc, ev[0].addr = 0x1000, ev[0].size = ev[0].requested = 1 << 20;
+  ev[1].action = trace_action::alloc, ev[1].addr = 0x200000;
+  ev[1].size = ev[1].requested = std::uint64_t{2} << 40;  // 2 TiB: more than the null device
+  const auto in = tr::make_report_input(ev, {}, "big.jsonl", "terrace-jsonl");
+  const std::string summary = tr::report_summary(in);
+  for (const char* policy : {"caching ", "expandable ", "planned "}) {
+    const std::size_t line = summary.find(policy);
+    ASSERT_NE(line, std::string::npos) << summary;
+    const std::string text = summary.substr(line, summary.find('\n', line) - line);
+    EXPECT_NE(text.find("1 OOM (a failed allocation, not in the peaks)"), std::string::npos) << text;
+  }
+  EXPECT_NE(tr::render_html_report(in).find("1 OOM (a failed allocation"), std::string::npos);
+  ev.pop_back();
+  EXPECT_EQ(tr::report_summary(tr::make_report_input(ev, {}, "t", "f")).find("OOM"), std::string::npos);
+}
+
 #ifdef TERRACE_CLI_PATH
 using terrace::testing::run_result;
 

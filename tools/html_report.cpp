@@ -230,6 +230,12 @@ std::string report_summary(const report_input& in) {
                        100 * r.plan.hit_rate(), format_bytes(r.plan.arena_bytes),
                        format_bytes(r.plan.lower_bound_bytes));
     }
+    // The peaks count only what was allocated: without this a trace too large for the device
+    // would read as a smaller one.
+    if (r.ooms > 0) {
+      o += fmt::format("  {} OOM{} (a failed allocation{}, not in the peaks)", r.ooms,
+                       r.ooms == 1 ? "" : "s", r.ooms == 1 ? "" : "s");
+    }
     o += "\n";
   }
   if (in.torch_reserved_peak) {
