@@ -876,6 +876,12 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
     EXPECT_EQ(r.exit_code, 0) << sub;
     EXPECT_NE(r.output.find("--format"), std::string::npos) << sub;
   }
+  // Found in a user review: replay's help said it reads JSON lines through the caching allocator,
+  // and that on the null device any trace fits (its capacity is 1 TiB: more is an OOM).
+  r = run_cli("replay --help");
+  EXPECT_EQ(r.output.find("Replay a JSON-lines"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("any trace fits"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("1 TiB"), std::string::npos) << r.output;
   for (const auto& p : {k, c, html}) std::filesystem::remove(p);
 }
 

@@ -41,7 +41,7 @@
 namespace terrace::tools {
 
 struct replay_options {
-  /// Backend name for make_device: "null" (addresses only; any trace fits), "sim", "cuda", ...
+  /// Backend name for make_device: "null" (addresses only; 1 TiB unless config.device_capacity says otherwise), "sim", "cuda", ...
   std::string device = "null";
   /// The allocator's policy. device_capacity and copy_bandwidth configure the backend; the
   /// `device` field is ignored (the backend is `device` above).

@@ -74,13 +74,13 @@ constexpr const char* kTraceHelp =
 CLI::App* setup_replay(CLI::App& app, replay_args& args) {
   CLI::App* cmd = app.add_subcommand(
       "replay",
-      "Replay a JSON-lines allocation trace (alloc / free_requested events) through terrace's "
-      "caching allocator and report peak memory, fragmentation and the allocator's stats.");
+      "Replay an allocation trace (any format of --format) through terrace's allocator under "
+      "one policy (--policy) and report peak memory, fragmentation and the allocator's stats.");
   cmd->add_option("TRACE", args.trace, kTraceHelp)->required();
   args.device_option =
       cmd->add_option("--device", args.device,
-                      "backend: null (addresses only, never touched: any trace fits), sim (host "
-                      "memory), cuda, cuda-vmm")
+                      "backend: null (addresses only, never touched; 1 TiB unless --conf "
+                      "device_capacity says more), sim (host memory), cuda, cuda-vmm")
           ->check(CLI::IsMember({"null", "sim", "cuda", "cuda-vmm"}))
           ->capture_default_str();
   cmd->add_flag("--expandable", args.expandable,
