@@ -959,6 +959,16 @@ TEST(Cli, MistakesAreNamedAndStandardInputIsATrace) {
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("none of its 1 event is an allocation"), std::string::npos) << r.output;
   }
+  // Found in a later review: an empty input of no telling name (standard input, say, when the
+  // program writing it failed) was "malformed JSON: ... unexpected end of input".
+  const std::string blank = temp_path("blank.json");
+  write(blank, "\n  \n");
+  for (const std::string& input : {std::string("- < /dev/null"), "'" + blank + "'"}) {
+    r = run_cli("replay " + input);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(": nothing to replay: the trace has no events"), std::string::npos) << r.output;
+  }
+  std::filesystem::remove(blank);
   std::filesystem::remove(empty);
   std::filesystem::remove(frees);
   // Library messages start "terrace: "; the CLI puts its own name first and says it once.

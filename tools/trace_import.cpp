@@ -353,6 +353,14 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
       throw logic_error(path + ": unknown trace format '" + fmt +
                         "' (jsonl, pickle, snapshot-json, kineto, rmm)");
     }
+    // Nothing but white space: a JSON-lines trace of no events (the caller says there is nothing
+    // to replay), not a JSON document that ends before it starts.
+    if (head.size() < trace_input::kHeadBytes &&
+        head.find_first_not_of(" \t\r\n") == std::string_view::npos) {
+      imported_trace t;
+      t.format = "terrace-jsonl";
+      return t;
+    }
     // Kineto traces carry traceEvents; snapshots carry device_traces / segments; a terrace trace
     // is one object with an action per line, and may have one line only.
     if (head.find("\"traceEvents\"") != std::string_view::npos) return kineto_json(input.from_start(), path);

@@ -31,8 +31,8 @@ struct imported_trace {
 
 /// @brief Reads `path`, choosing the format by extension (.jsonl, .pickle/.pkl, .csv) or, failing
 /// that, by content: a pickle, an RMM CSV header, JSON with `traceEvents` = Kineto, JSON objects
-/// with an `action` one per line (one line included) = terrace JSON lines, else a snapshot, which
-/// must have `device_traces` or `segments`. `format` forces one: "jsonl", "pickle",
+/// with an `action` one per line (one line included) or nothing but white space = terrace JSON
+/// lines, else a snapshot, which must have `device_traces` or `segments`. `format` forces one: "jsonl", "pickle",
 /// "snapshot-json", "kineto", "rmm" ("" or "auto" = detect). Of a snapshot or Kineto trace of
 /// several devices, the one with the most events is read (said in `notes`).
 /// @throws terrace::logic_error naming the file (and line or byte) for anything malformed, a pickle
