@@ -218,6 +218,10 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       // Found in a user review: a negative or NaN clip turned clipping off without a word.
       {"--clip -1 --steps 2", "--clip must be >= 0 (0: no clipping), got -1"},
       {"--clip nan --steps 2", "--clip must be >= 0 (0: no clipping), got nan"},
+      // Found in a user review: a report asked for and refused at once was silently not written;
+      // and --device-memory 0 was an 8 GiB device, which the help did not say.
+      {"--report x.html --no-report --steps 2", "--report excludes --no-report"},
+      {"--device-memory 0 --steps 2", "--device-memory must be more than 0"},
       {"--alloc-conf policy:nonsense --steps 2", "bad item 'policy:nonsense'"},
       // Found in a user review: a folder that is not there failed only after training.
       {"--save-trace /nonexistent-dir/t.jsonl --steps 2", "/nonexistent-dir is not a directory"},

@@ -337,7 +337,7 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
                                         "or cuda")
       ->check(CLI::IsMember({"sim", "cuda"}))
       ->capture_default_str();
-  cmd->add_option("--device-memory", args.device_memory, "sim: the device's capacity")
+  cmd->add_option("--device-memory", args.device_memory, "sim: the device's capacity (more than 0)")
       ->capture_default_str();
   cmd->add_option("--bandwidth", args.bandwidth_gbs,
                   "sim: host<->device copy bandwidth in GB/s (0: as fast as memcpy)")
@@ -382,9 +382,9 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
                   "first, largest updates overshoot when one step stale)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--report", args.report,
-                  "the memory report (HTML; default: <dir>/memory-report.html)");
-  cmd->add_flag("--no-report", args.no_report, "write no memory report");
+  CLI::Option* report = cmd->add_option("--report", args.report,
+                                        "the memory report (HTML; default: <dir>/memory-report.html)");
+  cmd->add_flag("--no-report", args.no_report, "write no memory report")->excludes(report);
   cmd->add_option("--save-trace", args.save_trace,
                   "write the device allocator's recorded trace here (terrace JSON lines, for "
                   "`terrace compare` and `terrace replay`)");

@@ -274,6 +274,10 @@ train_result run_train(const train_options& options) {
   if (o.dir.empty()) o.dir = default_dir();
   if (o.steps < 1) throw train_setup_error("--steps must be at least 1");
   if (o.checkpoint_every < 0) throw train_setup_error("--checkpoint-every must be >= 0");
+  // The sim device's capacity: 0 would be make_device's default (8 GiB), not what was asked.
+  if (o.device == "sim" && o.device_memory == 0) {
+    throw train_setup_error("--device-memory must be more than 0 (the sim device's capacity)");
+  }
   // The engine clips only for a norm > 0: a negative or NaN one would turn clipping off unsaid.
   if (!(o.clip >= 0)) {
     char got[32];
