@@ -22,6 +22,7 @@
 #include "terrace/error.hpp"
 #include "terrace/trace.hpp"
 #include "tools/replay.hpp"
+#include "tools/replay_format.hpp"
 #include "trace_generator.hpp"
 
 namespace {
@@ -493,6 +494,9 @@ TEST(Replay, ADoubleFreeIsAnInconsistentTrace) {
   EXPECT_EQ(r.frees, 3u);
   EXPECT_EQ(r.preexisting_frees, 1u);
   EXPECT_EQ(r.peak_allocated_bytes, static_cast<std::int64_t>(2 * MiB));
+  // The text adds up: the replayed pre-existing free is one of the frees (it said 3 of 7).
+  const std::string text = tr::format_replay_text(r, {"t.jsonl", false, ""});
+  EXPECT_NE(text.find("7 in the trace, 7 replayed (3 allocs, 4 frees)"), std::string::npos) << text;
 }
 
 // `terrace report` stops just after the peak-live event; when that is the last event the stop

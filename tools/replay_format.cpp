@@ -31,7 +31,9 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
   line("events", fmt::format("{} in the trace, {} replayed ({} allocs, {} frees), {}{} other actions "
                              "skipped",
                              r.events_total, r.events_replayed, r.allocs,
-                             r.frees + r.failed_alloc_frees,
+                             // Every replayed event that is not an alloc is a free: those of
+                             // failed allocs and of blocks from before the window included.
+                             r.events_replayed - r.allocs,
                              r.iteration_marks > 0
                                  ? fmt::format("{} iteration marks passed on, ", r.iteration_marks)
                                  : std::string(),
