@@ -72,6 +72,12 @@ class allocator_impl {
                     "small_segment_size must be at least small_size");
     TERRACE_EXPECTS(config_.large_round > 0 && config_.large_segment_size > 0,
                     "segment sizes must be positive");
+    // round_size's steps are 2^k / divisions: only a power of two keeps them whole granules
+    // (3 gave sizes, and so block addresses, off the 512-byte boundary).
+    const unsigned divisions = config_.roundup_power2_divisions;
+    TERRACE_EXPECTS(divisions <= 64 && (divisions & (divisions - 1)) == 0,
+                    "roundup_power2_divisions must be 0 (off) or a power of two from 1 to 64, got " +
+                        std::to_string(divisions));
     granularity_ = std::max<std::size_t>(props.map_granularity, kMinBlockSize);
     tracing_ = config_.record_trace;
     memory_fraction_ = config_.memory_fraction;

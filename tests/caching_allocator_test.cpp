@@ -868,6 +868,27 @@ TEST(CachingAllocator, InconsistentConfigIsRejected) {
   EXPECT_THROW(caching_allocator(*dev, bad_segments), logic_error);
 }
 
+// Found in review: TERRACE_ALLOC_CONF refuses a roundup_power2_divisions that is not a power of
+// two, but the constructor took one from code, and its steps (2^k / 3) broke the 512-byte
+// granule: the second of two 5 MiB requests got an address only 4-byte aligned.
+TEST(CachingAllocator, RoundupDivisionsThatAreNotAPowerOfTwoAreRejected) {
+  auto dev = sim();
+  for (const unsigned divisions : {3u, 6u, 100u, 128u}) {
+    allocator_config cfg;
+    cfg.roundup_power2_divisions = divisions;
+    EXPECT_THROW(caching_allocator(*dev, cfg), logic_error) << divisions;
+  }
+  allocator_config cfg;
+  cfg.roundup_power2_divisions = 64;
+  caching_allocator a(*dev, cfg);
+  void* p = a.allocate(5 * MiB + 1);
+  void* q = a.allocate(5 * MiB + 1);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(q) % 512, 0u);
+  a.deallocate(p);
+  a.deallocate(q);
+  a.check_invariants();
+}
+
 TEST(CachingAllocator, NullBackendReplaysHugePeaksWithoutTouchingMemory) {
   device_options o;
   o.capacity = std::size_t{1} << 40;

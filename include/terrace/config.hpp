@@ -38,7 +38,7 @@ struct allocator_config {
   /// large_segment_size, as PyTorch requires > 20 MiB (a freed whole segment would otherwise be a
   /// block no small request may take, and each would reserve a new segment).
   std::size_t max_split_size = SIZE_MAX;
-  unsigned roundup_power2_divisions = 0;       ///< key `roundup_power2_divisions`: 0 = off, else 1..64
+  unsigned roundup_power2_divisions = 0;       ///< key `roundup_power2_divisions`: 0 = off, else 1, 2, 4 .. 64
   double garbage_collection_threshold = 0.0;   ///< key `garbage_collection_threshold`: 0 = off, (0,1)
   bool expandable_segments = false;            ///< key `expandable_segments`: needs a VMM backend
   double memory_fraction = 1.0;                ///< key `memory_fraction`: (0,1] of the device capacity
