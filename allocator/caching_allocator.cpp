@@ -780,8 +780,23 @@ class allocator_impl {
 
   // ---------------------------------------------------------------- out-of-memory report
 
+  // The largest cached block on `stream` in the pool of `small`: all the request could have used.
+  std::size_t largest_free_block_on(std::uintptr_t stream, bool small) {
+    const free_set& pool = pool_of(small);
+    block key;
+    key.stream = stream;
+    key.size = SIZE_MAX;
+    key.addr = UINTPTR_MAX;
+    auto it = pool.upper_bound(&key);
+    if (it == pool.begin() || (*std::prev(it))->stream != stream) return 0;
+    return (*std::prev(it))->size;
+  }
+
   std::string oom_report(std::size_t requested, std::size_t rounded, std::uintptr_t stream) {
     const allocator_stats s = stats_locked();
+    // A larger free block may survive the retry on another stream or in the other pool, which
+    // this request may not use: the report says what it could use, or it reads as a contradiction.
+    const std::size_t usable = largest_free_block_on(stream, is_small(rounded));
     std::ostringstream out;
     const auto& props = device_.properties();
     out << "terrace: out of memory on device '" << props.name << "' " << props.device_index
@@ -794,6 +809,8 @@ class allocator_impl {
         << ", allocated " << format_bytes(static_cast<std::size_t>(s.allocated_bytes[0].current))
         << ", reserved but unused " << format_bytes(static_cast<std::size_t>(s.cached_free_bytes))
         << ", largest free block " << format_bytes(static_cast<std::size_t>(s.largest_free_block))
+        << "\n  (" << (usable > 0 ? format_bytes(usable) : std::string("none"))
+        << " on the request's stream and pool, the only ones it may use)"
         << ";\n  fragmentation " << s.fragmentation << " (1 - active/reserved), external "
         << s.external_fragmentation << " (1 - largest free/unused)." << "\n";
     if (!address_space_refusal_.empty()) {

@@ -325,6 +325,39 @@ TEST(CachingAllocator, OutOfMemoryReportsWhatWasAskedAndWhatIsFree) {
   a.check_invariants();
 }
 
+// Found in review: a free block larger than the request, cached on another stream (or in the
+// other pool), survives the retry, and the report said "tried to allocate 30.00 MiB ... largest
+// free block 40.00 MiB, external fragmentation 0" without saying that the request may not use it.
+TEST(CachingAllocator, OutOfMemoryReportsTheLargestFreeBlockTheRequestCouldUse) {
+  auto dev = sim(64 * MiB);
+  caching_allocator a(*dev);
+  stream_ref s1 = dev->create_stream();
+  stream_ref s2 = dev->create_stream();
+  void* whole = a.allocate(44 * MiB, s1);
+  a.deallocate(whole);
+  void* head = a.allocate(4 * MiB, s1);  // the rest, 40 MiB, stays free on s1 through the retry
+  void* own = a.allocate(3 * MiB, s2);   // a 20 MiB segment: 17 MiB free on s2
+  const auto report = [&](std::size_t bytes, stream_ref s) {
+    try {
+      a.allocate(bytes, s);
+    } catch (const out_of_memory& e) {
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << bytes << " bytes were allocated";
+    return std::string();
+  };
+  std::string m = report(30 * MiB, s2);
+  EXPECT_NE(m.find("largest free block 40.00 MiB"), std::string::npos) << m;
+  EXPECT_NE(m.find("17.00 MiB on the request's stream and pool"), std::string::npos) << m;
+  m = report(30 * MiB, stream_ref{});  // a stream with nothing cached
+  EXPECT_NE(m.find("none on the request's stream and pool"), std::string::npos) << m;
+  a.deallocate(head);
+  a.deallocate(own);
+  a.check_invariants();
+  dev->destroy_stream(s1);
+  dev->destroy_stream(s2);
+}
+
 TEST(CachingAllocator, InjectedDeviceOutOfMemoryIsRetriedThenReported) {
   auto dev = sim();
   caching_allocator a(*dev);
