@@ -687,16 +687,19 @@ class allocator_impl {
         std::size_t run = 0;
         for (; b != nullptr && b->mapped; b = b->next) run += b->size;
         device_.unmap(reinterpret_cast<void*>(from), run);
+        ++stats_.num_device_free;
       }
+      // Address space, not memory: counted no more than its reservation was (PyTorch counts
+      // maps and unmaps, not ranges, in num_device_alloc and num_device_free).
       device_.release_address_range(reinterpret_cast<void*>(seg->addr), seg->size);
       auto ranges = expandable_.find(expandable_key{seg->stream, seg->small_pool});
       std::erase(ranges->second, seg);
       if (ranges->second.empty()) expandable_.erase(ranges);
     } else {
       device_.release(reinterpret_cast<void*>(seg->addr), seg->size);
+      ++stats_.num_device_free;
       if (tracing_) trace(trace_action::segment_free, seg->stream, seg->addr, seg->size, 0, {});
     }
-    ++stats_.num_device_free;
     count_reserved(seg, -static_cast<std::int64_t>(seg->reserved()));
     const int p = pool_index(seg->small_pool);
     stats_.segment[0].decrease(1);

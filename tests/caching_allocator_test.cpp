@@ -610,6 +610,22 @@ TEST(CachingAllocator, ExpandableSegmentsGrowInPlaceAndUnmapOnEmptyCache) {
   a.check_invariants();
 }
 
+// num_device_alloc / num_device_free count what PyTorch's do under expandable segments: maps and
+// unmaps of memory. Found in review: reserving an address range was not counted but giving one
+// back was, so a map, an unmap and the empty range's release read as 1 allocation and 2 frees.
+TEST(CachingAllocator, ExpandableSegmentsCountMapsAndUnmapsNotAddressRanges) {
+  auto dev = paged_sim();
+  caching_allocator a(*dev, expandable_config());
+  void* p = a.allocate(6 * MiB);
+  a.deallocate(p);
+  a.empty_cache();  // one unmap, then the range, now empty, goes back
+  const auto s = a.stats();
+  EXPECT_EQ(s.segment[0].current, 0);
+  EXPECT_EQ(s.num_device_alloc, 1);
+  EXPECT_EQ(s.num_device_free, 1);
+  a.check_invariants();
+}
+
 // Regression: pages mapped into a hole that they fill exactly must merge with the mapped free
 // block after the hole, not only with the one before it.
 TEST(CachingAllocator, ExpandableHoleRefilledMergesWithBothNeighbours) {
