@@ -153,19 +153,29 @@ class live_table {
     std::optional<std::size_t> recorded;  // nullopt: an unknown pointer
     bool size_mismatch = false;
   };
-  // Removes `p` and returns its recorded size. Under refuse_mismatch, throws logic_error on a
-  // size mismatch (nothing removed).
-  taken take(void* p, std::size_t size, int device, size_rule rule) {
+  // Frees `p` through `free_block` (the allocator's free), then removes it and returns its
+  // recorded size; an unknown `p` goes to `free_block` too, which refuses it and says why. Under
+  // refuse_mismatch, throws logic_error on a size mismatch. Whatever throws, nothing is removed.
+  // The shard stays locked throughout. When the entry was taken before the allocator's free,
+  // a second thread freeing the same pointer at once found no entry, reached the allocator
+  // first and freed the block; the first free, refused as a double free, put the entry back,
+  // and the table named a free block as live.
+  template <class Free>
+  taken take(void* p, std::size_t size, int device, size_rule rule, Free&& free_block) {
     const auto [key, hash] = hash_of(p);
     shard& s = shards_[hash >> 58];
     std::lock_guard<std::mutex> lock(s.mutex);
     const std::size_t at = s.sizes.find(key, hash);
-    if (at == flat_size_map::npos) return {};
+    if (at == flat_size_map::npos) {
+      free_block();
+      return {};
+    }
     const std::size_t recorded = s.sizes.value(at);
     const bool mismatch = size != 0 && size != recorded;
     if (mismatch && rule == size_rule::refuse_mismatch) {
       fail(size_mismatch(p, size, recorded, device, "the free was refused; the block stays allocated"));
     }
+    free_block();
     s.sizes.erase(at);
     return {recorded, mismatch};
   }
@@ -391,17 +401,11 @@ live_table::taken free_recorded(void* ptr, size_t size, int device, void* stream
     fail(msg.str());
   }
   // An unknown pointer still goes to the allocator, which refuses it and says why (double
-  // free, interior pointer, foreign pointer) without changing anything.
-  const live_table::taken taken = slot->live.take(ptr, size, device, rule);
-  try {
-    slot->allocator->deallocate(ptr, stream_ref{stream});
-  } catch (...) {
-    // The allocator refused and keeps the block live, so the table must keep it too. Taking it
-    // out first, rather than after, closes the window in which another thread's malloc could be
-    // handed `ptr` before it left the table.
-    if (taken.recorded) slot->live.insert(ptr, *taken.recorded);
-    throw;
-  }
+  // free, interior pointer, foreign pointer) without changing anything. A refused free keeps the
+  // block live, and its entry in the table. Another thread's malloc handed `ptr` as soon as the
+  // allocator frees it waits for the shard, so it finds the entry gone.
+  const live_table::taken taken = slot->live.take(
+      ptr, size, device, rule, [&] { slot->allocator->deallocate(ptr, stream_ref{stream}); });
   if (taken.size_mismatch) {
     g_size_mismatched_frees[static_cast<std::size_t>(device)].fetch_add(1, std::memory_order_relaxed);
   }
