@@ -93,33 +93,34 @@ cudaError_t launch_copy(float* p, float* m, float* v, const void* g, void* c, in
   }
 }
 
-// Any non-finite gradient sets *flag; one store per block that found one.
+// Any gradient whose product with grad_mul (the value the step uses) is not finite sets *flag;
+// one store per block that found one.
 template <int G>
-__global__ void nonfinite_kernel(const void* __restrict__ grad, std::size_t n, int* flag) {
+__global__ void nonfinite_kernel(const void* __restrict__ grad, std::size_t n, float grad_mul, int* flag) {
   int bad = 0;
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    bad |= !isfinite(load<G>(grad, i));
+    bad |= !isfinite(load<G>(grad, i) * grad_mul);
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(flag, 1);
 }
 
 template <int G>
-cudaError_t launch_flag(const void* grad, std::size_t n, int* flag, cudaStream_t stream) {
+cudaError_t launch_flag(const void* grad, std::size_t n, float grad_mul, int* flag, cudaStream_t stream) {
   const std::size_t blocks = std::min<std::size_t>((n + threads_per_block - 1) / threads_per_block, 4096);
-  return launch(nonfinite_kernel<G>, static_cast<unsigned>(blocks), threads_per_block, stream, grad, n, flag);
+  return launch(nonfinite_kernel<G>, static_cast<unsigned>(blocks), threads_per_block, stream, grad, n, grad_mul, flag);
 }
 
 }  // namespace
 
-cudaError_t flag_nonfinite(const void* grad, int grad_dtype, std::size_t n, int* flag,
+cudaError_t flag_nonfinite(const void* grad, int grad_dtype, std::size_t n, float grad_mul, int* flag,
                            cudaStream_t stream) noexcept {
   if (n == 0) return cudaSuccess;
   switch (grad_dtype) {
-    case adam_gpu_f32: return launch_flag<adam_gpu_f32>(grad, n, flag, stream);
-    case adam_gpu_bf16: return launch_flag<adam_gpu_bf16>(grad, n, flag, stream);
-    case adam_gpu_f16: return launch_flag<adam_gpu_f16>(grad, n, flag, stream);
+    case adam_gpu_f32: return launch_flag<adam_gpu_f32>(grad, n, grad_mul, flag, stream);
+    case adam_gpu_bf16: return launch_flag<adam_gpu_bf16>(grad, n, grad_mul, flag, stream);
+    case adam_gpu_f16: return launch_flag<adam_gpu_f16>(grad, n, grad_mul, flag, stream);
     default: return cudaErrorInvalidValue;
   }
 }

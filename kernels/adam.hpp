@@ -43,15 +43,17 @@ cudaError_t adam_step(float* param, float* exp_avg, float* exp_avg_sq, const voi
                       const adam_gpu_scalars& scalars, const int* skip,
                       cudaStream_t stream) noexcept;
 
-/// @brief Queues a check of n gradients of `grad_dtype` on `stream` that sets *flag to 1 if any is
-/// inf or NaN and leaves it as it was otherwise: zero the flag (cudaMemsetAsync), check every
-/// gradient buffer of the step into it, then pass it to adam_step as `skip` on the same stream.
-/// This is the CPU step's overflow check (adam_optimizer::step skips on a non-finite gradient),
-/// split out so that one flag covers many buffers. The step count stays the caller's: after a
-/// skipped step the next one must use the same t (read the flag back first, as torch's GradScaler
-/// does), since no state changed.
+/// @brief Queues a check of n gradients of `grad_dtype` on `stream` that sets *flag to 1 if any
+/// gradient times `grad_mul` is inf or NaN and leaves it as it was otherwise: zero the flag
+/// (cudaMemsetAsync), check every gradient buffer of the step into it, then pass it to adam_step
+/// as `skip` on the same stream. `grad_mul` is the step's adam_gpu_scalars::grad_mul: a finite
+/// gradient that overflows once unscaled (grad_scale below 1) would put inf into m and v and NaN
+/// into the weight. This is the CPU step's overflow check (adam_optimizer::step skips when a
+/// gradient times grad_mul is not finite), split out so that one flag covers many buffers. The
+/// step count stays the caller's: after a skipped step the next one must use the same t (read the
+/// flag back first, as torch's GradScaler does), since no state changed.
 /// Returns the launch's error (cudaErrorInvalidValue for an unknown dtype).
-cudaError_t flag_nonfinite(const void* grad, int grad_dtype, std::size_t n, int* flag,
+cudaError_t flag_nonfinite(const void* grad, int grad_dtype, std::size_t n, float grad_mul, int* flag,
                            cudaStream_t stream) noexcept;
 
 }  // namespace terrace::kernels

@@ -209,7 +209,7 @@ TEST_F(AdamGpu, TheNonfiniteCheckSetsTheSkipFlag) {
     const auto check = [&] {
       cuda_ok(cudaMemcpy(dg.ptr, host.data(), host.size(), cudaMemcpyHostToDevice), "copy");
       cuda_ok(cudaMemset(flag.ptr, 0, sizeof(int)), "zero the flag");
-      cuda_ok(kernels::flag_nonfinite(dg.ptr, b.dtype, n, static_cast<int*>(flag.ptr), nullptr), "check");
+      cuda_ok(kernels::flag_nonfinite(dg.ptr, b.dtype, n, 1.0f, static_cast<int*>(flag.ptr), nullptr), "check");
       int got = -1;
       cuda_ok(cudaMemcpy(&got, flag.ptr, sizeof got, cudaMemcpyDeviceToHost), "flag back");
       return got;
@@ -224,7 +224,42 @@ TEST_F(AdamGpu, TheNonfiniteCheckSetsTheSkipFlag) {
       }
     }
   }
-  EXPECT_EQ(kernels::flag_nonfinite(nullptr, 7, 1, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(kernels::flag_nonfinite(nullptr, 7, 1, 1.0f, nullptr, nullptr), cudaErrorInvalidValue);
+}
+
+// Found in review: the device check looked at the raw gradients, the CPU step (since the unscaled
+// check, AdamPerIsa.GradientThatOverflowsWhenUnscaledSkipsTheStep) at gradient * grad_mul. A
+// finite gradient that overflows once multiplied (grad_scale below 1) passed, and the step wrote
+// inf into m and v and NaN into the weight. Each dtype's largest finite value, in the last element.
+TEST_F(AdamGpu, TheNonfiniteCheckLooksAtTheGradientTimesItsMultiplier) {
+  struct big_value {
+    int dtype;
+    std::size_t bytes;
+    std::uint32_t one, big;  // bit patterns of 1.0 and of the dtype's largest finite value
+    float grad_mul;          // finite times 1.0, infinite times `big`
+  };
+  constexpr std::size_t n = 100003;
+  for (const big_value& b : {big_value{kernels::adam_gpu_f32, 4, 0x3f800000u, 0x7f7fffffu, 2.0f},
+                             big_value{kernels::adam_gpu_bf16, 2, 0x3f80u, 0x7f7fu, 2.0f},
+                             big_value{kernels::adam_gpu_f16, 2, 0x3c00u, 0x7bffu, 1e35f}}) {
+    SCOPED_TRACE("dtype " + std::to_string(b.dtype));
+    std::vector<unsigned char> host(n * b.bytes);
+    const auto put = [&](std::size_t i, std::uint32_t bits) { std::memcpy(&host[i * b.bytes], &bits, b.bytes); };
+    for (std::size_t i = 0; i < n; ++i) put(i, b.one);
+    put(n - 1, b.big);
+    device_buffer dg(host.size()), flag(sizeof(int));
+    cuda_ok(cudaMemcpy(dg.ptr, host.data(), host.size(), cudaMemcpyHostToDevice), "copy");
+    const auto check = [&](float grad_mul) {
+      cuda_ok(cudaMemset(flag.ptr, 0, sizeof(int)), "zero the flag");
+      cuda_ok(kernels::flag_nonfinite(dg.ptr, b.dtype, n, grad_mul, static_cast<int*>(flag.ptr), nullptr),
+              "check");
+      int got = -1;
+      cuda_ok(cudaMemcpy(&got, flag.ptr, sizeof got, cudaMemcpyDeviceToHost), "flag back");
+      return got;
+    };
+    EXPECT_EQ(check(1.0f), 0) << "the largest finite value is finite";
+    EXPECT_EQ(check(b.grad_mul), 1) << "times " << b.grad_mul << " it is not";
+  }
 }
 
 }  // namespace
