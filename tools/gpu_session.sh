@@ -91,7 +91,11 @@ run() {
 paths = [p for base in nvidia.__path__
          for p in glob.glob(os.path.join(base, "**", "libcublas.so.13"), recursive=True)]
 print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
-    [[ -n "$found" ]] && export TERRACE_CUBLAS_LIBRARY="$found"
+    if [[ -n "$found" ]]; then
+      export TERRACE_CUBLAS_LIBRARY="$found"
+      # libcublas.so.13 loads libcublasLt.so.13 beside it; its own run path may not say so.
+      export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+    fi
   fi
   local summary="$work/summary.txt"
   {

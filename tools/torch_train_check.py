@@ -18,9 +18,19 @@ import sys
 import time
 
 
+def import_or_exit(module, model):
+    """The model's package, or a one-line reason to stop (nothing can be installed on a lent GPU)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        sys.exit(f"the {model} check needs the Python package {module!r}, which does not import: {e}")
+
+
 def build_model(name, torch):
     if name == "resnet18":
-        import torchvision
+        torchvision = import_or_exit("torchvision", name)
 
         model = torchvision.models.resnet18(num_classes=100)
 
@@ -35,7 +45,7 @@ def build_model(name, torch):
 
         return model, batch, loss_fn
     if name == "gpt2":
-        import transformers
+        transformers = import_or_exit("transformers", name)
 
         cfg = transformers.GPT2Config(n_layer=6, n_embd=768, n_head=12, n_positions=512,
                                       vocab_size=50257)
