@@ -162,6 +162,18 @@ class ConvertHandMadeSnapshot(unittest.TestCase):
         self.assertEqual([(e["action"], e["time_us"]) for e in traces[1]],
                          [("alloc", 5000), ("oom", 7000)])
 
+    def test_oom_events_carry_device_free_in_place_of_addr(self):
+        # Found in review: PyTorch writes an oom entry's device_free where other entries have
+        # addr (torch/csrc/cuda/memory_snapshot.cpp), and torch.cuda._memory_viz.trace() reads
+        # e['device_free'] for it: the converted oom had addr only, a KeyError there.
+        trace = self.path("oom.jsonl")
+        with open(trace, "w") as f:
+            f.write(json.dumps({"action": "oom", "time_ns": 7_000_000, "stream": 0, "addr": 0,
+                                "size": 1 << 40, "requested": 0, "tag": ""}) + "\n")
+        oom, = self.convert_file(hand_made_snapshot(), "--trace", trace)["device_traces"][1]
+        self.assertEqual(set(oom), EVENT_KEYS - {"addr"} | {"device_free"})
+        self.assertEqual((oom["size"], oom["device_free"]), (1 << 40, 0))
+
     def test_iteration_marks_are_left_out(self):
         # terrace's begin/end_iteration marks have no place in PyTorch's trace vocabulary.
         trace = self.path("marked.jsonl")

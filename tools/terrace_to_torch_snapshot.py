@@ -10,7 +10,9 @@ The output is the dict torch.cuda.memory._snapshot() returns, pickled:
     {"segments": [...], "device_traces": [[...], ...]}
 with PyTorch's field names. `--trace` (terrace_dump_trace's JSON lines) replaces the snapshot's own
 trace, e.g. when the snapshot was taken with recording off. Block tags become a one-frame stack
-so that memory_viz shows them where it shows Python stacks. Only the standard library is used.
+so that memory_viz shows them where it shows Python stacks. An `oom` event carries `device_free`
+in place of `addr`, as PyTorch writes it; terrace does not record the device's free memory at an
+out-of-memory, so it is 0. Only the standard library is used.
 """
 import argparse
 import json
@@ -124,14 +126,20 @@ def _torch_event(event, where):
         time_us = _field(event, ("time_us",), where)
     else:
         time_us = _field(event, ("time_ns",), where) // 1000
-    return {
-        "action": action,
-        "addr": _field(event, ("addr", "address"), where),
+    converted = {"action": action}
+    if action == "oom":
+        # PyTorch's oom entry has no address: the key holds the memory CUDA reported free
+        # (torch/csrc/cuda/memory_snapshot.cpp), and _memory_viz.trace() reads it.
+        converted["device_free"] = 0
+    else:
+        converted["addr"] = _field(event, ("addr", "address"), where)
+    converted.update({
         "size": _field(event, ("size",), where),
         "stream": _field(event, ("stream",), where, 0),
         "time_us": time_us,
         "frames": _frames(event.get("tag", "")),
-    }
+    })
+    return converted
 
 
 def read_trace_jsonl(lines, name="trace"):
