@@ -48,6 +48,10 @@ def fake_torch(with_graph_hook=True, initialized=False):
             return self.native
 
     def change_current_allocator(allocator):
+        # As PyTorch's changeCurrentAllocator: createCustomAllocator marks a pluggable allocator
+        # initialized when it is made, so once one is current no other may replace it.
+        if state.current is not None:
+            raise RuntimeError("Can't swap an already initialized allocator")
         state.current = allocator
 
     torch.cuda.memory = types.SimpleNamespace(
@@ -65,6 +69,7 @@ class Install(unittest.TestCase):
         self.tt = terrace_torch
         self.lib = terrace_torch.load(LIBRARY)
         self.saved = sys.modules.get("torch")
+        self.addCleanup(setattr, terrace_torch, "_allocator", None)
 
     def tearDown(self):
         if self.saved is None:
@@ -98,6 +103,16 @@ class Install(unittest.TestCase):
             state = self.install(with_graph_hook=False)
         self.assertIsNotNone(state.current)
         self.assertTrue(any("CUDA graph" in str(w.message) for w in caught), caught)
+
+    def test_a_second_install_swaps_nothing(self):
+        # Found in review: install() made and swapped in a second allocator, which PyTorch
+        # refuses ("Can't swap an already initialized allocator") though CUDA is not initialized.
+        torch, state = fake_torch()
+        sys.modules["torch"] = torch
+        self.tt.install(LIBRARY)
+        first = state.current
+        self.assertIs(self.tt.install(LIBRARY), self.lib)
+        self.assertIs(state.current, first)
 
     def test_an_initialized_cuda_is_refused(self):
         torch, state = fake_torch(initialized=True)

@@ -173,7 +173,8 @@ def install(path=None, conf=None):
     PyTorch initializes CUDA lazily, at the first CUDA tensor but also at calls such as
     torch.cuda.current_device() or get_device_properties(); its allocator can be swapped only
     before that. `conf` ("key:value,...", as TERRACE_ALLOC_CONF) configures terrace first. Raises
-    TerraceError for a bad config, RuntimeError when CUDA is already initialized.
+    TerraceError for a bad config, RuntimeError when CUDA is already initialized. A second call
+    in the same process returns the library and swaps nothing.
 
     Out of device memory then raises RuntimeError with terrace's report (PyTorch's own allocator
     raises torch.OutOfMemoryError, a RuntimeError). CUDA graph capture (torch.cuda.graph,
@@ -183,6 +184,15 @@ def install(path=None, conf=None):
     global _allocator
     import torch  # only install() needs PyTorch
 
+    if _allocator is not None:
+        # PyTorch marks a pluggable allocator initialized when it is made, so a second swap would
+        # fail with "Can't swap an already initialized allocator" though CUDA is not initialized
+        # (a re-run notebook cell). terrace is already the allocator: a second call changes
+        # nothing, except that a `conf` is applied if no allocator of terrace exists yet.
+        lib = load(path)
+        if conf:
+            lib.configure(conf)
+        return lib
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "terrace_torch.install() must run before CUDA is initialized in this process (before "
