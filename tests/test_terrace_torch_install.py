@@ -12,6 +12,7 @@ import sys
 import types
 import unittest
 import warnings
+from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 
@@ -31,10 +32,21 @@ class FakeNative:
             setattr(self, name, lambda address, name=name: self.hooks.__setitem__(name, address))
 
 
+class StopAfterWiring(Exception):
+    """Raised by the stand-in's manual_seed: tools/pytorch_example.py's first call after wiring."""
+
+
 def fake_torch(with_graph_hook=True, initialized=False):
     torch = types.ModuleType("torch")
+    torch.__version__ = "stand-in"
     torch.cuda = types.SimpleNamespace()
     torch.cuda.is_initialized = lambda: initialized
+    torch.cuda.is_available = lambda: True
+
+    def manual_seed(_seed):
+        raise StopAfterWiring()
+
+    torch.manual_seed = manual_seed
     state = types.SimpleNamespace(current=None, loaded=None)
 
     class CUDAPluggableAllocator:
@@ -103,6 +115,20 @@ class Install(unittest.TestCase):
             state = self.install(with_graph_hook=False)
         self.assertIsNotNone(state.current)
         self.assertTrue(any("CUDA graph" in str(w.message) for w in caught), caught)
+
+    def test_the_example_wires_every_hook_install_wires(self):
+        # Found in review: tools/pytorch_example.py, "the lines a user writes", left out the graph
+        # hook, so a capture there would run and share the graph's blocks with other tensors.
+        import pytorch_example
+
+        torch, example = fake_torch()
+        sys.modules["torch"] = torch
+        with mock.patch.object(sys, "argv", ["pytorch_example.py", "--lib", LIBRARY]):
+            with self.assertRaises(StopAfterWiring):
+                pytorch_example.main()
+        installed = self.install()
+        self.assertEqual(example.loaded, installed.loaded)
+        self.assertEqual(example.current.native.hooks, installed.current.native.hooks)
 
     def test_a_second_install_swaps_nothing(self):
         # Found in review: install() made and swapped in a second allocator, which PyTorch

@@ -44,7 +44,8 @@ def main():
 
     # ---- the lines a user writes: load libterrace.so as PyTorch's allocator, before any tensor
     #      is created on the GPU. The optional hooks route torch.cuda.empty_cache(),
-    #      set_per_process_memory_fraction() and Tensor.record_stream() to terrace.
+    #      set_per_process_memory_fraction() and Tensor.record_stream() to terrace, and refuse
+    #      CUDA graph capture (terrace_torch.install() does all of this).
     terrace = ctypes.CDLL(lib_path)
     # terrace_torch_malloc raises an error PyTorch turns into RuntimeError where terrace_malloc
     # would return NULL, which PyTorch does not check.
@@ -56,6 +57,11 @@ def main():
     hooks.set_reset_fn(fn("terrace_empty_cache"))               # void()
     hooks.set_memory_fraction_fn(fn("terrace_set_memory_fraction"))  # void(double, int)
     hooks.set_record_stream_fn(fn("terrace_record_stream"))     # void(void*, cudaStream_t)
+    # CUDA graphs need a private pool, which terrace lacks: this hook refuses a capture before it
+    # begins. Without it PyTorch would let the capture run and terrace would hand the graph's
+    # blocks to other tensors while replays still write them.
+    if hasattr(hooks, "set_begin_allocate_to_pool"):
+        hooks.set_begin_allocate_to_pool(fn("terrace_torch_begin_allocate_to_pool"))
     torch.cuda.memory.change_current_allocator(alloc)
     # ---- that is all: every CUDA tensor below comes from terrace.
 
