@@ -10,6 +10,8 @@ One allocator per process: PyTorch fixes its allocator at the first CUDA allocat
 Writes into --out: <model>_<allocator>_summary.json (losses, step times, peak figures), and
   - terrace: the stats JSON, the snapshot JSON, the trace (JSON lines) and the memory_viz pickle;
   - pytorch: torch.cuda.memory._dump_snapshot's pickle (a real allocation history for test data).
+With terrace it then checks the hooks inside PyTorch (init, out of memory, record_stream, memory
+fraction, graph-capture refusal; summary "hooks") and exits 1 if one fails.
 """
 import argparse
 import json
@@ -63,6 +65,91 @@ def build_model(name, torch):
 
         return model, batch, loss_fn
     raise SystemExit(f"unknown model {name!r}: use resnet18 or gpt2")
+
+
+def check_terrace_hooks(torch, tt, device, summary, tag, planned):
+    """What terrace's hooks do inside real PyTorch, none of which a machine without a GPU can run:
+    each check's outcome goes into summary["hooks"]; returns the names of those that failed."""
+    results = {}
+
+    def check(name, ok, detail):
+        results[name] = ("ok: " if ok else "FAILED: ") + detail
+        print(f"[{tag}] hook {name}: {results[name]}", flush=True)
+
+    def first_line(e):
+        return str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+
+    # init: PyTorch passes the device count at CUDA's lazy init; terrace then refuses the next index.
+    count = torch.cuda.device_count()
+    try:
+        tt.stats(count)
+        check("init", False, f"terrace accepted device {count}: terrace_init was not called")
+    except tt.TerraceError as e:
+        check("init", "terrace_init was told" in e.message, first_line(e.message))
+
+    # malloc: out of memory must raise RuntimeError with terrace's report (a NULL returned to
+    # PyTorch would have become a tensor at address 0), and allocation must go on afterwards.
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device=device)
+        check("oom", False, "a 1 PiB tensor was allocated")
+    except RuntimeError as e:
+        after = torch.ones(1 << 20, device=device).sum().item()
+        check("oom", "terrace_torch_malloc" in str(e) and "out of memory" in str(e)
+              and after == float(1 << 20), first_line(e))
+
+    # record_stream: Tensor.record_stream reaches terrace_record_stream, which knows the block,
+    # and the free then waits for an event on that stream: until the next allocation polls it,
+    # the block is active but not allocated (PyTorch's active_pending_free). The planned
+    # policy's arena blocks keep books of their own, so the gap is not required there.
+    side = torch.cuda.Stream()
+    x = torch.ones(1 << 20, device=device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 2
+    x.record_stream(side)
+    error = tt.last_error()  # the hook ran on this thread
+    del x, y
+    stats = tt.stats()
+    gap = stats["active_bytes.all.current"] - stats["allocated_bytes.all.current"]
+    torch.cuda.synchronize()
+    check("record_stream", error == "" and (gap >= 4 << 20 or planned),
+          (error or "no terrace error") + f", {gap} bytes awaiting the side stream after the free")
+
+    # memory fraction: 0 allows no new memory; 1 gives the device back.
+    request = torch.cuda.get_device_properties(device).total_memory // 4
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(0.0)
+    try:
+        torch.empty(request, dtype=torch.uint8, device=device)
+        refused = None
+    except RuntimeError as e:
+        refused = e
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    try:
+        torch.empty(request, dtype=torch.uint8, device=device)
+        check("memory_fraction", refused is not None,
+              f"{request} bytes " + ("refused at 0, given at 1" if refused else "given at 0"))
+    except RuntimeError as e:
+        check("memory_fraction", False, f"{request} bytes refused at fraction 1: {first_line(e)}")
+
+    # graph capture: refused before it begins, as a RuntimeError carrying terrace's reason. Eager
+    # work goes on (on the capture's side stream: torch.cuda.graph entered it before capture_begin
+    # raised, and its __exit__ does not run).
+    static = torch.zeros(1024, device=device)
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            static.add_(1)
+        check("graph_capture", False, "captured: NOT REFUSED")
+    except RuntimeError as e:
+        check("graph_capture", "CUDA graph capture on device" in str(e), first_line(e))
+    static.add_(1)
+    torch.cuda.synchronize()
+    eager = float(static.sum())
+    check("eager_after_graph_refusal", eager == 1024.0, f"sum {eager} (expected 1024)")
+
+    summary["hooks"] = results
+    return [name for name, outcome in results.items() if not outcome.startswith("ok")]
 
 
 def main():
@@ -144,20 +231,8 @@ def main():
         summary["peak_fragmentation"] = 1 - s["active_bytes.all.peak"] / max(1, s["reserved_bytes.all.peak"])
         torch.cuda.memory._dump_snapshot(os.path.join(args.out, f"{tag}_snapshot.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
-    if tt is not None:
-        # terrace refuses CUDA graph capture (no private pools) before the capture begins: the
-        # refusal must arrive as a RuntimeError, and eager work must go on afterwards.
-        static = torch.zeros(1024, device=device)
-        try:
-            with torch.cuda.graph(torch.cuda.CUDAGraph()):
-                static.add_(1)
-            summary["graph_capture"] = "captured: NOT REFUSED"
-        except RuntimeError as e:
-            summary["graph_capture"] = "refused: " + str(e).splitlines()[0][:200]
-        static.add_(1)
-        torch.cuda.synchronize()
-        summary["eager_after_graph_refusal"] = float(static.sum())
-        print(f"[{tag}] graph capture {summary['graph_capture']}", flush=True)
+    failed = (check_terrace_hooks(torch, tt, device, summary, tag, "policy:planned" in args.conf)
+              if tt is not None else [])
     med = sorted(times[2:])[len(times[2:]) // 2] if len(times) > 2 else times[-1]
     summary["median_step_seconds_after_warmup"] = med
     with open(os.path.join(args.out, f"{tag}_summary.json"), "w") as f:
@@ -165,6 +240,8 @@ def main():
     print(f"[{tag}] peak allocated {summary['allocated_bytes.all.peak']/2**20:.1f} MiB, "
           f"peak reserved {summary['reserved_bytes.all.peak']/2**20:.1f} MiB, "
           f"peak fragmentation {summary['peak_fragmentation']:.3f}, median step {med*1e3:.1f} ms")
+    if failed:
+        sys.exit(f"[{tag}] terrace's PyTorch hooks failed: {', '.join(failed)} (see the summary)")
 
 
 if __name__ == "__main__":
