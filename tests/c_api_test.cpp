@@ -28,6 +28,8 @@
 #include <utility>
 #include <vector>
 
+#include <dlfcn.h>
+
 #include "terrace/terrace.h"
 
 namespace {
@@ -344,6 +346,32 @@ TEST(CApi, PyTorchsHooksThrowOnOutOfMemoryAndFreeAKnownPointerWhateverTheSize) {
   EXPECT_EQ(stat(kShared, "num_bad_frees"), refused + 1);
   EXPECT_EQ(stat(kShared, "allocation.all.current"), live);
 }
+
+#ifdef TERRACE_C_LIBRARY_PATH
+// How PyTorch really calls the hook: Python's ctypes finds the symbol in libterrace.so, PyTorch's
+// binding (_cuda_customAllocator, torch/csrc/cuda/Module.cpp) turns the address, an integer, into
+// a std::function<void*(size_t, int, cudaStream_t)>, and CUDAPluggableAllocator::malloc calls it;
+// its Python bindings catch std::exception (END_HANDLE_TH_ERRORS) and raise RuntimeError. The
+// throw must cross the C-linkage function, the shared library and the std::function.
+TEST(CApi, PyTorchsMallocHookThrowsThroughAStdFunctionMadeFromItsAddress) {
+  void* lib = dlopen(TERRACE_C_LIBRARY_PATH, RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(lib, nullptr) << dlerror();
+  const auto address = reinterpret_cast<std::uint64_t>(dlsym(lib, "terrace_torch_malloc"));
+  ASSERT_NE(address, 0u);
+  using malloc_fn = void*(std::size_t, int, CUstream_st*);
+  const std::function<malloc_fn> alloc = reinterpret_cast<malloc_fn*>(address);
+  try {
+    alloc(1024 * MiB, kShared, nullptr);  // capacity is 256 MiB
+    ADD_FAILURE() << "expected an exception";
+  } catch (const std::exception& e) {
+    EXPECT_TRUE(contains(e.what(), "out of memory")) << e.what();
+  }
+  void* p = alloc(4096, kShared, nullptr);
+  ASSERT_NE(p, nullptr);
+  terrace_torch_free(p, 4096, kShared, nullptr);
+  dlclose(lib);
+}
+#endif
 
 // Found in review: PyTorch's pluggable allocator lets a CUDA graph capture run when no pool hook
 // is set, and the blocks the graph freed during capture went back to terrace's cache while every
