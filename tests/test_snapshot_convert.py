@@ -162,6 +162,24 @@ class ConvertHandMadeSnapshot(unittest.TestCase):
         self.assertEqual([(e["action"], e["time_us"]) for e in traces[1]],
                          [("alloc", 5000), ("oom", 7000)])
 
+    def test_block_events_give_the_requested_size_as_pytorch_does(self):
+        # Found in review: PyTorch's alloc, free_requested and free_completed entries give the
+        # bytes requested as their size (CUDACachingAllocator.cpp's record_trace calls), which
+        # memory_viz draws; the converter gave terrace's rounded block size, so terrace's
+        # timeline read larger than PyTorch's for the same requests.
+        trace = self.path("sizes.jsonl")
+        with open(trace, "w") as f:
+            for action, size, requested in (("segment_alloc", 2 * MiB, 0), ("alloc", 1024, 1000),
+                                            ("free_requested", 1024, 1000),
+                                            ("free_completed", 1024, 0),
+                                            ("free_completed", 512, 0)):
+                addr = 0x2000 if action == "free_completed" and size == 512 else 0x1000
+                f.write(json.dumps({"action": action, "time_ns": 0, "stream": 0, "addr": addr,
+                                    "size": size, "requested": requested, "tag": ""}) + "\n")
+        traces = self.convert_file(hand_made_snapshot(), "--trace", trace)["device_traces"]
+        # A block allocated before the trace began keeps terrace's size: nothing says more.
+        self.assertEqual([e["size"] for e in traces[1]], [2 * MiB, 1000, 1000, 1000, 512])
+
     def test_oom_events_carry_device_free_in_place_of_addr(self):
         # Found in review: PyTorch writes an oom entry's device_free where other entries have
         # addr (torch/csrc/cuda/memory_snapshot.cpp), and torch.cuda._memory_viz.trace() reads

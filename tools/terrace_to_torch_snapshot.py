@@ -10,9 +10,11 @@ The output is the dict torch.cuda.memory._snapshot() returns, pickled:
     {"segments": [...], "device_traces": [[...], ...]}
 with PyTorch's field names. `--trace` (terrace_dump_trace's JSON lines) replaces the snapshot's own
 trace, e.g. when the snapshot was taken with recording off. Block tags become a one-frame stack
-so that memory_viz shows them where it shows Python stacks. An `oom` event carries `device_free`
-in place of `addr`, as PyTorch writes it; terrace does not record the device's free memory at an
-out-of-memory, so it is 0. Only the standard library is used.
+so that memory_viz shows them where it shows Python stacks. A block's events (alloc,
+free_requested, free_completed) give the bytes requested as their size, as PyTorch's do, not the
+rounded block terrace records. An `oom` event carries `device_free` in place of `addr`, as
+PyTorch writes it; terrace does not record the device's free memory at an out-of-memory, so it
+is 0. Only the standard library is used.
 """
 import argparse
 import json
@@ -24,6 +26,8 @@ import sys
 _BLOCK_STATES = ("active_allocated", "active_pending_free", "inactive")
 _TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
                   "segment_map", "segment_unmap", "oom", "snapshot")
+# Events about one block, whose size PyTorch gives as the bytes requested.
+_BLOCK_ACTIONS = ("alloc", "free_requested", "free_completed")
 # terrace's own: the caller's begin_iteration / end_iteration. memory_viz does not know them.
 _ITERATION_MARKS = ("iteration_begin", "iteration_end")
 
@@ -182,8 +186,23 @@ def convert(snapshot, trace=None):
         where = "device_traces[0]"
     else:
         where = "trace"
-    events = [_torch_event(e, f"{where}[{i}]") for i, e in enumerate(trace)
-              if not (isinstance(e, dict) and e.get("action") in _ITERATION_MARKS)]
+    events, asked = [], {}  # asked: the bytes requested for each block the trace saw allocated
+    for i, e in enumerate(trace):
+        if isinstance(e, dict) and e.get("action") in _ITERATION_MARKS:
+            continue
+        event = _torch_event(e, f"{where}[{i}]")
+        if event["action"] in _BLOCK_ACTIONS:
+            # PyTorch's size for these is what was asked for (the requested size in its
+            # allocator's record_trace calls), terrace's the rounded block; terrace's
+            # free_completed carries no request, so it takes the block's from its alloc.
+            requested = _field(e, ("requested",), f"{where}[{i}]", 0)
+            if event["action"] == "free_completed":
+                requested = asked.pop(event["addr"], 0)
+            else:
+                asked[event["addr"]] = requested = requested or asked.get(event["addr"], 0)
+            if requested:
+                event["size"] = requested
+        events.append(event)
     # PyTorch indexes device_traces by device ordinal.
     device_traces = [[] for _ in range(device)] + [events]
     return {"segments": segments, "device_traces": device_traces}
