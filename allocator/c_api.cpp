@@ -452,9 +452,15 @@ TERRACE_API void terrace_free(void* ptr, size_t size, int device, void* stream) 
 extern "C" TERRACE_API void* terrace_torch_malloc(size_t size, int device, void* stream) {
   void* p = nullptr;
   const auto call = [&] { return describe_call("terrace_torch_malloc", size, device, stream); };
-  if (guarded(call, [&] { p = allocate_recorded(size, device, stream); }) != TERRACE_OK) {
-    throw std::runtime_error(terrace::c_boundary::error_text());
+  const int rc = guarded(call, [&] { p = allocate_recorded(size, device, stream); });
+  if (rc == TERRACE_ENOMEM) {
+    // PyTorch's own words first: code that recovers from running out of memory (a smaller batch,
+    // accelerate's find_executable_batch_size, Lightning's batch-size finder) recognises the
+    // error by "CUDA out of memory." in a RuntimeError, as it cannot catch torch.OutOfMemoryError
+    // from a pluggable allocator.
+    throw std::runtime_error(std::string("CUDA out of memory. ") + terrace::c_boundary::error_text());
   }
+  if (rc != TERRACE_OK) throw std::runtime_error(terrace::c_boundary::error_text());
   return p;
 }
 

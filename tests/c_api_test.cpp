@@ -324,6 +324,8 @@ TEST(CApi, PyTorchsHooksThrowOnOutOfMemoryAndFreeAKnownPointerWhateverTheSize) {
     FAIL() << "expected std::runtime_error";
   } catch (const std::runtime_error& e) {
     const std::string m = e.what();
+    // PyTorch's own opening, which recovery code in the ecosystem matches on.
+    EXPECT_EQ(m.rfind("CUDA out of memory. ", 0), 0u) << m;
     EXPECT_TRUE(contains(m, "terrace_torch_malloc(1073741824, 0, ")) << m;
     EXPECT_TRUE(contains(m, "out of memory")) << m;
     EXPECT_TRUE(contains(m, "largest free block")) << m;

@@ -176,8 +176,9 @@ def install(path=None, conf=None):
     TerraceError for a bad config, RuntimeError when CUDA is already initialized. A second call
     in the same process returns the library and swaps nothing.
 
-    Out of device memory then raises RuntimeError with terrace's report (PyTorch's own allocator
-    raises torch.OutOfMemoryError, a RuntimeError). CUDA graph capture (torch.cuda.graph,
+    Out of device memory then raises RuntimeError opening with "CUDA out of memory.", as PyTorch's
+    own message does, then terrace's report (PyTorch's own allocator raises
+    torch.OutOfMemoryError, a RuntimeError subclass that a pluggable allocator cannot raise). CUDA graph capture (torch.cuda.graph,
     torch.compile(mode="reduce-overhead")) is not supported, as terrace has no private pools: it
     raises RuntimeError before the capture begins.
     """

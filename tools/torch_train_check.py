@@ -94,7 +94,7 @@ def check_terrace_hooks(torch, tt, device, summary, tag, planned):
         check("oom", False, "a 1 PiB tensor was allocated")
     except RuntimeError as e:
         after = torch.ones(1 << 20, device=device).sum().item()
-        check("oom", "terrace_torch_malloc" in str(e) and "out of memory" in str(e)
+        check("oom", str(e).startswith("CUDA out of memory. ") and "terrace_torch_malloc" in str(e)
               and after == float(1 << 20), first_line(e))
 
     # record_stream: Tensor.record_stream reaches terrace_record_stream, which knows the block,
