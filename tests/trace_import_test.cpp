@@ -364,32 +364,25 @@ TEST(Import, APipeIsReadAsAFileIs) {
 // taken for the end of the input. Found in a user review: JSON lines (`--format jsonl`, or a name
 // ending .jsonl) were read apart from the others, so a directory read as "read error after line 0".
 TEST(Import, AnInputThatCannotBeReadIsAClearError) {
+  const auto expect_refused = [](const std::string& path, const char* format, const std::string& message) {
+    try {
+      tr::import_trace(path, format);
+      FAIL() << path << " as " << format;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_EQ(std::string(e.what()), message) << format;
+    }
+  };
   const std::string dir = temp_path("a-directory");
   std::filesystem::create_directory(dir);
   for (const char* format : {"auto", "jsonl", "pickle", "snapshot-json", "kineto", "rmm"}) {
-    try {
-      tr::import_trace(dir, format);
-      FAIL() << format;
-    } catch (const terrace::logic_error& e) {
-      EXPECT_EQ(std::string(e.what()), "cannot read trace '" + dir + "': Is a directory") << format;
-    }
+    expect_refused(dir, format, "cannot read trace '" + dir + "': Is a directory");
   }
   std::filesystem::remove(dir);
   const std::string named = temp_path("a-directory.jsonl");
   std::filesystem::create_directory(named);
-  try {
-    tr::import_trace(named);
-    FAIL() << "a directory named .jsonl";
-  } catch (const terrace::logic_error& e) {
-    EXPECT_EQ(std::string(e.what()), "cannot read trace '" + named + "': Is a directory");
-  }
+  expect_refused(named, "auto", "cannot read trace '" + named + "': Is a directory");
   std::filesystem::remove(named);
-  try {
-    tr::import_trace(dir);
-    FAIL() << "a missing file";
-  } catch (const terrace::logic_error& e) {
-    EXPECT_EQ(std::string(e.what()), "cannot open trace '" + dir + "': No such file or directory");
-  }
+  expect_refused(dir, "auto", "cannot open trace '" + dir + "': No such file or directory");
 }
 
 TEST(Import, TheSnapshotJsonInTestDataReads) {
