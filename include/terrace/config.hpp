@@ -3,7 +3,7 @@
 /// @brief The allocator's options: one struct, filled from code or from TERRACE_ALLOC_CONF.
 ///
 /// TERRACE_ALLOC_CONF mirrors PYTORCH_CUDA_ALLOC_CONF: `key:value,key:value`. Sizes accept the
-/// suffixes B, K/KB/KiB, M/MB/MiB, G/GB/GiB (all binary). Booleans accept true/false/1/0.
+/// suffixes B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary). Booleans accept true/false/1/0.
 #pragma once
 
 #include <cstddef>
