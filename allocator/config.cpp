@@ -389,6 +389,11 @@ std::string unknown_key(std::string_view key) {
 }
 
 allocator_config parse(std::string_view source, std::string_view text, allocator_config base) {
+  // A base made in code may split nothing on purpose (the offload engine's max_split_size of 1 B,
+  // every block a whole segment); a text that only resizes its segments is not then refused over
+  // a limit it did not set, quoted as "max_split_size_mb (0 MiB)".
+  const bool base_limit_above_segment = base.max_split_size == std::numeric_limits<std::size_t>::max() ||
+                                        base.max_split_size > base.large_segment_size;
   allocator_config c = std::move(base);
   // The last item that set each cross-checked key, so that a failed cross-check can be quoted.
   std::string_view max_split_item, large_segment_item, small_size_item, small_segment_item;
@@ -445,7 +450,7 @@ allocator_config parse(std::string_view source, std::string_view text, allocator
   // gets a whole large segment; once freed, that segment is one block of max_split_size bytes or
   // more, which such a request may not split, so every allocation reserved a new segment. Ours
   // is configurable, and the bound follows it.
-  if (!max_split_item.empty() || !large_segment_item.empty()) {
+  if (!max_split_item.empty() || (!large_segment_item.empty() && base_limit_above_segment)) {
     if (c.max_split_size != std::numeric_limits<std::size_t>::max() &&
         c.max_split_size <= c.large_segment_size) {
       fail(source, max_split_item.empty() ? large_segment_item : max_split_item,

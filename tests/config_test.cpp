@@ -195,6 +195,18 @@ TEST(AllocConf, MaxSplitSizeIsInMiBAndBoundedBelowByTheLargeSegment) {
   }
   // ...but a base that no item touches is left to the allocator's own checks.
   EXPECT_EQ(parse_alloc_conf("small_size:4K", base).max_split_size, 32 * MiB);
+  // A base that splits nothing on purpose (the offload engine's: a limit of 1 byte, below its
+  // segments) takes a new segment size: `terrace train --alloc-conf large_segment_size:40MB` was
+  // refused over "max_split_size_mb (0 MiB)", a limit the user never set.
+  allocator_config whole_segments;
+  whole_segments.max_split_size = 1;
+  whole_segments.large_segment_size = 64 * KiB;
+  const allocator_config c = parse_alloc_conf("large_segment_size:40MB", whole_segments);
+  EXPECT_EQ(c.large_segment_size, 40 * MiB);  // MB is MiB here, as in PyTorch's settings
+  EXPECT_EQ(c.max_split_size, 1u);
+  // A limit the text gives is checked as ever.
+  expect_item_error("large_segment_size:40MB,max_split_size_mb:8", "max_split_size_mb:8",
+                    "larger than large_segment_size");
 }
 
 TEST(AllocConf, BoundaryValuesAreAccepted) {
