@@ -12,6 +12,7 @@
 
 #include "run_command.hpp"
 #include "scratch_dir.hpp"
+#include "terrace/device.hpp"
 
 #ifndef TERRACE_CLI_PATH
 #error "TERRACE_CLI_PATH must name the built terrace program"
@@ -234,6 +235,18 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
     EXPECT_FALSE(std::filesystem::exists(dir.path() / "store"))
         << c.args << " left a store behind";
   }
+}
+
+// Found in a user review (295a809): --device cuda without a GPU (or in a build without CUDA) was
+// a device_error out of the engine's setup, exit 1; it is refused before training with exit 2.
+TEST(TrainCli, DeviceCudaWithoutAGpuExitsTwoBeforeTraining) {
+  if (terrace::cuda_device_available()) GTEST_SKIP() << "a GPU is present: --device cuda trains";
+  scratch_dir dir("cli-no-gpu");
+  const run_result r = train("--device cuda --steps 2 --no-report --dir '" + dir.path().string() + "'");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("device 'cuda' requested, but"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << "trained:\n" << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "store")) << "left a store behind";
 }
 
 // Found in review: a report or trace that could not be written after training threw past the
