@@ -527,13 +527,18 @@ TEST(SimEvents, QueryAndSynchronizeFollowTheLatestRecord) {
   enqueue_host_function(*dev, s, g.hold());
   dev->record(e, s);  // a new record: pending again
   EXPECT_FALSE(dev->query(e));
-  std::thread opener([&g] {
+  // The gate opens only after `opened` is set, so a synchronize that waits for the event sees it
+  // set; one that returns early (within the opener's 20 ms) does not. An order, not a duration:
+  // a timed bound failed whenever this thread was descheduled between starting the opener and
+  // reading the clock.
+  std::atomic<bool> opened{false};
+  std::thread opener([&g, &opened] {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    opened = true;
     g.open();
   });
-  const auto t0 = clock_type::now();
   dev->synchronize(e);
-  EXPECT_GE(seconds_since(t0), 0.015) << "synchronize(event) returned before the event completed";
+  EXPECT_TRUE(opened.load()) << "synchronize(event) returned before the event completed";
   EXPECT_TRUE(dev->query(e));
   opener.join();
   dev->destroy_event(e);
