@@ -33,6 +33,7 @@
 #include "terrace/error.hpp"
 #include "terrace/tensor_store.hpp"
 #include "tiers/io_engine.hpp"
+#include "tiers/crc32c.hpp"
 #include "tiers/store_index.hpp"
 
 namespace terrace {
@@ -707,6 +708,42 @@ TEST(TensorStore, AnIndexWithGoodChecksumsButImpossibleContentsIsRefused) {
   auto s = tensor_store::open(dir.path(), small(MiB, 64 * KiB));
   expect_tensor(s, "a", a);
   expect_tensor(s, "b", b);
+}
+
+// The index header's own refusals, each for its reason (the test above only sees the directory
+// named): another file's magic, a format version this build does not read (header CRC made good,
+// so only the version is wrong), a header CRC that fails, a payload shorter than announced.
+TEST(TensorStore, AnIndexHeaderIsRefusedForWhatIsWrongWithIt) {
+  using terrace::detail::decode_index;
+  terrace::detail::store_index index;
+  index.generation = 7;
+  const std::vector<unsigned char> good = terrace::detail::encode_index(index);
+  ASSERT_EQ(decode_index(good.data(), good.size(), "'idx'").generation, 7u);
+  const auto refusal = [&](std::vector<unsigned char> bytes) -> std::string {
+    try {
+      decode_index(bytes.data(), bytes.size(), "'idx'");
+    } catch (const terrace::io_error& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  auto magic = good;
+  magic[0] = 'X';
+  EXPECT_NE(refusal(magic).find("'idx' is not a terrace tensor store index"), std::string::npos) << refusal(magic);
+  // Bytes 8..11 are the version; bytes 36..39 the CRC32C of bytes 0..35.
+  auto version = good;
+  version[8] = 99;
+  version[9] = version[10] = version[11] = 0;
+  const std::uint32_t crc = terrace::detail::crc32c(0, version.data(), 36);
+  for (int k = 0; k < 4; ++k) version[36 + k] = static_cast<unsigned char>(crc >> (8 * k));
+  EXPECT_NE(refusal(version).find("has format version 99; this build reads versions"), std::string::npos)
+      << refusal(version);
+  auto header = good;
+  header[16] ^= 1;  // the generation, under the header's CRC
+  EXPECT_NE(refusal(header).find("its header fails its CRC32C"), std::string::npos) << refusal(header);
+  auto truncated = good;
+  truncated.resize(20);
+  EXPECT_NE(refusal(truncated).find("shorter than its 40-byte header"), std::string::npos) << refusal(truncated);
 }
 
 TEST(TensorStore, StripesAcrossSeveralFiles) {
