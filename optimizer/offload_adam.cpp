@@ -720,7 +720,9 @@ struct offload_adam::impl {
       }
       counters.io_wait_seconds += seconds_since(t0);
     };
-    // Frees slot `s` of its put, if any: a landed put ends the chunk's rescue buffer.
+    // Frees slot `s` of its put, if any: a landed put ends the chunk's rescue buffer. The handle
+    // goes too, failed or not: add() waits on every slot's last put (write_initial), and must not
+    // see this step's failure there.
     const auto finish_write = [&](slot& s) {
       if (!s.writing) return;
       const std::size_t i = *s.writing;
@@ -731,9 +733,11 @@ struct offload_adam::impl {
         // must not take its place in the message.
         if (!failure) where = name_of(i);
         s.writing.reset();
+        s.write = io_handle();
         throw;
       }
       s.writing.reset();
+      s.write = io_handle();
       put_done[i] = true;
       chunk& c = nvme_work[i].g->chunks[nvme_work[i].k];
       c.in_store = true;

@@ -686,6 +686,34 @@ TEST(OffloadAdam, AnEioMidStepIsNamedAndTheRetriedStepFinishesItBitwise) {
   }
 }
 
+// A put that failed in a step leaves nothing behind for the calls after it. Found in review: its
+// staging slot kept the failed handle until a later step reused the slot, and add() waited on
+// every slot's last put, so the next group added failed with the old step's EIO.
+TEST(OffloadAdam, AnAddAfterAFailedAndFinishedStepDoesNotSeeItsError) {
+  config c;
+  c.sizes = {10000};  // on NVMe, in 3 chunks
+  offload_rig r(c);
+  reference ref(c);
+  const adam_step_options so = step_options_for(c);
+  auto grads = gradients(c, 0);
+  r.store->inject_fault(fault(io_fault::kind::eio, false, true, 2));  // a put part-way through
+  EXPECT_THROW(r.step(grads, so), io_error);
+  ASSERT_TRUE(r.step(grads, so));
+  ASSERT_TRUE(ref.step(grads, so, false));
+  expect_same(r, ref, "after the retried step");
+
+  const std::vector<float> late = initial_values(500, 7);
+  const group_id id = r.opt->add("late", late.size(), late.data());
+  std::vector<float> got(late.size());
+  r.opt->read_master(id, got.data());
+  EXPECT_EQ(got, late);
+  grads = gradients(c, 1);
+  ASSERT_TRUE(r.step(grads, so));
+  ASSERT_TRUE(ref.step(grads, so, false));
+  expect_same(r, ref, "a step later");
+  r.opt->checkpoint();
+}
+
 // ---------------------------------------------------------------------- a step made in parts
 
 // step_part over the groups in a few parts, then finish_step: every part sees the same step
