@@ -642,11 +642,15 @@ struct offload_adam::impl {
         }
       }
     }
-    if (!nvme_work.empty()) ensure_staging(largest);
-
     std::exception_ptr failure;
     std::string where;
     try {
+      // A refusal of the pinned pool here fails this call like an I/O error: a part must be
+      // owed, or finish_step() would end the step without its groups.
+      if (!nvme_work.empty()) {
+        where = " allocating its pinned staging buffers";
+        ensure_staging(largest);
+      }
       run(t, host_work, host_chunks, nvme_work, chunk_options, failure, where);
     } catch (...) {
       if (!failure) failure = std::current_exception();

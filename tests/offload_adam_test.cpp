@@ -908,6 +908,49 @@ TEST(OffloadAdam, FinishStepRefusesWhileAFailedPartIsNotRetried) {
   }
 }
 
+// The pinned pool refusing the staging buffers a part needs is a failed part like any other.
+// Staging grows to the largest chunk a call meets: after a resume (which stages nothing) a part of
+// small groups allocates small buffers and a later part of larger chunks must grow them. Found in
+// review: that refusal escaped before the part was marked failed, so finish_step() then ended the
+// step with the part's group never stepped.
+TEST(OffloadAdam, APinnedPoolRefusingAPartsStagingLeavesThatPartToRetry) {
+  config c;
+  c.sizes = {100, 10000};  // both on NVMe: chunks of 1.2 KB and of 48 KiB
+  offload_rig r(c);
+  reference ref(c);
+  r.opt->checkpoint();
+  r.make_optimizer();  // resumes both groups: no staging buffer yet
+  for (std::size_t g = 0; g < c.sizes.size(); ++g) r.opt->add("layer" + std::to_string(g), c.sizes[g]);
+  adam_step_options so = step_options_for(c);
+  so.grads_known_finite = true;
+  const auto grads = gradients(c, 0);
+  ASSERT_TRUE(ref.step(grads, so, false));
+  const offload_group_step small{r.ids[0], grads[0].data(), nullptr};
+  const offload_group_step large{r.ids[1], grads[1].data(), nullptr};
+  ASSERT_TRUE(r.opt->step_part({&small, 1}, so));
+
+  // Every hole of the pool taken, and the host refusing a new region.
+  std::vector<void*> filler;
+  while (r.host.pool->stats().largest_free_block > 0) {
+    filler.push_back(r.host.pool->allocate(r.host.pool->stats().largest_free_block));
+  }
+  r.host.dev->inject_out_of_memory(2);  // the pool's try and its retry
+  try {
+    r.opt->step_part({&large, 1}, so);
+    FAIL() << "staging was had from a full pool";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("step 1 failed"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(r.opt->finish_step(), logic_error);  // layer1 is owed
+  EXPECT_EQ(r.opt->step_count(), 0);
+
+  for (void* p : filler) r.host.pool->deallocate(p);
+  ASSERT_TRUE(r.opt->step_part({&large, 1}, so));
+  r.opt->finish_step();
+  expect_same(r, ref, "after the retried part");
+  r.host.pool->check_invariants();
+}
+
 // The step options and the learning rate of an open step are those of its first call: a retry
 // or a later part with others would step some chunks of one step differently from the rest.
 TEST(OffloadAdam, AnOpenStepKeepsItsOptionsAndItsLearningRate) {
