@@ -130,6 +130,19 @@ float grad_multiplier(float grad_scale, float clip_coef) noexcept {
   return static_cast<float>(static_cast<double>(clip_coef) / grad_scale);
 }
 
+// The step's multiplier, after checking grad_scale and clip_coef. A grad_scale below ~1/FLT_MAX
+// makes the multiplier inf, and every zero gradient NaN.
+float checked_grad_multiplier(const adam_step_options& so) {
+  check_scale(so.grad_scale);
+  TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef >= 0,
+                  "adam: clip_coef must be finite and >= 0, got " + std::to_string(so.clip_coef));
+  const float grad_mul = grad_multiplier(so.grad_scale, so.clip_coef);
+  TERRACE_EXPECTS(std::isfinite(grad_mul), "adam: clip_coef / grad_scale (" + std::to_string(so.clip_coef) +
+                                               " / " + std::to_string(so.grad_scale) +
+                                               ") overflows float; grad_scale is too small");
+  return grad_mul;
+}
+
 }  // namespace
 
 namespace detail {
@@ -264,6 +277,19 @@ grad_norm_result adam_optimizer::grad_norm(std::span<const adam_tensor> tensors,
   return {std::sqrt(r.sum_squares) / grad_scale, r.finite};
 }
 
+bool adam_optimizer::grads_finite(std::span<const adam_tensor> tensors, const adam_step_options& so) {
+  check_dtype(so.grad_dtype, "grad");
+  const float grad_mul = checked_grad_multiplier(so);
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].size == 0) continue;
+    check_buffer(tensors[i].grad, so.grad_dtype, i, "grad");
+    add_size(total, tensors[i].size, i);
+  }
+  std::lock_guard lock(impl_->mutex);
+  return impl_->scan(tensors, total, so.grad_dtype, grad_mul).finite;
+}
+
 bool adam_optimizer::step(const adam_buffers& b, const adam_step_options& so) {
   const std::size_t n = b.param.size();
   const std::size_t state = size_of(impl_->options.state_dtype);
@@ -287,14 +313,7 @@ bool adam_optimizer::step(const adam_buffers& b, const adam_step_options& so) {
 bool adam_optimizer::step(std::span<const adam_tensor> tensors, const adam_step_options& so) {
   check_dtype(so.grad_dtype, "grad");
   check_dtype(so.copy_dtype, "copy");
-  check_scale(so.grad_scale);
-  TERRACE_EXPECTS(std::isfinite(so.clip_coef) && so.clip_coef >= 0,
-                  "adam: clip_coef must be finite and >= 0, got " + std::to_string(so.clip_coef));
-  // A grad_scale below ~1/FLT_MAX makes the multiplier inf, and every zero gradient NaN.
-  const float grad_mul = grad_multiplier(so.grad_scale, so.clip_coef);
-  TERRACE_EXPECTS(std::isfinite(grad_mul), "adam: clip_coef / grad_scale (" + std::to_string(so.clip_coef) +
-                                               " / " + std::to_string(so.grad_scale) +
-                                               ") overflows float; grad_scale is too small");
+  const float grad_mul = checked_grad_multiplier(so);
   const dtype state = impl_->options.state_dtype;
   const bool lion = impl_->options.mode == adam_mode::lion;
   std::size_t total = 0;

@@ -604,10 +604,9 @@ struct offload_adam::impl {
     } step_timer{counters.step_seconds, start};
     validate(list, so);
     if (open) check_continues_open_step(list, so, finish);
-    if (so.check_finite && !so.grads_known_finite) {
-      const std::vector<adam_tensor> grads = grad_tensors(list);
-      if (!adam.grad_norm(grads, so.grad_dtype, so.grad_scale).finite) return false;
-    }
+    // adam_optimizer::step's own decision (the gradients times clip_coef / grad_scale), made once
+    // for every chunk; grad_norm's finiteness leaves clip_coef out.
+    if (so.check_finite && !so.grads_known_finite && !adam.grads_finite(grad_tensors(list), so)) return false;
     adam_step_options chunk_options = so;
     chunk_options.grads_known_finite = true;  // decided above, once for the whole step
     const std::int64_t t = adam.step_count() + 1;

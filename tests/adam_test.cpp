@@ -415,6 +415,16 @@ TEST_P(AdamPerIsa, GradientThatOverflowsWhenUnscaledSkipsTheStep) {
       // The norm pass, whose finiteness a caller passes on as grads_known_finite, says the same.
       EXPECT_FALSE(adam.grad_norm(views, grad, 0.5f).finite) << what;
       EXPECT_TRUE(adam.grad_norm(views, grad, 1.0f).finite) << what;
+      // grads_finite is the step's own check, clip_coef included (grad_norm leaves it out).
+      EXPECT_FALSE(adam.grads_finite(views, so)) << what;
+      adam_step_options clipped = so;
+      clipped.clip_coef = 0.25f;  // 1.5e38: the step would take it
+      EXPECT_TRUE(adam.grads_finite(views, clipped)) << what;
+      clipped.grad_scale = 1.0f;
+      clipped.clip_coef = 2.0f;  // 6e38 once clipped
+      EXPECT_FALSE(adam.grads_finite(views, clipped)) << what;
+      EXPECT_EQ(adam.step_count(), 2) << what;
+      EXPECT_TRUE(same_state(before, tensors)) << what;
     }
   }
   auto tensors = make_tensors({100}, dtype::f32, dtype::f32, false);

@@ -386,6 +386,34 @@ TEST(OffloadAdam, AStepWithAnInfGradientChangesNoByteAnywhere) {
   EXPECT_EQ(r.opt->step_count(), 2);
 }
 
+// check_finite decides as adam_optimizer::step does: on the gradients times the step's whole
+// multiplier, clip_coef / grad_scale, which is what the update multiplies them by. Found in review:
+// offload_adam scanned them divided by grad_scale alone, so a clip_coef above 1 that makes a large
+// finite gradient overflow stepped inf into the state where adam_optimizer skips, and a clip_coef
+// below 1 that keeps an overflowing unscaled value finite skipped a step adam_optimizer takes.
+TEST(OffloadAdam, TheFiniteCheckIsAdamsWithTheClipCoefficient) {
+  struct scenario {
+    float grad_scale, clip_coef;
+  };
+  for (const scenario& sc : {scenario{1.0f, 2.0f}, scenario{0.5f, 0.25f}}) {
+    SCOPED_TRACE("grad_scale " + std::to_string(sc.grad_scale) + ", clip_coef " + std::to_string(sc.clip_coef));
+    config c;
+    c.host_budget = 300 * 12;  // a host group and an NVMe one
+    c.sizes = {300, 10000};
+    offload_rig r(c);
+    reference ref(c);
+    adam_step_options so = step_options_for(c);
+    so.grad_scale = sc.grad_scale;
+    so.clip_coef = sc.clip_coef;
+    auto grads = gradients(c, 0);
+    const float large = 3e38f;  // finite; overflows times 2
+    std::memcpy(grads[1].data() + 4 * 5000, &large, 4);
+    const bool stepped = ref.step(grads, so, false);
+    EXPECT_EQ(r.step(grads, so), stepped);
+    expect_same(r, ref, "after the step");
+  }
+}
+
 TEST(OffloadAdam, GradNormIsAdamsOverAllGroups) {
   config c;
   c.sizes = kOddSizes;

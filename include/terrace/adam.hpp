@@ -163,6 +163,12 @@ class adam_optimizer {
   grad_norm_result grad_norm(std::span<const adam_tensor> tensors, dtype grad_dtype,
                              float grad_scale = 1.0f);
 
+  /// @brief Whether step() with these options would find the gradients finite: its check_finite
+  /// scan (of grad * clip_coef / grad_scale, what the update multiplies them by), without the
+  /// step. For a caller that steps the tensors in several calls and must decide once for all.
+  /// @throws terrace::logic_error as step() would for the gradients and the options.
+  bool grads_finite(std::span<const adam_tensor> tensors, const adam_step_options& step_options);
+
   /// @brief Steps taken so far (torch's state["step"]); the next step uses step_count() + 1.
   std::int64_t step_count() const noexcept;
   /// @brief Sets the counter, e.g. when resuming from a checkpoint.
