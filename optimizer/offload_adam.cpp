@@ -145,11 +145,11 @@ struct offload_adam::impl {
     std::size_t count = 0;
     // Host-resident groups: the chunk's [master | m | v]. NVMe groups: nullptr, except after a
     // write of the chunk failed: then its updated bytes are rescued here until a later write
-    // (step or checkpoint) succeeds, so a failed put never loses state.
+    // (step or checkpoint) succeeds, so a failed put never loses state. A pool buffer either way
+    // (a rescue may hold a whole staging buffer).
     std::byte* host = nullptr;
     bool in_store = false;  // the store holds the current bytes of this chunk
     bool updated = false;   // updated by the open step (an earlier part, or a failed attempt of it)
-    bool lost = false;      // a failed write whose bytes could not be rescued
   };
   struct group {
     std::string name;
@@ -228,28 +228,19 @@ struct offload_adam::impl {
     return groups[id];
   }
 
-  void check_not_lost(const group& g) const {
-    for (std::size_t k = 0; k < g.chunks.size(); ++k) {
-      if (g.chunks[k].lost) {
-        throw io_error("terrace: offload_adam: the state of group '" + g.name + "' chunk " +
-                       std::to_string(k) + " (store tensor '" + chunk_id(g, k) +
-                       "') was lost: its write failed and no pinned memory could hold it; "
-                       "resume from the last checkpoint");
-      }
-    }
-  }
-
-  // Makes every staging buffer at least `bytes` long.
+  // Makes every staging buffer at least `bytes` long. A slot without one (it went to a rescued
+  // chunk, or the pool refused it last time) gets one of staging_bytes, the size of the others.
   void ensure_staging(std::size_t bytes) {
     bytes = round_up(bytes, kStoreGranule);
-    if (staging_bytes >= bytes) return;
-    for (slot& s : slots) {
-      pool.deallocate(s.buffer);
-      s.buffer = nullptr;
+    if (staging_bytes < bytes) {
+      for (slot& s : slots) {
+        pool.deallocate(s.buffer);
+        s.buffer = nullptr;
+      }
+      staging_bytes = bytes;
     }
-    staging_bytes = 0;
-    for (slot& s : slots) s.buffer = static_cast<std::byte*>(pool.allocate(bytes));
-    staging_bytes = bytes;
+    for (slot& s : slots)
+      if (s.buffer == nullptr) s.buffer = static_cast<std::byte*>(pool.allocate(staging_bytes));
   }
 
   // Waits for every transfer still on a slot, ignoring their errors (the caller is already
@@ -479,7 +470,6 @@ struct offload_adam::impl {
                         "offload_adam: group '" + g.name + "': param_copy is not aligned to its element size");
         ++with_copy;
       }
-      check_not_lost(g);
     }
     TERRACE_EXPECTS(with_copy == 0 || with_copy == list.size(),
                     "offload_adam: param_copy is set on " + std::to_string(with_copy) + " of " +
@@ -501,18 +491,22 @@ struct offload_adam::impl {
     return adam_tensor{master_of(base), m_of(base, c), v_of(base, c), grad, copy, c.count};
   }
 
-  // A failed write: the chunk's new bytes (in `from`) move to a pinned buffer of their own.
-  void rescue(chunk& c, const std::byte* from) {
+  // A failed write: the chunk's new bytes (in slot `s`, about to be reused) move to a pinned
+  // buffer of their own. When the pool has no room for one (it is shared, and often full under a
+  // host budget), the slot's buffer itself becomes the chunk's: the next call that stages
+  // allocates the slot a new one, and fails cleanly if it cannot.
+  void rescue(chunk& c, slot& s) {
+    c.in_store = false;
     if (c.host == nullptr) {
       try {
         c.host = static_cast<std::byte*>(pool.allocate(chunk_bytes(c)));
       } catch (...) {
-        c.lost = true;
+        c.host = s.buffer;
+        s.buffer = nullptr;
         return;
       }
     }
-    if (c.host != from) std::memcpy(c.host, from, chunk_bytes(c));
-    c.in_store = false;
+    std::memcpy(c.host, s.buffer, chunk_bytes(c));
   }
 
   // ---- the open step: what may continue and end it
@@ -817,7 +811,7 @@ struct offload_adam::impl {
     for (std::size_t i = 0; i < stepped; ++i) {
       if (put_done[i]) continue;
       chunk& c = nvme_work[i].g->chunks[nvme_work[i].k];
-      rescue(c, slots[i % depth].buffer);
+      rescue(c, slots[i % depth]);
     }
   }
 
@@ -826,7 +820,6 @@ struct offload_adam::impl {
   void read_master(group_id id, float* out) {
     TERRACE_EXPECTS(out != nullptr, "offload_adam: read_master into a null buffer");
     group& g = at(id, "read_master");
-    check_not_lost(g);
     for (std::size_t k = 0; k < g.chunks.size(); ++k) {
       chunk& c = g.chunks[k];
       if (c.host != nullptr) {
@@ -846,7 +839,6 @@ struct offload_adam::impl {
     TERRACE_EXPECTS(!open, "offload_adam: checkpoint while a step is unfinished (a failed step, or "
                            "step_part() without finish_step()): finish it first, with the same "
                            "gradients (a checkpoint of half a step would resume wrong)");
-    for (const group& g : groups) check_not_lost(g);
     meta_record m;
     m.state_dtype = static_cast<std::uint32_t>(adam.options().state_dtype);
     m.chunk_elements = options.chunk_elements;

@@ -714,6 +714,47 @@ TEST(OffloadAdam, AnEioMidStepIsNamedAndTheRetriedStepFinishesItBitwise) {
   }
 }
 
+// A failed put's chunk keeps its new bytes even when the pinned pool has no room for a rescue
+// buffer (under the engine the pool is shared with the tier manager's home copies, and is often
+// full): the staging buffer that holds them becomes the chunk's. Found in review: the chunk was
+// marked lost instead, the error still said to call step() again, and that retry said to resume
+// from the last checkpoint, losing every step since.
+TEST(OffloadAdam, AFailedPutsChunkIsKeptWhenThePoolHasNoRoomToRescueIt) {
+  config c;
+  c.sizes = {10000, 300};  // on NVMe: 4 chunks
+  c.copy = true;
+  offload_rig r(c);
+  reference ref(c);
+  const adam_step_options so = step_options_for(c);
+  const auto grads = gradients(c, 0);
+  ASSERT_TRUE(ref.step(grads, so, true));
+
+  std::vector<void*> filler;
+  while (r.host.pool->stats().largest_free_block > 0) {
+    filler.push_back(r.host.pool->allocate(r.host.pool->stats().largest_free_block));
+  }
+  r.host.dev->inject_out_of_memory(1000);  // and no new region
+  r.store->inject_fault(fault(io_fault::kind::eio, false, true, 2));
+  try {
+    r.step(grads, so);
+    FAIL() << "the injected EIO was not reported";
+  } catch (const io_error& e) {
+    EXPECT_NE(std::string(e.what()).find("step() again"), std::string::npos) << e.what();
+  }
+  r.host.dev->inject_out_of_memory(0);
+  for (void* p : filler) r.host.pool->deallocate(p);
+  // Nothing was lost: every group reads back.
+  for (std::size_t g = 0; g < c.sizes.size(); ++g) EXPECT_NO_THROW(r.master(g)) << g;
+  ASSERT_TRUE(r.step(grads, so));  // finishes step 1
+  expect_same(r, ref, "after the retried step");
+  const auto next = gradients(c, 1);
+  ASSERT_TRUE(ref.step(next, so, true));
+  ASSERT_TRUE(r.step(next, so));
+  expect_same(r, ref, "a step later");
+  r.opt->checkpoint();
+  r.host.pool->check_invariants();
+}
+
 // A put that failed in a step leaves nothing behind for the calls after it. Found in review: its
 // staging slot kept the failed handle until a later step reused the slot, and add() waited on
 // every slot's last put, so the next group added failed with the old step's EIO.
