@@ -21,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -272,7 +273,8 @@ struct offload_adam::impl {
   bool place_on_nvme(std::size_t elements) const {
     if (store == nullptr) return false;
     if (any_on_nvme()) return true;
-    return host_bytes_used() + elements * element_bytes > options.host_state_budget;
+    const std::size_t used = host_bytes_used();  // within the budget: each host group fit it
+    return elements * element_bytes > options.host_state_budget - used;
   }
 
   // ---- add
@@ -297,6 +299,11 @@ struct offload_adam::impl {
     for (const group& g : groups)
       TERRACE_EXPECTS(g.name != name, "offload_adam: a group named '" + name + "' exists already");
     TERRACE_EXPECTS(groups.size() < std::numeric_limits<group_id>::max(), "offload_adam: too many groups");
+    // No buffer holds more than PTRDIFF_MAX bytes; past it the state's byte counts wrap around.
+    TERRACE_EXPECTS(elements <= static_cast<std::size_t>(PTRDIFF_MAX) / element_bytes,
+                    "offload_adam: group '" + name + "' has " + std::to_string(elements) +
+                        " elements, more than any buffer of its state can hold (a negative length "
+                        "converted to size_t?)");
     group g;
     g.name = name;
     g.elements = elements;

@@ -556,6 +556,22 @@ TEST(OffloadAdam, BadGroupsAndBadStepsAreRefusedWithoutChangingAnything) {
   EXPECT_THROW(host_only.checkpoint(), logic_error);
 }
 
+// A size no buffer can have (a negative length converted to size_t) is refused, as
+// adam_optimizer refuses it. Found in review: the chunk's byte count wrapped around, so add()
+// allocated a few bytes and copied the whole initial_master into them.
+TEST(OffloadAdam, AGroupLargerThanAnyBufferIsRefused) {
+  host_rig host;
+  offload_adam_options o;
+  o.chunk_elements = std::size_t{1} << 62;  // one chunk for all of it
+  offload_adam opt(o, *host.pool);
+  const float initial[1] = {0.0f};
+  // 12 bytes per element: this count's state wraps around to 8 bytes.
+  EXPECT_THROW(opt.add("huge", SIZE_MAX / 12 + 2, initial), logic_error);
+  EXPECT_THROW(opt.add("negative", static_cast<std::size_t>(-1), initial), logic_error);
+  EXPECT_EQ(opt.stats().host_state_bytes, 0u);
+  EXPECT_EQ(host.pool->stats().allocation.current, 0);
+}
+
 TEST(OffloadAdam, BadStepArgumentsAreRefusedBeforeAnythingIsWritten) {
   config c;
   c.sizes = {5000, 300};
