@@ -157,6 +157,32 @@ TEST(PinnedPool, CapacityAndHostRefusalGiveAnOomThatSaysWhy) {
   pool.check_invariants();
 }
 
+// A capacity that is no multiple of 2 MiB is the caller's number, not rounded down to one: the
+// last region is then whole pages instead of whole huge pages (found in review: a capacity of
+// 1 MiB refused even 4 KiB as "capacity would be exceeded").
+TEST(PinnedPool, ACapacityThatIsNoMultipleOfTwoMiBIsUsedToTheLastPage) {
+  auto dev = sim();
+  pinned_pool_options o = small_regions();
+  o.capacity = 1 * MiB;
+  pinned_host_pool pool(*dev, o);
+  void* a = pool.allocate(4096);
+  void* b = pool.allocate(1 * MiB - 4096);  // a region of its own: exactly what is left
+  EXPECT_EQ(pool.stats().reserved_bytes.current, static_cast<std::int64_t>(1 * MiB));
+  EXPECT_THROW((void)pool.allocate(4096), out_of_memory);
+  pool.deallocate(a);
+  pool.deallocate(b);
+  pool.check_invariants();
+
+  o.capacity = 5 * MiB;
+  pinned_host_pool five(*dev, o);
+  void* c = five.allocate(4 * MiB);
+  void* d = five.allocate(1 * MiB);  // past the 2 MiB-rounded 4
+  EXPECT_EQ(five.stats().reserved_bytes.current, static_cast<std::int64_t>(5 * MiB));
+  five.deallocate(c);
+  five.deallocate(d);
+  five.check_invariants();
+}
+
 TEST(PinnedPool, ADeviceErrorPropagatesAndLeavesThePoolUsable) {
   auto dev = sim();
   pinned_host_pool pool(*dev, small_regions());

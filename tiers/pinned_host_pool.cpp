@@ -95,9 +95,9 @@ struct pinned_host_pool::impl {
   // The smallest region that holds `rounded` bytes at the pool's alignment. The backend promises
   // page alignment only (cudaHostAlloc, mmap), so an alignment above a page may cost up to one
   // alignment of the region's start.
-  std::size_t tight_region(std::size_t rounded) const {
+  std::size_t tight_region(std::size_t rounded, std::size_t granule = kRegionGranule) const {
     const std::size_t slack = options.alignment > kMinPage ? options.alignment - kMinPage : 0;
-    return round_up(rounded + slack, kRegionGranule);
+    return round_up(rounded + slack, granule);
   }
 
   ~impl() {
@@ -135,12 +135,16 @@ struct pinned_host_pool::impl {
     // Compared as what is left, so that a request near SIZE_MAX cannot wrap past the cap.
     const std::size_t left = options.capacity - std::min(reserved(), options.capacity);
     if (options.capacity != 0 && size > left) {
-      // A smaller region that still fits the request may be within the cap.
-      if (tight > left) {
+      // A smaller region that still fits the request may be within the cap: whole huge pages if
+      // they fit, else whole pages. The cap is the caller's number; rounded down to 2 MiB, a
+      // capacity of 1 MiB served nothing and one of 5 MiB held 4.
+      if (tight <= left) return add_region(tight);
+      const std::size_t pages = tight_region(rounded, kMinPage);
+      if (pages > left) {
         throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
                             " would be exceeded");
       }
-      return add_region(tight);
+      return add_region(pages);
     }
     return add_region(size);
   }

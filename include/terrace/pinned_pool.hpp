@@ -37,6 +37,7 @@ struct pinned_pool_options {
   /// default 4 KiB).
   std::size_t alignment = 0;
   /// The most pinned bytes the pool may hold (default: no limit of its own; the host decides).
+  /// Any number of bytes: the region that reaches it is whole pages rather than whole 2 MiB.
   std::size_t capacity = 0;
 };
 
