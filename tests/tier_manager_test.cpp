@@ -890,10 +890,96 @@ TEST(TierManager, AWriteAcquireThatFailsInThePrefetchWalkLeavesNoEmptyBlockNorPi
   r.tm->check_invariants();
   auto* p = static_cast<unsigned char*>(r.tm->acquire(c, r.compute, access::read));
   std::vector<unsigned char> seen(kBytes);
-  r.launch([p, &seen] { std::memcpy(seen.data(), p, kBytes); });
+  r.launch([p, &seen] { std::memcpy(seen.data(), p, seen.size()); });
   r.tm->release(c, r.compute);
   r.dev->synchronize(r.compute);
   EXPECT_TRUE(seen == pattern(kBytes, 3));
+}
+
+
+// A sim device whose next copies up can be refused (device_error at the call), as a CUDA copy
+// can be (an invalid argument, a launch queue that is full).
+class refusing_device final : public device_backend {
+ public:
+  explicit refusing_device(std::unique_ptr<device_backend> inner) : inner_(std::move(inner)) {
+    properties_ = inner_->properties();
+  }
+  int refuse_copies_up = 0;
+  device_backend& inner() { return *inner_; }  // for enqueue_host_function
+
+ private:
+  void* do_reserve(std::size_t bytes) override { return inner_->reserve(bytes); }
+  void do_release(void* p, std::size_t bytes) noexcept override { inner_->release(p, bytes); }
+  std::size_t do_used_bytes() const noexcept override { return inner_->used_bytes(); }
+  void* do_reserve_pinned_host(std::size_t bytes) override {
+    return inner_->reserve_pinned_host(bytes);
+  }
+  void do_release_pinned_host(void* p, std::size_t bytes) noexcept override {
+    inner_->release_pinned_host(p, bytes);
+  }
+  stream_ref do_create_stream() override { return inner_->create_stream(); }
+  void do_destroy_stream(stream_ref s) noexcept override { inner_->destroy_stream(s); }
+  void do_synchronize_stream(stream_ref s) override { inner_->synchronize(s); }
+  void do_synchronize_device() override { inner_->synchronize_device(); }
+  event_ref do_create_event() override { return inner_->create_event(); }
+  void do_destroy_event(event_ref e) noexcept override { inner_->destroy_event(e); }
+  void do_record(event_ref e, stream_ref s) override { inner_->record(e, s); }
+  bool do_query(event_ref e) override { return inner_->query(e); }
+  void do_wait(stream_ref s, event_ref e) override { inner_->wait(s, e); }
+  void do_synchronize_event(event_ref e) override { inner_->synchronize(e); }
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind kind,
+                     stream_ref s) override {
+    if (kind == copy_kind::host_to_device && refuse_copies_up > 0) {
+      --refuse_copies_up;
+      throw device_error("test: copy up refused");
+    }
+    inner_->copy_async(dst, src, bytes, kind, s);
+  }
+  std::unique_ptr<device_backend> inner_;
+};
+
+// A copy up that the device refuses leaves no device copy behind: a block that holds none of the
+// tensor's data must not be handed to the next acquire as if it did, whether the copy was the
+// acquire's own or a prefetch's.
+TEST(TierManager, ARefusedCopyUpLeavesNoDeviceCopyWithoutTheData) {
+  constexpr std::size_t kBytes = 1 * MiB;
+  device_options o;
+  o.capacity = 64 * MiB;
+  refusing_device dev(make_device("sim", o));
+  caching_allocator memory(dev);
+  pinned_pool_options po;
+  po.region_size = 16 * MiB;
+  pinned_host_pool host(dev, po);
+  stream_ref compute = dev.create_stream();
+  {
+    tier_manager tm(dev, memory, host, {});
+    const tensor_id a = tm.add("a", kBytes, pattern(kBytes, 1).data());
+    const tensor_id b = tm.add("b", kBytes, pattern(kBytes, 2).data());
+    const auto seen_by_kernel = [&](tensor_id id) {
+      auto* p = static_cast<unsigned char*>(tm.acquire(id, compute));
+      std::vector<unsigned char> seen(kBytes);
+      enqueue_host_function(dev.inner(), compute, [p, &seen] { std::memcpy(seen.data(), p, seen.size()); });
+      tm.release(id, compute);
+      dev.synchronize(compute);
+      return seen;
+    };
+    dev.refuse_copies_up = 1;  // the acquire's own copy up
+    EXPECT_THROW(tm.acquire(a, compute), device_error);
+    tm.check_invariants();
+    EXPECT_FALSE(tm.on_device(a)) << "a refused copy up left a block without a's data";
+    EXPECT_TRUE(seen_by_kernel(a) == pattern(kBytes, 1));
+
+    tm.set_schedule({a, b});
+    tm.host_modified(b);  // b's device copy (if any) goes: its next use needs a copy up
+    dev.refuse_copies_up = 1;  // b's prefetch, started by a's acquire
+    EXPECT_THROW(tm.acquire(a, compute), device_error);
+    tm.check_invariants();
+    EXPECT_THROW(tm.release(a, compute), logic_error) << "a was left pinned";
+    EXPECT_FALSE(tm.on_device(b)) << "a refused prefetch left a block without b's data";
+    EXPECT_TRUE(seen_by_kernel(b) == pattern(kBytes, 2));
+  }
+  dev.synchronize_device();
+  dev.destroy_stream(compute);
 }
 
 }  // namespace

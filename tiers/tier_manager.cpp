@@ -403,17 +403,35 @@ struct tier_manager::impl {
   }
 
   // Gives `t` a device block and queues its copy up (unless it is about to be overwritten).
+  // A copy the device refuses gives the block back and throws: kept, the block would pass for
+  // the tensor's data at its next acquire.
   void bring_up(tensor_id id, void* block, bool needs_data) {
     tensor& t = tensors[id];
+    const bool copies = needs_data && t.host_written;
+    if (copies) {
+      bool queued = false;
+      try {
+        // A copy down still in flight on the copy stream is ahead of this one: same stream.
+        device.copy_async(block, t.host, t.bytes, copy_kind::host_to_device, copy);
+        queued = true;
+        device.record(ensure(t.up), copy);
+      } catch (...) {
+        if (queued) {
+          try {
+            device.synchronize(copy);  // no event fences the block: the copy must be done
+          } catch (...) {
+          }
+        }
+        memory.deallocate(block, copy);
+        throw;
+      }
+    }
     t.dev = block;
     resident.push_back(id);
     device_bytes += t.bytes;
     counters.device_bytes = static_cast<std::int64_t>(device_bytes);
     counters.device_bytes_peak = std::max(counters.device_bytes_peak, counters.device_bytes);
-    if (needs_data && t.host_written) {
-      // A copy down still in flight on the copy stream is ahead of this one: same stream.
-      device.copy_async(t.dev, t.host, t.bytes, copy_kind::host_to_device, copy);
-      device.record(ensure(t.up), copy);
+    if (copies) {
       note_block_copy(t);
       t.up_pending = true;
       counters.host_to_device_bytes += static_cast<std::int64_t>(t.bytes);
