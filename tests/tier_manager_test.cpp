@@ -772,6 +772,14 @@ TEST(TierManager, MisuseIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("2 acquired tensors"), std::string::npos) << e.what();
   }
   r.tm->release(a, r.compute);
+  const tensor_id huge = r.tm->add("huge", 2 * MiB);
+  try {
+    r.tm->acquire(huge, r.compute);  // larger than the budget, whatever is acquired
+    FAIL() << "no out_of_memory";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than the device budget"), std::string::npos)
+        << e.what();
+  }
   r.tm->acquire(c, r.compute);  // now a can go
   r.tm->release(b, r.compute);
   r.tm->release(c, r.compute);

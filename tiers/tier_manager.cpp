@@ -907,7 +907,14 @@ struct tier_manager::impl {
     if (t.dev != nullptr) {
       if (t.prefetched) ++counters.prefetch_hits;
     } else {
-      if (t.bytes > options.device_budget || !make_room(t.bytes, id, kNever)) {
+      if (t.bytes > options.device_budget) {
+        // Not a matter of what is acquired: releasing everything would not help.
+        throw out_of_memory("terrace: tier manager: '" + t.name + "' (" +
+                            detail::describe_bytes(t.bytes) + ") is larger than the device budget of " +
+                            detail::describe_bytes(options.device_budget) +
+                            ": it can never be on the device");
+      }
+      if (!make_room(t.bytes, id, kNever)) {
         throw out_of_memory("terrace: tier manager: no room for '" + t.name + "' (" +
                             detail::describe_bytes(t.bytes) + ") in the device budget of " +
                             detail::describe_bytes(options.device_budget) + ": " +

@@ -137,8 +137,9 @@ class tier_manager {
   /// does not block the host; a tensor on NVMe is read into pinned memory first, and making room
   /// may wait for puts to NVMe and for copies down of the evicted tensors.
   /// Acquiring a pinned tensor again pins it again.
-  /// @throws logic_error for an unknown id; out_of_memory when acquired tensors leave no room in
-  ///         the device budget, or their homes none in the host budget; io_error from NVMe.
+  /// @throws logic_error for an unknown id; out_of_memory when the tensor is larger than the
+  ///         device budget, when acquired tensors leave no room in it, or their homes none in the
+  ///         host budget; io_error from NVMe.
   void* acquire(tensor_id id, stream_ref stream, access mode = access::read);
   /// @brief Unpins; the device copy may be evicted once the work queued on `stream` so far is done.
   /// @throws logic_error for an unknown id or a tensor that is not acquired.
