@@ -830,6 +830,46 @@ TEST(TierManagerConcurrency, AnOptimizerThreadWorksBesideTheTrainingThread) {
 namespace terrace {
 namespace {
 
+// release(id, stream) promises that the device copy is evicted only once the work queued on
+// `stream` is done. A tensor acquired on one stream and released on another (its reader, ordered
+// after the first by an event) was evicted clean with only the acquiring stream registered with
+// the allocator: the block went to the next copy up at once, under the reader still running.
+TEST(TierManager, AnEvictionWaitsForTheStreamTheTensorWasReleasedOn) {
+  device_options o;
+  o.capacity = 64 << 20;
+  auto dev = make_device("sim", o);
+  caching_allocator mem(*dev);
+  pinned_pool_options po;
+  po.region_size = 4 << 20;
+  pinned_host_pool host(*dev, po);
+  const std::size_t n = 1 << 20;
+  stream_ref s1 = dev->create_stream(), s2 = dev->create_stream();
+  {
+    tier_manager_options to;
+    to.device_budget = n;  // room for one tensor
+    tier_manager tm(*dev, mem, host, to);
+    const tensor_id a = tm.add("a", n, std::vector<unsigned char>(n, 0x11).data());
+    const tensor_id b = tm.add("b", n, std::vector<unsigned char>(n, 0x22).data());
+    auto* p = static_cast<unsigned char*>(tm.acquire(a, s1, access::read));
+    event_ref e = dev->create_event();
+    dev->record(e, s1);
+    dev->wait(s2, e);  // s2 reads a after what s1 queued: a correctly ordered program
+    std::atomic<int> seen{-1};
+    enqueue_host_function(*dev, s2, [p, &seen] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      seen = p[n - 1];
+    });
+    tm.release(a, s2);  // evictable once s2's read is done
+    tm.acquire(b, s1, access::read);  // evicts a (clean): b's copy up must not land under the read
+    tm.release(b, s1);
+    dev->synchronize_device();
+    EXPECT_EQ(seen.load(), 0x11) << "the reader saw b's bytes in a's block";
+    dev->destroy_event(e);
+  }
+  dev->destroy_stream(s1);
+  dev->destroy_stream(s2);
+}
+
 // Found in review: release kept one event, so the eviction's copy down waited only for the stream
 // released last; an update on another stream, still running, was copied down half-done and lost.
 TEST(TierManager, ACopyDownWaitsForEveryStreamThatReleasedTheTensor) {

@@ -993,6 +993,10 @@ struct tier_manager::impl {
       throw logic_error("terrace: tier manager: release of '" + t.name + "', which is not acquired");
     }
     --t.pins;
+    // The block must not be handed out again before the work queued on `stream` is done, as it
+    // would be for a stream that released the tensor without having acquired it (a reader
+    // ordered after the acquiring stream).
+    if (stream.native != copy.native) memory.record_stream(t.dev, stream);
     // The copy down of an eviction must wait for the work that used the tensor on `stream`.
     const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
     auto d = std::find_if(t.done.begin(), t.done.end(), [&](const auto& x) { return x.first == s; });
