@@ -830,6 +830,23 @@ TEST(TierManagerConcurrency, AnOptimizerThreadWorksBesideTheTrainingThread) {
 namespace terrace {
 namespace {
 
+// read_home of a tensor never written reads as zeros (tier_manager.hpp), whether or not it holds
+// a home buffer: one taken by add() may be a buffer the pool hands out again, still holding the
+// bytes of the tensor that had it before (here, of another manager over the same pool).
+TEST(TierManager, ReadHomeOfATensorNeverWrittenReadsZerosFromAReusedBuffer) {
+  constexpr std::size_t kBytes = 256 * KiB;
+  rig r(4 * kBytes);
+  {
+    tier_manager earlier(*r.dev, *r.memory, *r.host, {});
+    earlier.add("old", kBytes, pattern(kBytes, 5).data());
+  }
+  const tensor_id blank = r.tm->add("blank", kBytes);
+  std::vector<unsigned char> out(kBytes, 0xab);
+  r.tm->read_home(blank, out.data());
+  EXPECT_TRUE(out == std::vector<unsigned char>(kBytes, 0)) << "another tensor's bytes came out";
+  r.tm->check_invariants();
+}
+
 // release(id, stream) promises that the device copy is evicted only once the work queued on
 // `stream` is done. A tensor acquired on one stream and released on another (its reader, ordered
 // after the first by an event) was evicted clean with only the acquiring stream registered with

@@ -1024,10 +1024,11 @@ struct tier_manager::impl {
       counters.nvme_read_bytes += static_cast<std::int64_t>(t.bytes);
       return;
     }
-    if (t.pins == 0 && t.host == nullptr && t.dev == nullptr && !t.nvme_current && !t.leaving) {
+    if (t.pins == 0 && !t.host_written && !t.nvme_current && !(t.dev != nullptr && t.dev_newer)) {
       // Never written (or not since a restart whose checkpoint lacks it): its contents are
       // undefined, and a home buffer taken only to copy them out could be refused for want of room
-      // in the host budget, which the training thread's acquired tensors may hold.
+      // in the host budget, which the training thread's acquired tensors may hold. A home buffer
+      // it has (taken by add) holds whatever the pool's last user left there.
       std::memset(out, 0, t.bytes);
       return;
     }
