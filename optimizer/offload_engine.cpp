@@ -764,7 +764,19 @@ struct offload_engine::impl {
       if (!join_update(u)) return;
       publish(u);
     }
-    tm->begin_iteration();  // prefetch the params just published
+    start_next_iteration();  // prefetch the params just published
+  }
+
+  // Restarts the schedule once the params' home copies are final, prefetching the next forward's
+  // first params. That prefetch is only ahead of need, so its failure (a copy the device refuses)
+  // is not the caller's: thrown, it would fail a step or an update that has happened (and a
+  // caller feeds a failed step's batch again: the update applied twice). The next forward
+  // fetches on demand, and reports an error that persists.
+  void start_next_iteration() noexcept {
+    try {
+      tm->begin_iteration();
+    } catch (...) {
+    }
   }
 
   // Under a host budget a host_data() call may move another home copy to NVMe, invalidating a
@@ -938,7 +950,7 @@ struct offload_engine::impl {
     memory.begin_iteration();
     // The params' home copies are final: the next forward's first params start coming up now,
     // while the caller gets its next batch.
-    tm->begin_iteration();
+    start_next_iteration();
     s.seconds = seconds_since(start);
     // delayed_update: the count once the update just started is applied (one less should it be
     // skipped, which the next step reports).

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -534,6 +535,7 @@ struct probe_model : layered_model {
   }
   float loss() override { return static_cast<float>(sum); }
   void backward(std::size_t l, const std::uint16_t* p, float* g) override {
+    if (on_backward) on_backward(l);
     fail_once(fail_backward_at, l);
     device.synchronize(stream);
     for (std::size_t i = 0; i < sizes[l]; ++i) g[i] = 0.1f * param(p[i]) + batch * weight(l, i);
@@ -564,6 +566,7 @@ struct probe_model : layered_model {
   double sum = 0;
   std::size_t fail_forward_at = SIZE_MAX;
   std::size_t fail_backward_at = SIZE_MAX;
+  std::function<void(std::size_t layer)> on_backward;  // called as backward begins
 };
 
 // One engine over probe_model on its own sim device and store directory.
@@ -794,6 +797,82 @@ TEST(OffloadEngineFaults, AModelThatThrowsLeavesNothingAcquired) {
       EXPECT_EQ(e.engine->checkpoint(0), ref.engine->checkpoint(0));
       EXPECT_EQ(e.engine->step_count(), 4);
     }
+  }
+}
+
+// A sim device whose next copies up can be refused (device_error at the call).
+class refusing_device final : public device_backend {
+ public:
+  explicit refusing_device(std::unique_ptr<device_backend> inner) : inner_(std::move(inner)) {
+    properties_ = inner_->properties();
+  }
+  int refuse_copies_up = 0;
+
+ private:
+  void* do_reserve(std::size_t bytes) override { return inner_->reserve(bytes); }
+  void do_release(void* p, std::size_t bytes) noexcept override { inner_->release(p, bytes); }
+  std::size_t do_used_bytes() const noexcept override { return inner_->used_bytes(); }
+  void* do_reserve_pinned_host(std::size_t bytes) override {
+    return inner_->reserve_pinned_host(bytes);
+  }
+  void do_release_pinned_host(void* p, std::size_t bytes) noexcept override {
+    inner_->release_pinned_host(p, bytes);
+  }
+  stream_ref do_create_stream() override { return inner_->create_stream(); }
+  void do_destroy_stream(stream_ref s) noexcept override { inner_->destroy_stream(s); }
+  void do_synchronize_stream(stream_ref s) override { inner_->synchronize(s); }
+  void do_synchronize_device() override { inner_->synchronize_device(); }
+  event_ref do_create_event() override { return inner_->create_event(); }
+  void do_destroy_event(event_ref e) noexcept override { inner_->destroy_event(e); }
+  void do_record(event_ref e, stream_ref s) override { inner_->record(e, s); }
+  bool do_query(event_ref e) override { return inner_->query(e); }
+  void do_wait(stream_ref s, event_ref e) override { inner_->wait(s, e); }
+  void do_synchronize_event(event_ref e) override { inner_->synchronize(e); }
+  void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind kind,
+                     stream_ref s) override {
+    if (kind == copy_kind::host_to_device && refuse_copies_up > 0) {
+      --refuse_copies_up;
+      throw device_error("test: copy up refused");
+    }
+    inner_->copy_async(dst, src, bytes, kind, s);
+  }
+  std::unique_ptr<device_backend> inner_;
+};
+
+// A step ends by starting the next forward's prefetch (tier_manager::begin_iteration), after its
+// optimizer step. A prefetch the device refuses there made step() throw although the step had
+// happened: a caller told that a throwing step did not happen fed its batch again, and the
+// update was applied twice. The prefetch is only ahead of need: the use fetches on demand.
+TEST(OffloadEngineFaults, ARefusedPrefetchAfterTheUpdateDoesNotFailTheStep) {
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed_update" : "in place");
+    offload_engine_options o = probe_options({}, 1024);
+    o.delayed_update = delayed;
+    o.nvme_dir.clear();
+    o.optimizer_host_budget = SIZE_MAX;
+    probe_engine ref(kSmallLayers, o);
+    std::vector<float> want;
+    for (std::size_t s = 0; s < 3; ++s) want.push_back(ref.step(kProbeBatches[s]));
+
+    probe_engine e(kSmallLayers, o);
+    auto wrapped = std::make_unique<refusing_device>(std::move(e.device));
+    refusing_device& dev = *wrapped;
+    e.device = std::move(wrapped);
+    e.make(kSmallLayers, o);
+    auto& model = dynamic_cast<probe_model&>(e.engine->model());
+    EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[0]), want[0]));
+    // Armed in the last backward of step 2: the first copy up after it is the next forward's
+    // prefetch, started once the update is through.
+    model.on_backward = [&dev](std::size_t layer) {
+      if (layer == 0) dev.refuse_copies_up = 1;
+    };
+    float loss = 0;
+    EXPECT_NO_THROW(loss = e.step(kProbeBatches[1]));
+    model.on_backward = nullptr;
+    EXPECT_EQ(dev.refuse_copies_up, 0) << "the test does not test: nothing was refused";
+    EXPECT_TRUE(bitwise_equal(loss, want[1]));
+    EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[2]), want[2]));
+    expect_same_state(e, ref, "after step 3");
   }
 }
 
