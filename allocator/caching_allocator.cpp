@@ -246,7 +246,7 @@ class allocator_impl {
   block* try_new_memory(bool small, std::uintptr_t stream, std::size_t rounded) {
     if (config_.expandable_segments) return grow_expandable(small, stream, rounded);
     const std::size_t size = segment_size_for(rounded);
-    if (reserved_total() + size > allowed_bytes()) return nullptr;
+    if (capped_total() + size > allowed_bytes()) return nullptr;
     void* p = nullptr;
     try {
       p = device_.reserve(size);
@@ -477,7 +477,7 @@ class allocator_impl {
     }
     // No hole anywhere: a new range, unless the device could not map the request's pages anyway
     // (the range would stay behind, reserved and empty, until the next empty_cache).
-    if (reserved_total() + round_up(rounded, granularity_) > allowed_bytes()) return nullptr;
+    if (capped_total() + round_up(rounded, granularity_) > allowed_bytes()) return nullptr;
     const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
     void* p = nullptr;
     try {
@@ -506,7 +506,7 @@ class allocator_impl {
       if (b->size + have < rounded) continue;
       const std::size_t need = round_up(rounded - std::min(have, rounded), granularity_);
       if (need == 0) continue;  // the mapped free neighbour alone fits: find_free_block missed it
-      if (reserved_total() + need > allowed_bytes()) {
+      if (capped_total() + need > allowed_bytes()) {
         device_full = true;
         return nullptr;
       }
@@ -859,6 +859,9 @@ class allocator_impl {
     return static_cast<std::size_t>(stats_.reserved_bytes[0].current);
   }
 
+  // What the memory fraction caps: the segments and the planned policy's arena beside them.
+  std::size_t capped_total() const noexcept { return reserved_total() + outside_reserved_; }
+
   void count_reserved(const segment* seg, std::int64_t delta) {
     const int p = pool_index(seg->small_pool);
     for (int i : {0, p}) {
@@ -980,6 +983,19 @@ class allocator_impl {
     TERRACE_EXPECTS(fraction >= 0.0 && fraction <= 1.0, "memory fraction must be in [0, 1]");
     std::lock_guard<std::mutex> lock(mutex_);
     memory_fraction_ = fraction;
+  }
+
+  // The planned policy's arena is reserved by its front, beside the segments: `bytes` resident
+  // count against the memory fraction as the segments do.
+  void set_outside_reserved(std::size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    outside_reserved_ = bytes;
+  }
+  // How many bytes more the memory fraction allows, segments and arena together.
+  std::size_t fraction_room() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const std::size_t allowed = allowed_bytes();
+    return capped_total() >= allowed ? 0 : allowed - capped_total();
   }
 
   // ---------------------------------------------------------------- trace and snapshot
@@ -1246,6 +1262,7 @@ class allocator_impl {
   std::chrono::steady_clock::time_point start_;
   mutable std::mutex mutex_;
   double memory_fraction_ = 1.0;
+  std::size_t outside_reserved_ = 0;  // set_outside_reserved
   std::size_t granularity_ = kMinBlockSize;
   std::atomic<bool> tracing_{false};  // written under mutex_; read without it by tracing()
   bool exact_large_segments_ = false;  // set_exact_large_segments
@@ -1293,6 +1310,10 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
     });
     plan_->set_fallback_sizing(
         [impl = impl_.get()](bool exact) { impl->set_exact_large_segments(exact); });
+    plan_->set_fallback_budget([impl = impl_.get()] { return impl->fraction_room(); },
+                               [impl = impl_.get()](std::size_t bytes) {
+                                 impl->set_outside_reserved(bytes);
+                               });
   }
 }
 caching_allocator::~caching_allocator() = default;

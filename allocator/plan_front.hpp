@@ -122,6 +122,14 @@ class plan_front {
   /// `exact(true)` from a plan's installation until it is set aside: the fallback then cuts large
   /// segments to the request.
   void set_fallback_sizing(std::function<void(bool)> exact) { fallback_exact_ = std::move(exact); }
+  /// `room()` is how many bytes more the memory fraction allows (the fallback's segments and the
+  /// arena together); `resident(bytes)` tells the fallback how much of the arena is resident, which
+  /// the fraction caps beside its segments.
+  void set_fallback_budget(std::function<std::size_t()> room,
+                           std::function<void(std::size_t)> resident) {
+    fallback_room_ = std::move(room);
+    fallback_resident_ = std::move(resident);
+  }
 
   void note_totals(const fallback_totals& t) noexcept;
   void reset_peaks(const fallback_totals& t) noexcept;
@@ -325,6 +333,8 @@ class plan_front {
   void* reserve_lazy_arena(std::size_t bytes);
   bool map_arena(std::uintptr_t at, std::size_t size);
   std::size_t arena_resident_bytes() const noexcept;
+  // Publishes arena_resident_bytes() (stats, and the fallback's memory fraction).
+  void note_arena_resident();
   bool arena_adoptable() const noexcept;
   void give_arena_back() noexcept;
   void unmap_arena_pages(const std::vector<bool>& keep) noexcept;
@@ -428,6 +438,8 @@ class plan_front {
   std::function<void(void*)> release_hole_;
   std::function<fallback_totals()> fallback_totals_;
   std::function<void(bool)> fallback_exact_;
+  std::function<std::size_t()> fallback_room_;
+  std::function<void(std::size_t)> fallback_resident_;
   std::function<void(void*, std::size_t, std::uintptr_t)> adopt_segment_;
   std::function<void(std::uintptr_t, std::size_t, std::size_t, const std::vector<std::uintptr_t>&)>
       adopt_;

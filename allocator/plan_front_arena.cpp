@@ -74,7 +74,8 @@ void plan_front::uninstall() {
   max_owner_size_ = 0;
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   installed_ = false;
-  stats_.arena_reserved_bytes = stats_.hole_bytes = 0;
+  note_arena_resident();  // none: given back, or the fallback's segment now
+  stats_.hole_bytes = 0;
   if (had_holes && fallback_totals_) last_totals_ = fallback_totals_();
 }
 
@@ -207,9 +208,14 @@ bool plan_front::ensure_arena() {
 
   void* arena = nullptr;
   if (open_total > 0) {
-    try {
-      arena = device_.reserve(open_total);
-    } catch (const out_of_memory&) {
+    // The memory fraction caps the arena as it caps the fallback's segments.
+    if (!fallback_room_ || open_total <= fallback_room_()) {
+      try {
+        arena = device_.reserve(open_total);
+      } catch (const out_of_memory&) {
+      }
+    }
+    if (arena == nullptr) {
       // Reserved whole, the arena needs its memory beside the blocks the iteration before the
       // installation left live (the fallback's, freed during the first planned iteration).
       // With virtual memory, its pages are mapped as slots reach them instead (map_arena).
@@ -308,7 +314,7 @@ bool plan_front::ensure_arena() {
   installed_ = true;
   if (fallback_exact_) fallback_exact_(true);
   holes_since_reset_ = holes_since_reset_ || !holes_.empty();
-  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_resident_bytes());
+  note_arena_resident();
   stats_.hole_bytes = static_cast<std::int64_t>(hole_bytes_);
   // The installed plan's footprint, to compare with the lower bound: the new reservation plus the
   // extent it uses of each hole (a hole's tail beyond it was idle before the plan too).
@@ -413,7 +419,7 @@ bool plan_front::unmap_under_pressure() {
   device_.synchronize_device();
   unmap_arena_pages(busy);
   ++stats_.pressure_unmaps;
-  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_mapped_bytes_);
+  note_arena_resident();
   return true;
 }
 
@@ -542,6 +548,11 @@ std::size_t plan_front::arena_resident_bytes() const noexcept {
   return arena_lazy_ ? arena_mapped_bytes_ : arena_bytes_;
 }
 
+void plan_front::note_arena_resident() {
+  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_resident_bytes());
+  if (fallback_resident_) fallback_resident_(arena_resident_bytes());
+}
+
 // REQUIRES: no queued work uses the arena.
 void plan_front::give_arena_back() noexcept {
   if (arena_ == nullptr) return;
@@ -594,9 +605,16 @@ bool plan_front::map_arena(std::uintptr_t at, std::size_t size) {
     }
     std::size_t q = p;
     while (q < end && !arena_mapped_[q]) ++q;
-    try {
-      device_.map(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
-    } catch (const out_of_memory&) {
+    // The memory fraction caps the mapped pages as it caps the fallback's segments.
+    bool mapped = false;
+    if (!fallback_room_ || (q - p) * arena_page_ <= fallback_room_()) {
+      try {
+        device_.map(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
+        mapped = true;
+      } catch (const out_of_memory&) {
+      }
+    }
+    if (!mapped) {
       if (emptied || !release_fallback_cache_) return false;
       emptied = true;
       last_totals_ = release_fallback_cache_();
@@ -604,9 +622,9 @@ bool plan_front::map_arena(std::uintptr_t at, std::size_t size) {
     }
     for (std::size_t k = p; k < q; ++k) arena_mapped_[k] = true;
     arena_mapped_bytes_ += (q - p) * arena_page_;
+    note_arena_resident();
     p = q;
   }
-  stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_mapped_bytes_);
   note_totals(last_totals_);
   return true;
 }

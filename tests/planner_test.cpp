@@ -1828,3 +1828,65 @@ TEST(PlannedPolicy, ANarrowedPlanStillWidensForLaterFreesThatFit) {
   EXPECT_GE(s.planned_hits, s.iterations * 5 - 1) << "c misses once, before the plan widens";
   EXPECT_LE(reserved, static_cast<std::int64_t>(11 * kUnit + kUnit / 8));
 }
+
+// Found in review: the arena's reservation was outside the memory fraction. The caching allocator
+// compared only its own segments with the cap, so beside an installed arena it reserved up to the
+// whole fraction again, and an arena (re)installed after set_memory_fraction lowered the cap was
+// reserved whatever the cap. The allocator's reservations, arena included, stay under the cap.
+TEST(PlannedPolicy, TheArenaCountsAgainstTheMemoryFraction) {
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  terrace::device_options d;
+  d.capacity = 64 * kUnit;
+  auto dev = terrace::make_device("null", d);
+  terrace::caching_allocator a(
+      *dev, terrace::parse_alloc_conf(std::string(kPlannedExactConf) + ",memory_fraction:0.5"));
+  const auto cap = static_cast<std::int64_t>(32 * kUnit);
+  auto iteration = [&](std::size_t extra) {
+    a.begin_iteration();
+    void* p = a.allocate(8 * kUnit);
+    void* q = a.allocate(8 * kUnit);
+    if (extra > 0) {
+      // The caching allocator alone would hold 16 + extra here.
+      try {
+        a.deallocate(a.allocate(extra));
+      } catch (const terrace::out_of_memory&) {
+      }
+      EXPECT_LE(a.stats().reserved_bytes[0].current, cap);
+    }
+    a.deallocate(q);
+    a.deallocate(p);
+    a.end_iteration();
+    ASSERT_NO_THROW(a.check_invariants());
+  };
+  for (int it = 0; it < 4; ++it) iteration(0);
+  ASSERT_TRUE(a.plan_stats().active);
+  ASSERT_GE(a.plan_stats().arena_reserved_bytes, static_cast<std::int64_t>(16 * kUnit));
+  iteration(24 * kUnit);  // beside the arena's 16: over the cap
+  EXPECT_LE(a.stats().reserved_bytes[0].peak, cap);
+
+  // A lower cap: the arena, once given back, is not reserved again above it.
+  a.set_memory_fraction(0.125);  // 8 MiB
+  iteration(20 * kUnit);
+  for (int it = 0; it < 6; ++it) {
+    a.begin_iteration();
+    void* p = a.allocate(3 * kUnit);  // another shape, within the cap: the arena goes back
+    a.deallocate(p);
+    a.end_iteration();
+  }
+  a.reset_peak_stats();
+  for (int it = 0; it < 6; ++it) {
+    a.begin_iteration();
+    void* p = nullptr;
+    void* q = nullptr;
+    try {
+      p = a.allocate(8 * kUnit);
+      q = a.allocate(8 * kUnit);
+    } catch (const terrace::out_of_memory&) {  // 16 MiB of blocks do not fit under 8
+    }
+    EXPECT_LE(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(8 * kUnit)) << it;
+    if (q != nullptr) a.deallocate(q);
+    if (p != nullptr) a.deallocate(p);
+    a.end_iteration();
+  }
+  ASSERT_NO_THROW(a.check_invariants());
+}
