@@ -211,7 +211,9 @@ void check_placement(const std::vector<plan_interval>& items, const placement_pl
   std::vector<std::pair<std::uint64_t, std::size_t>> edges;  // (time*2 + is_alloc, index)
   for (std::size_t i = 0; i < items.size(); ++i) {
     const std::size_t size = align_up(items[i].size, alignment);
-    if (plan.offsets[i] % alignment != 0 || plan.offsets[i] + size > plan.arena_bytes) {
+    // (Not offset + size > arena_bytes: that wraps for an offset near 2^64.)
+    if (plan.offsets[i] % alignment != 0 || plan.offsets[i] > plan.arena_bytes ||
+        size > plan.arena_bytes - plan.offsets[i]) {
       throw logic_error("terrace: plan places interval " + std::to_string(i) +
                         " outside the arena or misaligned");
     }

@@ -114,6 +114,16 @@ TEST(Planner, SizesAndTimesWhereTheArithmeticWouldOverflowAreRefused) {
   terrace::check_placement({{huge / 2, 0, 2}, {huge / 2, 1, 3}}, plan);
 }
 
+// Found in review: check_placement bounded each block by offset + size, which wraps for an offset
+// near 2^64: a block placed past the arena's end, over another, passed the checker.
+TEST(Planner, CheckPlacementRefusesAnOffsetWhoseEndWraps) {
+  const std::vector<plan_interval> items = {{1024, 0, 2}, {1024, 0, 2}};
+  terrace::placement_plan bad;
+  bad.offsets = {0, SIZE_MAX - 511};
+  bad.arena_bytes = 1024;
+  EXPECT_THROW(terrace::check_placement(items, bad), terrace::logic_error);
+}
+
 TEST(Planner, DisjointLifetimesShareSpace) {
   const std::vector<plan_interval> items = {{4096, 0, 2}, {4096, 2, 4}, {4096, 4, 6}};
   const auto plan = terrace::plan_placement(items);
