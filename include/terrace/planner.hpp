@@ -10,8 +10,8 @@
 ///     blocks whose lifetimes overlap its own (else on top of them);
 ///   - greedy by start: blocks in allocation order, same best-fit rule (what an ideal online
 ///     best-fit allocator with perfect merging would do).
-/// Greedy by start is O(n * k) for n blocks of which at most k overlap in time; greedy by size is
-/// O(n^2) and runs only up to 4096 blocks.
+/// Greedy by start is O(n log n) for n blocks (the gaps kept in a best-fit index); greedy by size
+/// is O(n^2) and runs only up to 4096 blocks.
 ///
 /// planner_stats is what the planned policy (and its counterfactual mode) reports.
 #pragma once
