@@ -125,9 +125,14 @@ class model_device final : public device_backend {
   // noexcept or run under the allocator's frames, so they are recorded, not thrown), or none.
   const std::optional<std::string>& violation() const { return book_.violation(); }
 
+  // The memory fraction's cap: the allocator must not ask for memory past it (its segments and
+  // the planned arena together).
+  void set_cap(std::size_t bytes) { cap_ = bytes; }
+
  private:
   void* do_reserve(std::size_t bytes) override {
     const std::size_t n = round512(bytes);
+    check_cap("reserve", n);
     if (used_ + n > properties_.capacity) throw out_of_memory("model device: full");
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second - it->first < n) continue;
@@ -230,6 +235,7 @@ class model_device final : public device_backend {
         throw device_error("model device: page already mapped");
       }
     }
+    check_cap("map", bytes);
     if (used_ + bytes > properties_.capacity) throw out_of_memory("model device: full");
     for (std::size_t k = first; k < first + bytes / page(); ++k) (*pages)[k] = true;
     used_ += bytes;
@@ -279,6 +285,15 @@ class model_device final : public device_backend {
   std::map<std::uintptr_t, std::vector<bool>> ranges_;  // address range -> mapped, per page
   std::map<std::uintptr_t, std::uintptr_t> free_;   // free address space: start -> end
   std::size_t used_ = 0;
+  std::size_t cap_ = SIZE_MAX;
+
+  void check_cap(const char* what, std::size_t n) {
+    if (used_ + n <= cap_) return;
+    book_.violate(std::string(what) + " of " + std::to_string(n) + " bytes beside " +
+                  std::to_string(used_) + " in use, past the memory fraction's cap of " +
+                  std::to_string(cap_));
+    throw out_of_memory("model device: past the memory fraction");
+  }
 };
 
 // ========================================================================= workload generator
@@ -393,6 +408,7 @@ struct fuzz_setup {
   int common_start = 0;  // allocations at the start of every bucket's shape that are the base's
   std::size_t capacity = 0;
   std::size_t page = 0;  // the device's virtual memory page; 0: none
+  double fraction = 0;   // memory_fraction, when the config sets one
   std::string conf;
   int iterations = 0;
 
@@ -406,7 +422,7 @@ struct fuzz_setup {
            " deviations=" + std::to_string(deviation_rate) +
            " query_p=" + std::to_string(query_p).substr(0, 3) +
            " capacity=" + std::to_string(capacity) + " page=" + std::to_string(page) +
-           " conf=" + conf;
+           " fraction=" + std::to_string(fraction) + " conf=" + conf;
   }
 };
 
@@ -651,6 +667,10 @@ class fuzz_run {
       } catch (const std::exception& e) {
         fail(std::string("the allocator refused the config: ") + e.what());
       }
+      if (setup_.fraction > 0) {  // as the allocator computes its cap
+        dev_->set_cap(static_cast<std::size_t>(static_cast<double>(setup_.capacity) *
+                                               alloc_->config().memory_fraction));
+      }
       for (iteration_ = 0; iteration_ < setup_.iterations; ++iteration_) run_iteration();
       teardown();
       return std::nullopt;
@@ -717,6 +737,16 @@ class fuzz_run {
     // Small large segments, also beside a max_split_size above: the config accepts both (a
     // refused config fails the seed).
     if (rng_() % 5 == 0) s.conf += ",large_segment_size:4MiB,min_large_alloc:2MiB,large_round:512";
+    // A third of the seeds cap the allocator with a memory fraction, between 1.1 and 2 times the
+    // base shape's peak (the device checks every reservation against it). From the seed, not a
+    // draw: the other draws stay as they were.
+    if (seed_ / 2 % 3 == 1) {
+      const double cap = static_cast<double>(peak) * (1.1 + 0.15 * static_cast<double>(seed_ / 6 % 7));
+      s.fraction = std::min(1.0, cap / static_cast<double>(s.capacity));
+      char buf[40];
+      std::snprintf(buf, sizeof buf, ",memory_fraction:%.9g", s.fraction);
+      s.conf += buf;
+    }
     s.iterations = 30 + static_cast<int>(rng_() % 40);
     // A quarter of the seeds draw each iteration's shape from 2-4 (sequence-length buckets): the
     // path of a library of plans, switched at iterations' first requests. From the seed and a
