@@ -24,6 +24,7 @@
 #include "terrace/offload_engine.hpp"
 #include "terrace/planner.hpp"
 #include "terrace/sim_device.hpp"
+#include "fuzz_support.hpp"
 #include "trace_generator.hpp"
 #include "tools/replay.hpp"
 
@@ -1904,14 +1905,21 @@ TEST(PlannedPolicy, TheArenaCountsAgainstTheMemoryFraction) {
 // Found in review: greedy by start scanned every live block per item, O(n^2) on an iteration whose
 // blocks all overlap; 20,000 of them took 0.7 s to plan, and a library of three such shapes,
 // laid out together at its installation, stalled one request for 2.5 s. Planning an iteration
-// of 20,000 allocations (and a library of three) takes well under a second.
+// of 20,000 allocations (and a library of three) takes well under a second (in an optimised
+// build; sanitized or unoptimised ones get ten times as long).
 TEST(PlannedPolicy, IterationsOf20000AllocationsArePlannedInUnderASecond) {
+#ifdef NDEBUG
+  const double slack = terrace::fuzz::kAddressSanitized || terrace::fuzz::kThreadSanitized ? 10 : 1;
+#else
+  const double slack = 10;
+#endif
   constexpr std::size_t kN = 20000;
   std::vector<plan_interval> all;
   for (std::size_t i = 0; i < kN; ++i) all.push_back({512 * (1 + i % 7), i, 2 * kN + 1});
   const auto t0 = std::chrono::steady_clock::now();
   const auto plan = terrace::plan_placement(all);
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 0.25);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+            0.25 * slack);
   EXPECT_EQ(plan.arena_bytes, plan.lower_bound);
 
   terrace::device_options d;
@@ -1931,6 +1939,6 @@ TEST(PlannedPolicy, IterationsOf20000AllocationsArePlannedInUnderASecond) {
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   EXPECT_EQ(a.plan_stats().library_plans, 3);
-  EXPECT_LT(slowest, 1.0);
-  EXPECT_LT(a.plan_stats().plan_seconds, 1.0);
+  EXPECT_LT(slowest, slack);
+  EXPECT_LT(a.plan_stats().plan_seconds, slack);
 }
