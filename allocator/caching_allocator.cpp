@@ -816,6 +816,10 @@ class allocator_impl {
         << " on the request's stream and pool, the only ones it may use)"
         << ";\n  fragmentation " << s.fragmentation << " (1 - active/reserved), external "
         << s.external_fragmentation << " (1 - largest free/unused)." << "\n";
+    if (outside_reserved_ > 0) {
+      out << "  the planned policy's arena holds " << format_bytes(outside_reserved_)
+          << " beside the reserved segments; memory_fraction caps them together.\n";
+    }
     if (!address_space_refusal_.empty()) {
       out << "  address space, not memory, ran out: every stream and pool of expandable segments\n"
           << "  holds a range as large as the device (" << address_space_refusal_ << ").\n";

@@ -1852,6 +1852,7 @@ TEST(PlannedPolicy, TheArenaCountsAgainstTheMemoryFraction) {
   terrace::caching_allocator a(
       *dev, terrace::parse_alloc_conf(std::string(kPlannedExactConf) + ",memory_fraction:0.5"));
   const auto cap = static_cast<std::int64_t>(32 * kUnit);
+  std::string report;
   auto iteration = [&](std::size_t extra) {
     a.begin_iteration();
     void* p = a.allocate(8 * kUnit);
@@ -1860,7 +1861,8 @@ TEST(PlannedPolicy, TheArenaCountsAgainstTheMemoryFraction) {
       // The caching allocator alone would hold 16 + extra here.
       try {
         a.deallocate(a.allocate(extra));
-      } catch (const terrace::out_of_memory&) {
+      } catch (const terrace::out_of_memory& e) {
+        report = e.what();
       }
       EXPECT_LE(a.stats().reserved_bytes[0].current, cap);
     }
@@ -1874,6 +1876,8 @@ TEST(PlannedPolicy, TheArenaCountsAgainstTheMemoryFraction) {
   ASSERT_GE(a.plan_stats().arena_reserved_bytes, static_cast<std::int64_t>(16 * kUnit));
   iteration(24 * kUnit);  // beside the arena's 16: over the cap
   EXPECT_LE(a.stats().reserved_bytes[0].peak, cap);
+  // The report says where the fraction went (its reserved figure is the segments').
+  EXPECT_NE(report.find("the planned policy's arena holds 16.00 MiB"), std::string::npos) << report;
 
   // A lower cap: the arena, once given back, is not reserved again above it.
   a.set_memory_fraction(0.125);  // 8 MiB
