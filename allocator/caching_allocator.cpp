@@ -1383,7 +1383,16 @@ void caching_allocator::record_stream(void* p, stream_ref stream) {
   }
   impl_->record_stream(p, stream);
 }
-void caching_allocator::empty_cache() { impl_->empty_cache(); }
+void caching_allocator::empty_cache() {
+  if (plan_) {
+    std::lock_guard<std::mutex> lock(plan_->mutex());
+    plan_->release_cached_arena();
+    impl_->empty_cache();
+    plan_->note_totals(impl_->totals());
+    return;
+  }
+  impl_->empty_cache();
+}
 void caching_allocator::set_memory_fraction(double fraction) { impl_->set_memory_fraction(fraction); }
 allocator_stats caching_allocator::stats() const {
   if (!plan_) return impl_->stats();

@@ -69,6 +69,10 @@ class plan_front {
   /// if no block is live in its arena it gives the arena back at once: true, then the caller
   /// retries. False: nothing was freed (the arena is given back when its last block is).
   bool release_under_pressure();
+  /// empty_cache(): an arena no block is live in, between two iterations of the plan, is cached
+  /// memory like the fallback's free segments; it is given back (to the fallback, which then
+  /// returns it whole). The next iteration's start installs the plan again; no iteration is lost.
+  void release_cached_arena();
   /// The caching allocator ran out of memory while the arena holds live blocks: serve the request
   /// from free space of the open arena (a guest block, which slots keep clear of while it lives),
   /// or nullptr when there is none. Call only after release_under_pressure() returned false.

@@ -392,6 +392,20 @@ bool plan_front::release_under_pressure() {
   return true;
 }
 
+void plan_front::release_cached_arena() {
+  if (!live_mode_ || !installed_ || !arena_idle()) return;
+  if (mode_ == mode::in_sync) {
+    // Within an iteration the plan is about to use the arena: it stays. Between two, the replay
+    // stops here (its slots would lie in memory given back) and resumes at the next boundary.
+    if (!lanes_done()) return;
+    choosing_ = false;
+    mode_ = mode::seeking;
+    shadow_left_ = 0;
+    reset_recording();
+  }
+  uninstall();
+}
+
 void* plan_front::lend_under_pressure(std::size_t bytes, stream_ref stream) {
   return lend_arena_space(bytes, stream, /*by_choice=*/false);
 }
