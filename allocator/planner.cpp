@@ -295,6 +295,7 @@ void check_placement(const std::vector<plan_interval>& items, const placement_pl
       throw logic_error("terrace: plan places interval " + std::to_string(i) +
                         " outside the arena or misaligned");
     }
+    if (size == 0) continue;  // occupies no byte: overlaps nothing, wherever it lies
     edges.emplace_back(items[i].begin * 2 + 1, i);
     edges.emplace_back(items[i].end * 2, i);
   }
