@@ -622,10 +622,15 @@ TEST(TierManagerNvme, APinnedPoolSmallerThanTheHostBudgetFailsNoAcquire) {
   // Past the 8th, adding a tensor moves an earlier home copy to NVMe for the pool's sake.
   const std::vector<tensor_id> ids = add_patterned(r, "t", 16);
   std::vector<int> done(ids.size(), 0);
-  for (int it = 0; it < 4; ++it) ASSERT_EQ(run_iteration(r, ids, done), 0) << "iteration " << it;
+  // A read ahead starts only once the home copies leaving for its room have landed, which the
+  // host's load decides: on a busy machine 4 iterations could pass without one (2 runs in 6
+  // under load). So a few more iterations are allowed for the first; none may fail an acquire.
+  int iterations = 0;
+  for (; iterations < 4 || (r.tm->stats().nvme_prefetches == 0 && iterations < 40); ++iterations) {
+    ASSERT_EQ(run_iteration(r, ids, done), 0) << "iteration " << iterations;
+  }
   expect_homes_hold(r, ids, done);
-  const auto s = r.tm->stats();
-  EXPECT_GT(s.nvme_prefetches, 0);
+  EXPECT_GT(r.tm->stats().nvme_prefetches, 0) << "none in " << iterations << " iterations";
   EXPECT_GT(r.host.stats().num_ooms, 0) << "the pool never refused: the test does not test";
 }
 
