@@ -194,7 +194,9 @@ class tier_manager {
   /// @brief Marks the start of a training iteration. The acquires between the first and second
   /// calls become the schedule (unless set_schedule gave one); later calls restart it and start
   /// prefetching its first tensors at once (without blocking on a transfer).
-  /// @throws io_error when making room in the host tier for an NVMe prefetch fails (as acquire).
+  /// NVMe read ahead never fails the call (the tensor's own acquire reads and reports).
+  /// @throws device_error when the device refuses a prefetch's copy up (nothing is left half
+  /// done: the tensor stays where it was, and its acquire fetches it).
   void begin_iteration();
   /// @brief Says the iteration begun last did not finish (it threw part-way). An iteration being
   /// recorded is dropped, and the next begin_iteration records again: otherwise its first part
