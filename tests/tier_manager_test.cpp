@@ -19,6 +19,7 @@
 #include "terrace/pinned_pool.hpp"
 #include "terrace/sim_device.hpp"
 #include "terrace/tier_manager.hpp"
+#include "refusing_device.hpp"
 
 namespace terrace {
 namespace {
@@ -962,47 +963,6 @@ TEST(TierManager, AWriteAcquireThatFailsInThePrefetchWalkLeavesNoEmptyBlockNorPi
 }
 
 
-// A sim device whose next copies up can be refused (device_error at the call), as a CUDA copy
-// can be (an invalid argument, a launch queue that is full).
-class refusing_device final : public device_backend {
- public:
-  explicit refusing_device(std::unique_ptr<device_backend> inner) : inner_(std::move(inner)) {
-    properties_ = inner_->properties();
-  }
-  int refuse_copies_up = 0;
-  device_backend& inner() { return *inner_; }  // for enqueue_host_function
-
- private:
-  void* do_reserve(std::size_t bytes) override { return inner_->reserve(bytes); }
-  void do_release(void* p, std::size_t bytes) noexcept override { inner_->release(p, bytes); }
-  std::size_t do_used_bytes() const noexcept override { return inner_->used_bytes(); }
-  void* do_reserve_pinned_host(std::size_t bytes) override {
-    return inner_->reserve_pinned_host(bytes);
-  }
-  void do_release_pinned_host(void* p, std::size_t bytes) noexcept override {
-    inner_->release_pinned_host(p, bytes);
-  }
-  stream_ref do_create_stream() override { return inner_->create_stream(); }
-  void do_destroy_stream(stream_ref s) noexcept override { inner_->destroy_stream(s); }
-  void do_synchronize_stream(stream_ref s) override { inner_->synchronize(s); }
-  void do_synchronize_device() override { inner_->synchronize_device(); }
-  event_ref do_create_event() override { return inner_->create_event(); }
-  void do_destroy_event(event_ref e) noexcept override { inner_->destroy_event(e); }
-  void do_record(event_ref e, stream_ref s) override { inner_->record(e, s); }
-  bool do_query(event_ref e) override { return inner_->query(e); }
-  void do_wait(stream_ref s, event_ref e) override { inner_->wait(s, e); }
-  void do_synchronize_event(event_ref e) override { inner_->synchronize(e); }
-  void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind kind,
-                     stream_ref s) override {
-    if (kind == copy_kind::host_to_device && refuse_copies_up > 0) {
-      --refuse_copies_up;
-      throw device_error("test: copy up refused");
-    }
-    inner_->copy_async(dst, src, bytes, kind, s);
-  }
-  std::unique_ptr<device_backend> inner_;
-};
-
 // A copy up that the device refuses leaves no device copy behind: a block that holds none of the
 // tensor's data must not be handed to the next acquire as if it did, whether the copy was the
 // acquire's own or a prefetch's.
@@ -1010,7 +970,7 @@ TEST(TierManager, ARefusedCopyUpLeavesNoDeviceCopyWithoutTheData) {
   constexpr std::size_t kBytes = 1 * MiB;
   device_options o;
   o.capacity = 64 * MiB;
-  refusing_device dev(make_device("sim", o));
+  testing::refusing_device dev(make_device("sim", o));
   caching_allocator memory(dev);
   pinned_pool_options po;
   po.region_size = 16 * MiB;
