@@ -771,11 +771,13 @@ struct offload_engine::impl {
   // first params. That prefetch is only ahead of need, so its failure (a copy the device refuses)
   // is not the caller's: thrown, it would fail a step or an update that has happened (and a
   // caller feeds a failed step's batch again: the update applied twice). The next forward
-  // fetches on demand, and reports an error that persists.
-  void start_next_iteration() noexcept {
+  // fetches on demand, and reports an error that persists. Anything else (a logic error) is a
+  // defect and is not hidden.
+  void start_next_iteration() {
     try {
       tm->begin_iteration();
-    } catch (...) {
+    } catch (const device_error&) {
+    } catch (const out_of_memory&) {
     }
   }
 
