@@ -143,6 +143,18 @@ float checked_grad_multiplier(const adam_step_options& so) {
   return grad_mul;
 }
 
+// The elements of `tensors`, after checking each gradient buffer: what a scan of the gradients
+// alone (grad_norm, grads_finite) reads.
+std::size_t checked_grads_total(std::span<const adam_tensor> tensors, dtype grad_dtype) {
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].size == 0) continue;
+    check_buffer(tensors[i].grad, grad_dtype, i, "grad");
+    add_size(total, tensors[i].size, i);
+  }
+  return total;
+}
+
 }  // namespace
 
 namespace detail {
@@ -264,12 +276,7 @@ grad_norm_result adam_optimizer::grad_norm(std::span<const adam_tensor> tensors,
                                            float grad_scale) {
   check_dtype(grad_dtype, "grad");
   check_scale(grad_scale);
-  std::size_t total = 0;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].size == 0) continue;
-    check_buffer(tensors[i].grad, grad_dtype, i, "grad");
-    add_size(total, tensors[i].size, i);
-  }
+  const std::size_t total = checked_grads_total(tensors, grad_dtype);
   std::lock_guard lock(impl_->mutex);
   // finite: also after unscaling, so that a caller passing it on as grads_known_finite makes the
   // step skip what the step's own check would skip (clip_coef <= 1 only shrinks the values).
@@ -280,12 +287,7 @@ grad_norm_result adam_optimizer::grad_norm(std::span<const adam_tensor> tensors,
 bool adam_optimizer::grads_finite(std::span<const adam_tensor> tensors, const adam_step_options& so) {
   check_dtype(so.grad_dtype, "grad");
   const float grad_mul = checked_grad_multiplier(so);
-  std::size_t total = 0;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (tensors[i].size == 0) continue;
-    check_buffer(tensors[i].grad, so.grad_dtype, i, "grad");
-    add_size(total, tensors[i].size, i);
-  }
+  const std::size_t total = checked_grads_total(tensors, so.grad_dtype);
   std::lock_guard lock(impl_->mutex);
   return impl_->scan(tensors, total, so.grad_dtype, grad_mul).finite;
 }
