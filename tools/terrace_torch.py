@@ -178,9 +178,9 @@ def install(path=None, conf=None):
 
     Out of device memory then raises RuntimeError opening with "CUDA out of memory.", as PyTorch's
     own message does, then terrace's report (PyTorch's own allocator raises
-    torch.OutOfMemoryError, a RuntimeError subclass that a pluggable allocator cannot raise). CUDA graph capture (torch.cuda.graph,
-    torch.compile(mode="reduce-overhead")) is not supported, as terrace has no private pools: it
-    raises RuntimeError before the capture begins.
+    torch.OutOfMemoryError, a RuntimeError subclass that a pluggable allocator cannot raise).
+    CUDA graph capture (torch.cuda.graph, torch.compile(mode="reduce-overhead")) is not
+    supported, as terrace has no private pools: it raises RuntimeError before the capture begins.
     """
     global _allocator
     import torch  # only install() needs PyTorch
