@@ -56,7 +56,15 @@ struct rig {
     dev->synchronize_device();
     tm.reset();
     dev->destroy_stream(compute);
+    if (side.native != nullptr) dev->destroy_stream(side);
   }
+
+  // A second compute stream, made on first use; it outlives the manager, as `compute` does.
+  stream_ref second_stream() {
+    if (side.native == nullptr) side = dev->create_stream();
+    return side;
+  }
+  stream_ref side{};
 
   // A "kernel" on the compute stream.
   void launch(std::function<void()> fn) { enqueue_host_function(*dev, compute, std::move(fn)); }
@@ -853,85 +861,63 @@ TEST(TierManager, ReadHomeOfATensorNeverWrittenReadsZerosFromAReusedBuffer) {
 // after the first by an event) was evicted clean with only the acquiring stream registered with
 // the allocator: the block went to the next copy up at once, under the reader still running.
 TEST(TierManager, AnEvictionWaitsForTheStreamTheTensorWasReleasedOn) {
-  device_options o;
-  o.capacity = 64 << 20;
-  auto dev = make_device("sim", o);
-  caching_allocator mem(*dev);
-  pinned_pool_options po;
-  po.region_size = 4 << 20;
-  pinned_host_pool host(*dev, po);
   const std::size_t n = 1 << 20;
-  stream_ref s1 = dev->create_stream(), s2 = dev->create_stream();
-  {
-    tier_manager_options to;
-    to.device_budget = n;  // room for one tensor
-    tier_manager tm(*dev, mem, host, to);
-    const tensor_id a = tm.add("a", n, std::vector<unsigned char>(n, 0x11).data());
-    const tensor_id b = tm.add("b", n, std::vector<unsigned char>(n, 0x22).data());
-    auto* p = static_cast<unsigned char*>(tm.acquire(a, s1, access::read));
-    event_ref e = dev->create_event();
-    dev->record(e, s1);
-    dev->wait(s2, e);  // s2 reads a after what s1 queued: a correctly ordered program
-    std::atomic<int> seen{-1};
-    enqueue_host_function(*dev, s2, [p, &seen] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      seen = p[n - 1];
-    });
-    tm.release(a, s2);  // evictable once s2's read is done
-    tm.acquire(b, s1, access::read);  // evicts a (clean): b's copy up must not land under the read
-    tm.release(b, s1);
-    dev->synchronize_device();
-    EXPECT_EQ(seen.load(), 0x11) << "the reader saw b's bytes in a's block";
-    dev->destroy_event(e);
-  }
-  dev->destroy_stream(s1);
-  dev->destroy_stream(s2);
+  rig r(n);  // room for one tensor
+  device_backend& dev = *r.dev;
+  tier_manager& tm = *r.tm;
+  const stream_ref s1 = r.compute, s2 = r.second_stream();
+  const tensor_id a = tm.add("a", n, std::vector<unsigned char>(n, 0x11).data());
+  const tensor_id b = tm.add("b", n, std::vector<unsigned char>(n, 0x22).data());
+  auto* p = static_cast<unsigned char*>(tm.acquire(a, s1, access::read));
+  event_ref e = dev.create_event();
+  dev.record(e, s1);
+  dev.wait(s2, e);  // s2 reads a after what s1 queued: a correctly ordered program
+  std::atomic<int> seen{-1};
+  enqueue_host_function(dev, s2, [p, &seen] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    seen = p[n - 1];
+  });
+  tm.release(a, s2);  // evictable once s2's read is done
+  tm.acquire(b, s1, access::read);  // evicts a (clean): b's copy up must not land under the read
+  tm.release(b, s1);
+  dev.synchronize_device();
+  EXPECT_EQ(seen.load(), 0x11) << "the reader saw b's bytes in a's block";
+  dev.destroy_event(e);
 }
 
 // Found in review: release kept one event, so the eviction's copy down waited only for the stream
 // released last; an update on another stream, still running, was copied down half-done and lost.
 TEST(TierManager, ACopyDownWaitsForEveryStreamThatReleasedTheTensor) {
-  device_options o;
-  o.capacity = 64 << 20;
-  auto dev = make_device("sim", o);
-  caching_allocator mem(*dev);
-  pinned_pool_options po;
-  po.region_size = 4 << 20;
-  pinned_host_pool host(*dev, po);
   const std::size_t n = 1 << 20;
-  stream_ref s1 = dev->create_stream(), s2 = dev->create_stream();
-  {
-    tier_manager_options to;
-    to.device_budget = n;  // room for one tensor
-    tier_manager tm(*dev, mem, host, to);
-    std::vector<unsigned char> init(n, 0x11);
-    const tensor_id a = tm.add("a", n, init.data());
-    const tensor_id b = tm.add("b", n, init.data());
-    // s2 reads a; s1, ordered after that read, updates it in place: a correctly ordered program.
-    auto* r = static_cast<unsigned char*>(tm.acquire(a, s2, access::read));
-    std::atomic<int> seen{-1};
-    enqueue_host_function(*dev, s2, [r, &seen] { seen = r[0]; });
-    event_ref e = dev->create_event();
-    dev->record(e, s2);
-    dev->wait(s1, e);
-    auto* p = static_cast<unsigned char*>(tm.acquire(a, s1, access::update));
-    enqueue_host_function(*dev, s1, [p, n] {
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      std::memset(p, 0xAB, n);
-    });
-    tm.release(a, s1);
-    tm.release(a, s2);  // released last, on the stream that only read
-    tm.acquire(b, s2, access::read);  // evicts a: its copy down must wait for s1's update
-    tm.release(b, s2);
-    dev->synchronize_device();
-    EXPECT_EQ(seen.load(), 0x11);
-    const auto* h = static_cast<const unsigned char*>(tm.host_data(a));
-    EXPECT_EQ(h[0], 0xAB);
-    EXPECT_EQ(h[n - 1], 0xAB);
-    dev->destroy_event(e);
-  }
-  dev->destroy_stream(s1);
-  dev->destroy_stream(s2);
+  rig r(n);  // room for one tensor
+  device_backend& dev = *r.dev;
+  tier_manager& tm = *r.tm;
+  const stream_ref s1 = r.compute, s2 = r.second_stream();
+  std::vector<unsigned char> init(n, 0x11);
+  const tensor_id a = tm.add("a", n, init.data());
+  const tensor_id b = tm.add("b", n, init.data());
+  // s2 reads a; s1, ordered after that read, updates it in place: a correctly ordered program.
+  auto* rd = static_cast<unsigned char*>(tm.acquire(a, s2, access::read));
+  std::atomic<int> seen{-1};
+  enqueue_host_function(dev, s2, [rd, &seen] { seen = rd[0]; });
+  event_ref e = dev.create_event();
+  dev.record(e, s2);
+  dev.wait(s1, e);
+  auto* p = static_cast<unsigned char*>(tm.acquire(a, s1, access::update));
+  enqueue_host_function(dev, s1, [p, n] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::memset(p, 0xAB, n);
+  });
+  tm.release(a, s1);
+  tm.release(a, s2);  // released last, on the stream that only read
+  tm.acquire(b, s2, access::read);  // evicts a: its copy down must wait for s1's update
+  tm.release(b, s2);
+  dev.synchronize_device();
+  EXPECT_EQ(seen.load(), 0x11);
+  const auto* h = static_cast<const unsigned char*>(tm.host_data(a));
+  EXPECT_EQ(h[0], 0xAB);
+  EXPECT_EQ(h[n - 1], 0xAB);
+  dev.destroy_event(e);
 }
 
 // The cleanup of an acquire that fails after pinning, now that another tensor's failed NVMe read
