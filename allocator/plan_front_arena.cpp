@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <iterator>
 #include <string>
 #include <utility>
@@ -171,6 +172,17 @@ bool plan_front::ensure_arena() {
   std::sort(claimed.begin(), claimed.end(),
             [](const fallback_hole& a, const fallback_hole& b) { return a.addr < b.addr; });
   auto give_back = [&](std::size_t h) { release_hole_(reinterpret_cast<void*>(claimed[h].addr)); };
+  // Claimed, the holes are allocations of this front: until the installation settles each one
+  // (a slot's hole, or given back), an exception on the way (a device error reserving the arena,
+  // bad_alloc) gives them all back. Else the fallback would have lost them for good.
+  struct unsettled_holes {
+    std::function<void()> give_all_back;
+    ~unsettled_holes() {
+      if (give_all_back) give_all_back();
+    }
+  } unsettled{[&] {
+    for (std::size_t h = 0; h < claimed.size(); ++h) give_back(h);
+  }};
 
   // Per plan of the library and plan item: the claimed hole it lies in (or -1: the open region)
   // and its offset there.
@@ -222,6 +234,7 @@ bool plan_front::ensure_arena() {
       arena = reserve_lazy_arena(open_total);
     }
     if (arena == nullptr) {
+      unsettled.give_all_back = nullptr;
       for (std::size_t h = 0; h < claimed.size(); ++h) give_back(h);
       if (fallback_totals_) last_totals_ = fallback_totals_();
       // A plan widened for other orders may fit once it allows for the recorded one alone.
@@ -291,6 +304,7 @@ bool plan_front::ensure_arena() {
   tails_.clear();
   hole_bytes_ = small_holes_ = small_hole_bytes_ = 0;
   std::size_t hole_extent = 0;
+  unsettled.give_all_back = nullptr;
   for (std::size_t h = 0; h < claimed.size(); ++h) {
     hole_extent += used[h];
     if (used[h] == 0) {

@@ -733,6 +733,46 @@ TEST(PlannedPolicy, ADeviatingIterationIsServedFromTheArenasMemory) {
   EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
 }
 
+// A device error (not out-of-memory) while the plan's arena is reserved reaches the caller, and
+// the fallback holes the installation had claimed go back to the caching allocator: nothing is
+// lost, and the plan is installed at a later iteration.
+TEST(PlannedPolicy, ADeviceErrorWhileInstallingThePlanLosesNoMemory) {
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  // Before the recording: a long-lived block in part of a transient one's segment, which leaves
+  // a hole that the installation claims.
+  a.deallocate(a.allocate(8 * kUnit));
+  void* kept = a.allocate(kUnit);
+  auto iteration = [&] {
+    a.begin_iteration();
+    std::vector<void*> blocks;
+    for (int k = 0; k < 24; ++k) blocks.push_back(a.allocate(kUnit + static_cast<std::size_t>(k) * 4096));
+    for (void* p : blocks) a.deallocate(p);
+    a.end_iteration();
+  };
+  int refused = 0;
+  for (int it = 0; it < 8 && !a.plan_stats().active; ++it) iteration();
+  ASSERT_TRUE(a.plan_stats().active);
+  ASSERT_EQ(a.plan_stats().iterations, 0) << "the plan was installed before the test could fail it";
+  dev->inject_device_error(1);
+  try {
+    iteration();
+  } catch (const terrace::device_error&) {
+    ++refused;
+  }
+  ASSERT_EQ(refused, 1) << "the injected error did not reach the installation";
+  dev->inject_device_error(0);
+  ASSERT_NO_THROW(a.check_invariants());
+  for (int it = 0; it < 3; ++it) iteration();
+  EXPECT_GT(a.plan_stats().iterations, 0);
+  a.deallocate(kept);
+  a.empty_cache();
+  a.check_invariants();
+  EXPECT_EQ(a.stats().reserved_bytes[0].current, 0);
+  EXPECT_EQ(dev->used_bytes(), 0u) << "memory the failed installation claimed was lost";
+}
+
 // The same trace on a device of the size it was recorded on (28 MiB) under the engine's settings:
 // the caching allocator fits by giving cached segments back; the plan's arena must then not make
 // a request fail that caching would serve. The extra param fetch outside the plan (2 MiB) finds
