@@ -781,6 +781,22 @@ struct offload_engine::impl {
     }
   }
 
+  // Ends the device allocator's iteration and begins the next. Under the planned policy that is
+  // where a repeated iteration's plan is made and its arena reserved, after the update: a device
+  // error there is not the caller's either (see start_next_iteration). The plan is only an
+  // optimisation: without it the caching allocator serves, and its own reserves report an error
+  // that persists.
+  void mark_device_iteration() {
+    try {
+      memory.end_iteration();
+    } catch (const device_error&) {
+    }
+    try {
+      memory.begin_iteration();
+    } catch (const device_error&) {
+    }
+  }
+
   // Under a host budget a host_data() call may move another home copy to NVMe, invalidating a
   // pointer obtained before it. So the gradients of a batch of layers are copied out into staging
   // buffers one by one, the batch is stepped there, and the bf16 params are copied into their
@@ -948,8 +964,7 @@ struct offload_engine::impl {
     // One iteration of the device allocator ends here (the planned policy plans a repeated one):
     // before the next step's first params are fetched, so that those fetches fall in the step
     // that frees them.
-    memory.end_iteration();
-    memory.begin_iteration();
+    mark_device_iteration();
     // The params' home copies are final: the next forward's first params start coming up now,
     // while the caller gets its next batch.
     start_next_iteration();

@@ -838,6 +838,51 @@ TEST(OffloadEngineFaults, ARefusedPrefetchAfterTheUpdateDoesNotFailTheStep) {
   }
 }
 
+// A step also ends the device allocator's iteration (end_iteration + begin_iteration), after its
+// optimizer step; under the planned policy, that is where a repeated iteration's plan is made and
+// its arena reserved. A device error there made step() throw although the update had happened
+// (so a caller fed the batch again). The plan is an optimisation: the next iteration runs on the
+// caching allocator, whose own reserves report an error that persists.
+TEST(OffloadEngineFaults, ADeviceErrorInstallingThePlanAfterTheUpdateDoesNotFailTheStep) {
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed_update" : "in place");
+    offload_engine_options o = probe_options({}, 1024);
+    o.delayed_update = delayed;
+    o.nvme_dir.clear();
+    o.optimizer_host_budget = SIZE_MAX;
+    o.device_allocator.policy = alloc_policy::planned;
+    probe_engine ref(kSmallLayers, o);
+    std::vector<float> want;
+    for (std::size_t s = 0; s < kProbeBatches.size(); ++s) want.push_back(ref.step(kProbeBatches[s]));
+    ASSERT_TRUE(ref.engine->device_memory().plan_stats().active) << "the test does not test: no plan";
+
+    probe_engine e(kSmallLayers, o);
+    auto wrapped = std::make_unique<testing::refusing_device>(std::move(e.device));
+    testing::refusing_device& dev = *wrapped;
+    e.device = std::move(wrapped);
+    e.make(kSmallLayers, o);
+    auto& model = dynamic_cast<probe_model&>(e.engine->model());
+    // Armed in each last backward until a plan exists: the steady steps reserve nothing else
+    // after it, so the refused reserve is the arena's.
+    bool armed = false;
+    model.on_backward = [&](std::size_t layer) {
+      if (layer == 0 && !e.engine->device_memory().plan_stats().active) {
+        dev.refuse_reserves = 1;
+        armed = true;
+      }
+    };
+    for (std::size_t s = 0; s < kProbeBatches.size(); ++s) {
+      float loss = 0;
+      ASSERT_NO_THROW(loss = e.step(kProbeBatches[s])) << "step " << s + 1;
+      EXPECT_TRUE(bitwise_equal(loss, want[s])) << "step " << s + 1;
+      if (armed && dev.refuse_reserves == 0) model.on_backward = nullptr;
+    }
+    ASSERT_TRUE(armed);
+    EXPECT_EQ(dev.refuse_reserves, 0) << "the test does not test: nothing was refused";
+    expect_same_state(e, ref, "after the last step");
+  }
+}
+
 // Found in review: the first step's acquires are recorded as the schedule, and a first step that
 // threw part-way left its first acquires as the schedule for good: every later use was a miss
 // and a demand fetch. Its partial recording is now dropped and the next step records again.

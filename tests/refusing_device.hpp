@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// A device whose next copies up can be refused (device_error at the call), as a CUDA copy can be
-// (an invalid argument, a launch queue that is full); everything else goes to the device it
-// wraps. The sim device's own fault injection covers reserves, maps and pinned memory only.
+// A device whose next copies up, or next reserves, can be refused (device_error at the call), as a
+// CUDA call can be (an invalid argument, a launch queue that is full); everything else goes to the
+// device it wraps. The sim device's own fault injection covers reserves, maps and pinned memory,
+// but a test cannot see whether it was used.
 #pragma once
 
 #include <cstddef>
@@ -19,10 +20,17 @@ class refusing_device final : public device_backend {
     properties_ = inner_->properties();
   }
   int refuse_copies_up = 0;
+  int refuse_reserves = 0;
   device_backend& inner() { return *inner_; }  // for enqueue_host_function
 
  private:
-  void* do_reserve(std::size_t bytes) override { return inner_->reserve(bytes); }
+  void* do_reserve(std::size_t bytes) override {
+    if (refuse_reserves > 0) {
+      --refuse_reserves;
+      throw device_error("test: reserve refused");
+    }
+    return inner_->reserve(bytes);
+  }
   void do_release(void* p, std::size_t bytes) noexcept override { inner_->release(p, bytes); }
   std::size_t do_used_bytes() const noexcept override { return inner_->used_bytes(); }
   void* do_reserve_pinned_host(std::size_t bytes) override {
