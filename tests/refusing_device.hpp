@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// A device whose next copies up, or next reserves, can be refused (device_error at the call), as a
+// A device whose next copies up, reserves or event records can be refused (device_error at the call), as a
 // CUDA call can be (an invalid argument, a launch queue that is full); everything else goes to the
 // device it wraps. The sim device's own fault injection covers reserves, maps and pinned memory,
 // but a test cannot see whether it was used.
@@ -21,6 +21,7 @@ class refusing_device final : public device_backend {
   }
   int refuse_copies_up = 0;
   int refuse_reserves = 0;
+  int refuse_records = 0;
   device_backend& inner() { return *inner_; }  // for enqueue_host_function
 
  private:
@@ -45,7 +46,13 @@ class refusing_device final : public device_backend {
   void do_synchronize_device() override { inner_->synchronize_device(); }
   event_ref do_create_event() override { return inner_->create_event(); }
   void do_destroy_event(event_ref e) noexcept override { inner_->destroy_event(e); }
-  void do_record(event_ref e, stream_ref s) override { inner_->record(e, s); }
+  void do_record(event_ref e, stream_ref s) override {
+    if (refuse_records > 0) {
+      --refuse_records;
+      throw device_error("test: event record refused");
+    }
+    inner_->record(e, s);
+  }
   bool do_query(event_ref e) override { return inner_->query(e); }
   void do_wait(stream_ref s, event_ref e) override { inner_->wait(s, e); }
   void do_synchronize_event(event_ref e) override { inner_->synchronize(e); }

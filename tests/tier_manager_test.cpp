@@ -833,6 +833,40 @@ TEST(TierManagerConcurrency, AnOptimizerThreadWorksBesideTheTrainingThread) {
   EXPECT_EQ(h[0], static_cast<unsigned char>(pattern(kBytes, 100)[0] + 50));
 }
 
+
+// Found in review: release dropped the pin before recording the event that tells when the work
+// queued on the stream is done; when that record failed, the tensor was evictable with no event
+// to wait for, and its block could go to the next copy up under a kernel still reading it. A
+// release that throws now leaves the tensor acquired, and the caller can release it again.
+TEST(TierManager, AReleaseWhoseEventRecordFailsLeavesTheTensorAcquired) {
+  constexpr std::size_t kBytes = 1 * MiB;
+  device_options o;
+  o.capacity = 64 * MiB;
+  testing::refusing_device dev(make_device("sim", o));
+  caching_allocator memory(dev);
+  pinned_pool_options po;
+  po.region_size = 16 * MiB;
+  pinned_host_pool host(dev, po);
+  stream_ref compute = dev.create_stream();
+  {
+    tier_manager_options to;
+    to.device_budget = kBytes;  // room for one tensor
+    tier_manager tm(dev, memory, host, to);
+    const tensor_id a = tm.add("a", kBytes, pattern(kBytes, 1).data());
+    const tensor_id b = tm.add("b", kBytes, pattern(kBytes, 2).data());
+    tm.acquire(a, compute);
+    dev.refuse_records = 1;
+    EXPECT_THROW(tm.release(a, compute), device_error);
+    ASSERT_EQ(dev.refuse_records, 0) << "the test does not test: nothing was refused";
+    tm.check_invariants();
+    EXPECT_THROW(tm.acquire(b, compute), out_of_memory) << "a was evicted while still acquired";
+    EXPECT_NO_THROW(tm.release(a, compute));
+    EXPECT_NO_THROW(tm.acquire(b, compute));
+    tm.release(b, compute);
+  }
+  dev.synchronize_device();
+  dev.destroy_stream(compute);
+}
 }  // namespace
 }  // namespace terrace
 

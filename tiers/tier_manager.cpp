@@ -992,7 +992,6 @@ struct tier_manager::impl {
     if (t.pins == 0) {
       throw logic_error("terrace: tier manager: release of '" + t.name + "', which is not acquired");
     }
-    --t.pins;
     // The block must not be handed out again before the work queued on `stream` is done, as it
     // would be for a stream that released the tensor without having acquired it (a reader
     // ordered after the acquiring stream).
@@ -1001,11 +1000,16 @@ struct tier_manager::impl {
     const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
     auto d = std::find_if(t.done.begin(), t.done.end(), [&](const auto& x) { return x.first == s; });
     if (d == t.done.end()) {
-      t.done.emplace_back(s, event_ref{});
+      // The event first, and room for it: an entry without one would be waited on.
+      t.done.reserve(t.done.size() + 1);
+      event_ref e{};
+      t.done.emplace_back(s, ensure(e));
       d = std::prev(t.done.end());
     }
-    ensure(d->second);
     device.record(d->second, stream);
+    // Unpinned last: a release that throws (an event the device cannot record) leaves the tensor
+    // acquired, never evictable with nothing to tell when `stream` is done with it.
+    --t.pins;
   }
 
   void* host_data(tensor_id id, access mode) {
