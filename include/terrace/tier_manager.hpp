@@ -142,7 +142,8 @@ class tier_manager {
   ///         host budget; io_error from NVMe.
   void* acquire(tensor_id id, stream_ref stream, access mode = access::read);
   /// @brief Unpins; the device copy may be evicted once the work queued on `stream` so far is done.
-  /// @throws logic_error for an unknown id or a tensor that is not acquired.
+  /// @throws logic_error for an unknown id or a tensor that is not acquired; device_error when
+  ///         the device cannot record the event for `stream`: the tensor then stays acquired.
   void release(tensor_id id, stream_ref stream);
 
   /// @brief The home (pinned host) copy, made current: waits for a copy down in flight, and copies
