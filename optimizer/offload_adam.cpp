@@ -405,6 +405,15 @@ struct offload_adam::impl {
     TERRACE_EXPECTS(store != nullptr, "offload_adam: group '" + g.name +
                                           "' has no initial values and there is no store to resume it from");
     const meta_record& m = meta();
+    // The counter is shared by every group: a resume may set it while nothing has (no step, no
+    // resume yet), else it must find it where the checkpoint left it. Rewound after steps, it
+    // would give every group the wrong bias correction from then on.
+    if (adam.step_count() != 0 && adam.step_count() != m.step) {
+      throw logic_error("terrace: offload_adam: cannot resume group '" + g.name + "' from the checkpoint of step " +
+                        std::to_string(m.step) + ": this optimizer is at step " +
+                        std::to_string(adam.step_count()) +
+                        " (the step counter is shared by all groups: resume every group before the first step)");
+    }
     const auto it = std::find_if(m.groups.begin(), m.groups.end(), [&](const meta_group& x) { return x.name == g.name; });
     if (it == m.groups.end()) {
       throw io_error("terrace: offload_adam: cannot resume group '" + g.name +

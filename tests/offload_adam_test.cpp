@@ -638,6 +638,49 @@ TEST(OffloadAdam, ResumeNeedsTheGroupWithItsSize) {
   EXPECT_THROW(no_store.add("a", 5000), logic_error);
 }
 
+// Found in review: a resume set the shared step counter to the checkpoint's without a check, so a
+// group resumed after steps (or after another group resumed from a later checkpoint) rewound the
+// counter, and every group's bias correction went wrong from then on. A resume must now find
+// the counter where the checkpoint left it, or untouched (0: no step, no resume yet).
+TEST(OffloadAdam, AResumeRefusesToMoveTheStepCounterOfAnOptimizerThatHasStepped) {
+  scratch_dir dir("offload_adam_resume_counter");
+  host_rig host;
+  auto store = tensor_store::create(dir.path(), store_options());
+  offload_adam_options o;
+  o.chunk_elements = 4096;
+  o.adam.lr = 1e-2;
+  const std::vector<std::byte> grad = gradient(5000, 0, 0, dtype::f32);
+  adam_step_options so;
+  {
+    offload_adam opt(o, *host.pool, &store);
+    const group_id a = opt.add("a", 5000, initial_values(5000, 0).data());
+    const group_id b = opt.add("b", 5000, initial_values(5000, 1).data());
+    for (int s = 0; s < 2; ++s) {
+      ASSERT_TRUE(opt.step(std::vector<offload_group_step>{{a, grad.data(), nullptr}, {b, grad.data(), nullptr}}, so));
+    }
+    opt.checkpoint();
+  }
+  {
+    // Before any step every group resumes, and a group added fresh first does not fix the counter.
+    offload_adam again(o, *host.pool, &store);
+    again.add("c", 100, initial_values(100, 2).data());
+    again.add("a", 5000);
+    again.add("b", 5000);
+    EXPECT_EQ(again.step_count(), 2);
+  }
+  offload_adam opt(o, *host.pool, &store);
+  const group_id a = opt.add("a", 5000);
+  ASSERT_EQ(opt.step_count(), 2);
+  ASSERT_TRUE(opt.step(std::vector<offload_group_step>{{a, grad.data(), nullptr}}, so));
+  try {
+    opt.add("b", 5000);
+    FAIL() << "resuming b rewound the step counter from 3 to 2";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("step 3"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(opt.step_count(), 3);
+}
+
 TEST(OffloadAdam, AStoreTooSmallIsReportedByAddBeforeWriting) {
   config c;
   c.sizes = {1000};
