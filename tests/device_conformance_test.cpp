@@ -755,6 +755,86 @@ TEST(SimErrors, AHostFunctionThatSynchronizesItsOwnStreamFailsInsteadOfHanging) 
   dev->destroy_stream(s);
 }
 
+// Found in review: the refusal above looked at the synchronized stream only. A host function on
+// `a` that synchronized another stream (or an event on it, or the device) which waits for an event
+// recorded on `a` behind that host function waited for itself through the other stream, and hung
+// both streams with no message. CUDA forbids API calls in host functions outright; sim now
+// refuses the call whenever the streams it would wait on depend on the caller's own stream.
+TEST(SimErrors, AHostFunctionThatWaitsForItselfThroughAnotherStreamFailsInsteadOfHanging) {
+  enum class how { event, stream, device };
+  for (const how h : {how::event, how::stream, how::device}) {
+    SCOPED_TRACE(h == how::event ? "synchronize(event)"
+                                 : h == how::stream ? "synchronize(stream)" : "synchronize_device()");
+    auto dev = sim();
+    stream_ref a = dev->create_stream();
+    stream_ref b = dev->create_stream();
+    event_ref on_a = dev->create_event();
+    event_ref on_b = dev->create_event();
+    gate g;
+    enqueue_host_function(*dev, a, g.hold());  // the host function below starts once all is queued
+    enqueue_host_function(*dev, a, [&, h] {
+      if (h == how::event) dev->synchronize(on_b);
+      if (h == how::stream) dev->synchronize(b);
+      if (h == how::device) dev->synchronize_device();
+    });
+    dev->record(on_a, a);  // behind the host function
+    dev->wait(b, on_a);
+    dev->record(on_b, b);
+    g.open();
+    auto outcome = std::make_shared<std::promise<std::string>>();
+    std::future<std::string> done = outcome->get_future();
+    std::thread([d = dev.get(), a, outcome] {
+      std::string what;
+      try {
+        d->synchronize(a);
+      } catch (const device_error& e) {
+        what = e.what();
+      }
+      outcome->set_value(what);
+    }).detach();
+    if (done.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      (void)dev.release();  // its workers cannot be joined
+      ADD_FAILURE() << "a host function that waited for its own stream through another hung it";
+      continue;
+    }
+    const std::string what = done.get();
+    EXPECT_TRUE(contains(what, "its own stream")) << what;
+    EXPECT_NO_THROW(dev->synchronize_device()) << "b runs on once a has passed the event";
+    EXPECT_TRUE(dev->query(on_b));
+    dev->destroy_event(on_a);
+    dev->destroy_event(on_b);
+    dev->destroy_stream(a);
+    dev->destroy_stream(b);
+  }
+}
+
+// CUDA's order of records and waits cannot make a cycle, so the check above must never refuse a
+// host function whose wait through other streams only reaches work of its own stream that is done.
+TEST(SimErrors, AHostFunctionMayWaitForAnotherStreamThatWaitsForItsEarlierWork) {
+  auto dev = sim();
+  stream_ref a = dev->create_stream();
+  stream_ref b = dev->create_stream();
+  event_ref on_a = dev->create_event();
+  event_ref on_b = dev->create_event();
+  std::atomic<int> b_ran{0};
+  dev->record(on_a, a);  // ahead of the host function
+  dev->wait(b, on_a);
+  enqueue_host_function(*dev, b, [&] { ++b_ran; });
+  dev->record(on_b, b);
+  std::atomic<bool> saw_b{false};
+  enqueue_host_function(*dev, a, [&] {
+    dev->synchronize(on_b);
+    dev->synchronize(b);
+    saw_b = b_ran.load() == 1;
+  });
+  EXPECT_NO_THROW(dev->synchronize(a));
+  EXPECT_TRUE(saw_b.load());
+  dev->destroy_event(on_a);
+  dev->destroy_event(on_b);
+  dev->destroy_stream(a);
+  dev->destroy_stream(b);
+}
+
 TEST(SimErrors, HostFunctionsNeedASimDeviceAndAFunction) {
   auto null_dev = make_device("null");
   try {

@@ -68,6 +68,10 @@ std::string errno_text(int err) { return std::error_code(err, std::generic_categ
 
 class sim_stream;
 
+// The stream whose worker this thread is (null on every other thread): a host function's
+// synchronize must know which stream it holds up.
+thread_local sim_stream* tls_worker_of = nullptr;
+
 // One queued operation. A plain struct rather than a closure per item, so that copies and waits
 // cost no heap allocation; only host functions carry a std::function.
 struct work_item {
@@ -82,7 +86,7 @@ struct work_item {
   std::chrono::steady_clock::time_point queued_at{};  // copies, with a bandwidth model only
 };
 
-class sim_stream {
+class sim_stream : public std::enable_shared_from_this<sim_stream> {
  public:
   sim_stream(double bandwidth, std::string label)
       : label_(std::move(label)), bandwidth_(bandwidth), worker_([this] { run(); }) {}
@@ -123,10 +127,16 @@ class sim_stream {
 
   /// Blocks until reached(ticket); returns whether it had to block.
   /// @throws logic_error when called from this stream's own worker for work not yet run.
+  /// @throws logic_error too when the caller is a host function on another stream that this
+  /// stream's work up to `ticket` waits for (through events, maybe via more streams).
   bool wait_until(std::uint64_t ticket) {
     if (reached(ticket)) return false;
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      refuse_waiting_for_itself(ticket);
+    }
+    const blocked_worker caller(*this, ticket);
     std::unique_lock<std::mutex> lock(m_);
-    refuse_waiting_for_itself(ticket);
     done_cv_.wait(lock, [&] { return reached(ticket); });
     return true;
   }
@@ -135,9 +145,14 @@ class sim_stream {
   /// a host function raised, if any.
   /// @throws logic_error when called from this stream's own worker (a host function on it).
   std::string drain() {
+    std::uint64_t target = 0;
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      target = pushed_;
+      refuse_waiting_for_itself(target);
+    }
+    const blocked_worker caller(*this, target);
     std::unique_lock<std::mutex> lock(m_);
-    const std::uint64_t target = pushed_;
-    refuse_waiting_for_itself(target);
     done_cv_.wait(lock, [&] { return reached(target); });
     return std::exchange(error_, std::string{});
   }
@@ -173,6 +188,7 @@ class sim_stream {
  private:
   void run() {
     pthread_setname_np(pthread_self(), "terrace-sim");
+    tls_worker_of = this;
     std::unique_lock<std::mutex> lock(m_);
     worker_id_ = std::this_thread::get_id();
     for (;;) {
@@ -184,6 +200,8 @@ class sim_stream {
       {
         work_item item = std::move(queue_.front());
         queue_.pop_front();
+        // Published with the pop, so that a cycle check never misses this wait between the two.
+        if (item.what == work_item::kind::wait) blocked_on_ = {item.waits_for, item.ticket};
         lock.unlock();
         execute(item);
         // Time spent in anything but a copy (a "kernel", a wait) is no credit for the next copy.
@@ -192,6 +210,7 @@ class sim_stream {
         // destroy what a host function captured.
       }
       lock.lock();
+      blocked_on_ = {};
       finished_.store(finished_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
       done_cv_.notify_all();
     }
@@ -212,7 +231,9 @@ class sim_stream {
         }
         break;
       case work_item::kind::wait:
-        item.waits_for->wait_until(item.ticket);
+        // Never refused: waits alone cannot form a cycle (each refers to work queued before it),
+        // and a host function that closes one is refused at its own synchronize instead.
+        item.waits_for->block_until(item.ticket);
         break;
     }
   }
@@ -259,6 +280,84 @@ class sim_stream {
                       "wait for itself forever");
   }
 
+  // Blocks until reached(ticket), with no checks: a queued wait.
+  void block_until(std::uint64_t ticket) {
+    if (reached(ticket)) return;
+    std::unique_lock<std::mutex> lock(m_);
+    done_cv_.wait(lock, [&] { return reached(ticket); });
+  }
+
+  // ------------------------------------------------------------ waits through other streams
+  // A host function on stream X that synchronizes stream Y (or an event on it, or the device)
+  // while Y's work up to the awaited ticket waits -- through events, maybe via further streams --
+  // for work queued on X behind that host function, waits for itself: X's worker is the caller,
+  // so X cannot move on. CUDA rules this out by forbidding API calls in host functions; sim
+  // refuses it with a message instead of hanging. Each waiting worker publishes what it waits for
+  // (blocked_on_) before it looks for a cycle, so of two workers closing one the later sees it.
+
+  // While a host function on another stream waits for this one: what that stream waits for.
+  class blocked_worker {
+   public:
+    blocked_worker(sim_stream& target, std::uint64_t ticket) : caller_(tls_worker_of) {
+      if (caller_ == nullptr || caller_ == &target) return;  // the host; or refused already
+      {
+        std::lock_guard<std::mutex> lock(caller_->m_);
+        caller_->blocked_on_ = {target.shared_from_this(), ticket};
+      }
+      if (target.waits_for_worker_of(*caller_, ticket)) {
+        const std::string caller = caller_->label_;
+        clear();
+        throw logic_error("terrace: device 'sim': a host function on " + caller + " synchronizes " +
+                          target.label_ + ", whose work waits (through events) for work queued "
+                          "behind that host function on its own stream: it would wait for itself "
+                          "forever");
+      }
+    }
+    ~blocked_worker() { clear(); }
+    blocked_worker(const blocked_worker&) = delete;
+    blocked_worker& operator=(const blocked_worker&) = delete;
+
+   private:
+    void clear() noexcept {
+      if (caller_ == nullptr) return;
+      std::lock_guard<std::mutex> lock(caller_->m_);
+      caller_->blocked_on_ = {};
+      caller_ = nullptr;
+    }
+    sim_stream* caller_;
+  };
+
+  // Whether reaching `ticket` here needs `caller`, whose worker is blocked in a host function,
+  // to finish more than it has. Locks one stream at a time.
+  bool waits_for_worker_of(const sim_stream& caller, std::uint64_t ticket) {
+    const std::uint64_t caller_done = caller.finished_.load(std::memory_order_acquire);
+    std::vector<std::pair<std::shared_ptr<sim_stream>, std::uint64_t>> todo{{shared_from_this(), ticket}};
+    std::unordered_map<const sim_stream*, std::uint64_t> explored;  // up to which ticket
+    while (!todo.empty()) {
+      auto [s, t] = std::move(todo.back());
+      todo.pop_back();
+      if (s.get() == &caller) {
+        if (t > caller_done) return true;
+        continue;
+      }
+      auto [it, fresh] = explored.try_emplace(s.get(), t);
+      if (!fresh) {
+        if (it->second >= t) continue;
+        it->second = t;
+      }
+      // Under the lock, so that blocked_on_ belongs to the item after the finished ones (<= t).
+      std::lock_guard<std::mutex> lock(s->m_);
+      if (s->reached(t)) continue;
+      if (s->blocked_on_.first) todo.push_back(s->blocked_on_);
+      std::uint64_t item_ticket = s->pushed_ - s->queue_.size();
+      for (const work_item& item : s->queue_) {
+        if (++item_ticket > t) break;
+        if (item.what == work_item::kind::wait) todo.emplace_back(item.waits_for, item.ticket);
+      }
+    }
+    return false;
+  }
+
   void set_error(std::string message) {
     std::lock_guard<std::mutex> lock(m_);
     if (error_.empty()) error_ = std::move(message);
@@ -276,6 +375,8 @@ class sim_stream {
   bool stopping_ = false;
   std::string error_;
   std::thread::id worker_id_;  // set by the worker before its first item
+  // What the worker waits for now (a queued wait, or a host function's synchronize); null if none.
+  std::pair<std::shared_ptr<sim_stream>, std::uint64_t> blocked_on_;
 
   // The worker's own: when the modelled link finished the previous item.
   clock_type::time_point link_free_at_{};

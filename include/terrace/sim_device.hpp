@@ -23,8 +23,10 @@ bool is_sim_device(const device_backend& device) noexcept;
 /// An exception thrown by `fn` is caught on the worker; the next synchronize() of that stream (or
 /// synchronize_device()) throws it as terrace::device_error, once; if the stream is destroyed
 /// first, the next synchronize_device() does. Later work on the stream still runs. `fn` must not
-/// synchronize the stream it runs on (it would wait for itself): such a synchronize throws
-/// terrace::logic_error inside `fn`, and destroying that stream from `fn` aborts.
+/// synchronize the stream it runs on (it would wait for itself), nor a stream or event whose work
+/// waits (through events, maybe via further streams) for work queued behind `fn` on its stream:
+/// such a synchronize throws terrace::logic_error inside `fn`, and destroying that stream from
+/// `fn` aborts.
 /// @throws terrace::logic_error if `device` is not a sim device, `s` is not one of its streams, or
 ///         `fn` is empty.
 void enqueue_host_function(device_backend& device, stream_ref s, std::function<void()> fn);
