@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "device_conformance.hpp"
 #include "inert_backend.hpp"
 #include "terrace/device.hpp"
@@ -913,6 +915,31 @@ TEST(SimDeathTest, DestroyingAStreamFromItsOwnHostFunctionAbortsSayingWhy) {
         dev->synchronize(s);
       },
       "destroy_stream from a host function on that stream");
+}
+
+// Found in review with the self-wait through another stream: destroy_stream waits for the
+// stream's queued work, so a host function on `a` that destroyed a stream waiting for work behind
+// it on `a` hung both streams. destroy_stream cannot throw: it now aborts saying why, as it does
+// from the stream's own host function. The alarm is only a hang guard: it kills a hung child,
+// whose death then lacks the message.
+TEST(SimDeathTest, DestroyingAStreamThatWaitsForTheCallingHostFunctionAbortsSayingWhy) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        ::alarm(20);
+        auto dev = sim();
+        stream_ref a = dev->create_stream();
+        stream_ref b = dev->create_stream();
+        event_ref on_a = dev->create_event();
+        gate g;
+        enqueue_host_function(*dev, a, g.hold());
+        enqueue_host_function(*dev, a, [&] { dev->destroy_stream(b); });
+        dev->record(on_a, a);  // behind the host function
+        dev->wait(b, on_a);
+        g.open();
+        dev->synchronize(a);
+      },
+      "destroy_stream.*wait for itself");
 }
 
 // ---------------------------------------------------------------- sim bandwidth model

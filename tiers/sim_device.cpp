@@ -179,6 +179,14 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
     work_cv_.notify_one();
   }
 
+  /// stop_and_join for destroy_stream, which may come from a host function on another stream.
+  /// @throws logic_error, stopping nothing, when this stream's queued work waits for work queued
+  /// behind that host function (blocked_worker).
+  void stop_and_join_checked() {
+    const blocked_worker caller(*this, ticket());
+    stop_and_join();
+  }
+
   /// Runs what is queued, then stops the worker. Idempotent.
   void stop_and_join() noexcept {
     request_stop();
@@ -631,7 +639,12 @@ class sim_device final : public device_backend {
       stream = std::move(it->second);
       streams_.erase(it);
     }
-    stream->stop_and_join();  // drains: queued work still runs
+    try {
+      stream->stop_and_join_checked();  // drains: queued work still runs
+    } catch (const std::exception& e) {
+      contract_violation("sim", std::string("destroy_stream from a host function that would wait "
+                                            "for itself: ") + e.what());
+    }
     // An error no synchronize() took would die with the stream: the device keeps it for the next
     // synchronize_device(), as the contract promises (a failed checking "kernel" must not pass).
     try {

@@ -25,8 +25,8 @@ bool is_sim_device(const device_backend& device) noexcept;
 /// first, the next synchronize_device() does. Later work on the stream still runs. `fn` must not
 /// synchronize the stream it runs on (it would wait for itself), nor a stream or event whose work
 /// waits (through events, maybe via further streams) for work queued behind `fn` on its stream:
-/// such a synchronize throws terrace::logic_error inside `fn`, and destroying that stream from
-/// `fn` aborts.
+/// such a synchronize throws terrace::logic_error inside `fn`; destroying that stream, or such a
+/// stream, from `fn` aborts with a message.
 /// @throws terrace::logic_error if `device` is not a sim device, `s` is not one of its streams, or
 ///         `fn` is empty.
 void enqueue_host_function(device_backend& device, stream_ref s, std::function<void()> fn);
