@@ -474,6 +474,39 @@ TEST(SimStreams, SynchronizeDeviceWaitsForEveryStream) {
   dev->destroy_stream(streams[2]);
 }
 
+// Found in review: destroy_stream took the stream out of the device's books before draining it,
+// so a synchronize_device() on another thread meanwhile returned with the stream's work still
+// queued (CUDA's cudaDeviceSynchronize waits for a destroyed stream's pending work), and a caller
+// that then released memory let that work run on freed memory. The 50 ms before the gate opens
+// only gives the old behaviour time to show; the test passes whatever the timing.
+TEST(SimStreams, SynchronizeDeviceWaitsForAStreamBeingDestroyed) {
+  auto dev = sim();
+  stream_ref s = dev->create_stream();
+  gate g;
+  std::atomic<bool> ran{false};
+  enqueue_host_function(*dev, s, g.hold());
+  enqueue_host_function(*dev, s, [&ran] { ran = true; });
+  std::thread destroyer([&] { dev->destroy_stream(s); });
+  event_ref e = dev->create_event();
+  ASSERT_TRUE(eventually([&] {
+    try {
+      dev->record(e, s);
+      return false;
+    } catch (const logic_error&) {
+      return true;  // s is out of the books: destroy_stream is draining it
+    }
+  }));
+  std::thread opener([&g] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    g.open();
+  });
+  dev->synchronize_device();
+  EXPECT_TRUE(ran.load()) << "synchronize_device returned before the destroyed stream's work ran";
+  opener.join();
+  destroyer.join();
+  dev->destroy_event(e);
+}
+
 TEST(SimStreams, StreamsRunConcurrently) {
   auto dev = sim();
   stream_ref a = dev->create_stream();

@@ -638,6 +638,8 @@ class sim_device final : public device_backend {
       }
       stream = std::move(it->second);
       streams_.erase(it);
+      // Unknown to every call from now on, but synchronize_device() still waits for its work.
+      draining_.push_back(stream);
     }
     try {
       stream->stop_and_join_checked();  // drains: queued work still runs
@@ -647,9 +649,11 @@ class sim_device final : public device_backend {
     }
     // An error no synchronize() took would die with the stream: the device keeps it for the next
     // synchronize_device(), as the contract promises (a failed checking "kernel" must not pass).
+    // Taken with the stream's leaving draining_, so that synchronize_device() sees it either way.
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    draining_.erase(std::find(draining_.begin(), draining_.end(), stream));
     try {
       if (std::string error = stream->take_error(); !error.empty()) {
-        std::lock_guard<std::mutex> lock(handles_mutex_);
         orphaned_errors_ += (orphaned_errors_.empty() ? "" : "; ") + error;
       }
     } catch (...) {
@@ -671,6 +675,7 @@ class sim_device final : public device_backend {
       std::lock_guard<std::mutex> lock(handles_mutex_);
       if (default_stream_) streams.push_back(default_stream_);
       for (const auto& [key, s] : streams_) streams.push_back(s);
+      streams.insert(streams.end(), draining_.begin(), draining_.end());
       errors = std::exchange(orphaned_errors_, std::string{});
     }
     // drain() hands each stream's error over once: every one goes into the exception (keeping
@@ -790,9 +795,10 @@ class sim_device final : public device_backend {
   vmm_book vmm_;
   capacity_meter meter_;  // charged and uncharged under memory_mutex_
 
-  std::mutex handles_mutex_;  // guards the four below
+  std::mutex handles_mutex_;  // guards the five below
   std::shared_ptr<sim_stream> default_stream_;
   std::unordered_map<void*, std::shared_ptr<sim_stream>> streams_;
+  std::vector<std::shared_ptr<sim_stream>> draining_;  // in destroy_stream, not yet joined
   std::unordered_map<void*, std::shared_ptr<sim_event>> events_;
   std::string orphaned_errors_;  // raised on streams destroyed before a synchronize() took them
   std::atomic<std::uint64_t> streams_created_{0};  // names streams in error messages
