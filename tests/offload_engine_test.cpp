@@ -801,6 +801,15 @@ TEST(OffloadEngineFaults, AModelThatThrowsLeavesNothingAcquired) {
   }
 }
 
+// Puts a refusing_device between `e`'s engine (made again, with `o`) and its sim device.
+testing::refusing_device& refuse_under(probe_engine& e, const offload_engine_options& o) {
+  auto wrapped = std::make_unique<testing::refusing_device>(std::move(e.device));
+  testing::refusing_device& dev = *wrapped;
+  e.device = std::move(wrapped);
+  e.make(kSmallLayers, o);
+  return dev;
+}
+
 // A step ends by starting the next forward's prefetch (tier_manager::begin_iteration), after its
 // optimizer step. A prefetch the device refuses there made step() throw although the step had
 // happened: a caller told that a throwing step did not happen fed its batch again, and the
@@ -817,10 +826,7 @@ TEST(OffloadEngineFaults, ARefusedPrefetchAfterTheUpdateDoesNotFailTheStep) {
     for (std::size_t s = 0; s < 3; ++s) want.push_back(ref.step(kProbeBatches[s]));
 
     probe_engine e(kSmallLayers, o);
-    auto wrapped = std::make_unique<testing::refusing_device>(std::move(e.device));
-    testing::refusing_device& dev = *wrapped;
-    e.device = std::move(wrapped);
-    e.make(kSmallLayers, o);
+    testing::refusing_device& dev = refuse_under(e, o);
     auto& model = dynamic_cast<probe_model&>(e.engine->model());
     EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[0]), want[0]));
     // Armed in the last backward of step 2: the first copy up after it is the next forward's
@@ -857,10 +863,7 @@ TEST(OffloadEngineFaults, ADeviceErrorInstallingThePlanAfterTheUpdateDoesNotFail
     ASSERT_TRUE(ref.engine->device_memory().plan_stats().active) << "the test does not test: no plan";
 
     probe_engine e(kSmallLayers, o);
-    auto wrapped = std::make_unique<testing::refusing_device>(std::move(e.device));
-    testing::refusing_device& dev = *wrapped;
-    e.device = std::move(wrapped);
-    e.make(kSmallLayers, o);
+    testing::refusing_device& dev = refuse_under(e, o);
     auto& model = dynamic_cast<probe_model&>(e.engine->model());
     // Armed in each last backward until a plan exists: the steady steps reserve nothing else
     // after it, so the refused reserve is the arena's.

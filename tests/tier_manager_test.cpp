@@ -833,40 +833,6 @@ TEST(TierManagerConcurrency, AnOptimizerThreadWorksBesideTheTrainingThread) {
   EXPECT_EQ(h[0], static_cast<unsigned char>(pattern(kBytes, 100)[0] + 50));
 }
 
-
-// Found in review: release dropped the pin before recording the event that tells when the work
-// queued on the stream is done; when that record failed, the tensor was evictable with no event
-// to wait for, and its block could go to the next copy up under a kernel still reading it. A
-// release that throws now leaves the tensor acquired, and the caller can release it again.
-TEST(TierManager, AReleaseWhoseEventRecordFailsLeavesTheTensorAcquired) {
-  constexpr std::size_t kBytes = 1 * MiB;
-  device_options o;
-  o.capacity = 64 * MiB;
-  testing::refusing_device dev(make_device("sim", o));
-  caching_allocator memory(dev);
-  pinned_pool_options po;
-  po.region_size = 16 * MiB;
-  pinned_host_pool host(dev, po);
-  stream_ref compute = dev.create_stream();
-  {
-    tier_manager_options to;
-    to.device_budget = kBytes;  // room for one tensor
-    tier_manager tm(dev, memory, host, to);
-    const tensor_id a = tm.add("a", kBytes, pattern(kBytes, 1).data());
-    const tensor_id b = tm.add("b", kBytes, pattern(kBytes, 2).data());
-    tm.acquire(a, compute);
-    dev.refuse_records = 1;
-    EXPECT_THROW(tm.release(a, compute), device_error);
-    ASSERT_EQ(dev.refuse_records, 0) << "the test does not test: nothing was refused";
-    tm.check_invariants();
-    EXPECT_THROW(tm.acquire(b, compute), out_of_memory) << "a was evicted while still acquired";
-    EXPECT_NO_THROW(tm.release(a, compute));
-    EXPECT_NO_THROW(tm.acquire(b, compute));
-    tm.release(b, compute);
-  }
-  dev.synchronize_device();
-  dev.destroy_stream(compute);
-}
 }  // namespace
 }  // namespace terrace
 
@@ -982,20 +948,37 @@ TEST(TierManager, AWriteAcquireThatFailsInThePrefetchWalkLeavesNoEmptyBlockNorPi
   EXPECT_TRUE(seen == pattern(kBytes, 3));
 }
 
+// A sim device behind a refusing_device, its allocator and pinned pool, and a compute stream;
+// each test makes its own manager, which goes before them.
+struct refusing_rig {
+  testing::refusing_device dev{make_device("sim", [] {
+    device_options o;
+    o.capacity = 64 * MiB;
+    return o;
+  }())};
+  caching_allocator memory{dev};
+  pinned_host_pool host{dev, [] {
+    pinned_pool_options po;
+    po.region_size = 16 * MiB;
+    return po;
+  }()};
+  stream_ref compute = dev.create_stream();
+  ~refusing_rig() {
+    dev.synchronize_device();
+    dev.destroy_stream(compute);
+  }
+};
 
 // A copy up that the device refuses leaves no device copy behind: a block that holds none of the
 // tensor's data must not be handed to the next acquire as if it did, whether the copy was the
 // acquire's own or a prefetch's.
 TEST(TierManager, ARefusedCopyUpLeavesNoDeviceCopyWithoutTheData) {
   constexpr std::size_t kBytes = 1 * MiB;
-  device_options o;
-  o.capacity = 64 * MiB;
-  testing::refusing_device dev(make_device("sim", o));
-  caching_allocator memory(dev);
-  pinned_pool_options po;
-  po.region_size = 16 * MiB;
-  pinned_host_pool host(dev, po);
-  stream_ref compute = dev.create_stream();
+  refusing_rig r;
+  testing::refusing_device& dev = r.dev;
+  caching_allocator& memory = r.memory;
+  pinned_host_pool& host = r.host;
+  const stream_ref compute = r.compute;
   {
     tier_manager tm(dev, memory, host, {});
     const tensor_id a = tm.add("a", kBytes, pattern(kBytes, 1).data());
@@ -1023,8 +1006,29 @@ TEST(TierManager, ARefusedCopyUpLeavesNoDeviceCopyWithoutTheData) {
     EXPECT_FALSE(tm.on_device(b)) << "a refused prefetch left a block without b's data";
     EXPECT_TRUE(seen_by_kernel(b) == pattern(kBytes, 2));
   }
-  dev.synchronize_device();
-  dev.destroy_stream(compute);
+}
+
+// Found in review: release dropped the pin before recording the event that tells when the work
+// queued on the stream is done; when that record failed, the tensor was evictable with no event
+// to wait for, and its block could go to the next copy up under a kernel still reading it. A
+// release that throws now leaves the tensor acquired, and the caller can release it again.
+TEST(TierManager, AReleaseWhoseEventRecordFailsLeavesTheTensorAcquired) {
+  constexpr std::size_t kBytes = 1 * MiB;
+  refusing_rig r;
+  tier_manager_options to;
+  to.device_budget = kBytes;  // room for one tensor
+  tier_manager tm(r.dev, r.memory, r.host, to);
+  const tensor_id a = tm.add("a", kBytes, pattern(kBytes, 1).data());
+  const tensor_id b = tm.add("b", kBytes, pattern(kBytes, 2).data());
+  tm.acquire(a, r.compute);
+  r.dev.refuse_records = 1;
+  EXPECT_THROW(tm.release(a, r.compute), device_error);
+  ASSERT_EQ(r.dev.refuse_records, 0) << "the test does not test: nothing was refused";
+  tm.check_invariants();
+  EXPECT_THROW(tm.acquire(b, r.compute), out_of_memory) << "a was evicted while still acquired";
+  EXPECT_NO_THROW(tm.release(a, r.compute));
+  EXPECT_NO_THROW(tm.acquire(b, r.compute));
+  tm.release(b, r.compute);
 }
 
 }  // namespace
