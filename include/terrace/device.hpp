@@ -116,9 +116,10 @@ class device_backend {
   void release_pinned_host(void* p, std::size_t bytes) noexcept;
 
   // ---------------------------------------------------------------- streams and events
-  // Below, device_error is what the device reports. A stream or event the backend does not know
-  // (destroyed, or another device's), and on sim a copy outside live memory or between
-  // overlapping ranges, is the caller's error instead: logic_error, nothing queued.
+  // Below, device_error is what the device reports. On sim, which keeps books, a stream or event
+  // it does not know (destroyed, or another device's) and a copy outside live memory or between
+  // overlapping ranges are the caller's errors instead: logic_error, nothing queued. (CUDA
+  // reports what it detects of these as device_error.)
   /// @throws device_error
   stream_ref create_stream() { return do_create_stream(); }
   /// REQUIRES: a stream from create_stream(). Waits for its queued work. Never throws.
