@@ -20,6 +20,7 @@
 #include <CLI/CLI.hpp>
 
 #include "tiers/crc32c.hpp"
+#include "tools/bench_stats.hpp"
 
 namespace {
 
@@ -72,8 +73,7 @@ double median_gbps(F&& pass, std::size_t buffer, std::size_t bytes_per_rep, int 
     const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
     gbps.push_back(static_cast<double>(passes * buffer) / s / 1e9);
   }
-  std::sort(gbps.begin(), gbps.end());
-  return gbps[gbps.size() / 2];
+  return terrace::tools::median(gbps);
 }
 
 }  // namespace

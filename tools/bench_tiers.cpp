@@ -26,20 +26,17 @@
 #include "terrace/pinned_pool.hpp"
 #include "terrace/sim_device.hpp"
 #include "terrace/tier_manager.hpp"
+#include "tools/bench_stats.hpp"
 
 namespace {
 
 using clock_type = std::chrono::steady_clock;
+using terrace::tools::median;
 
 struct result {
   double step_s = 0;
   terrace::tier_stats stats;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 result run(bool with_schedule, int layers, int budget, int window, std::size_t bytes,
            double bandwidth, double compute_ms, int steps) {

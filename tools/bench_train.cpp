@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "terrace/error.hpp"
+#include "tools/bench_stats.hpp"
 #include "tools/train.hpp"
 
 namespace {
@@ -37,11 +38,7 @@ namespace {
 namespace fs = std::filesystem;
 using terrace::tools::train_options;
 using terrace::tools::train_result;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using terrace::tools::median;
 
 struct overlap_row {
   double step = 0, fb = 0, exposed = 0, transfer = 0, optimizer = 0;
