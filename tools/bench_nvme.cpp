@@ -218,7 +218,13 @@ int main(int argc, char** argv) {
   // 1.2 GB/s on a file of its own against 3.0-3.3 GB/s on the swap file just written). Same file,
   // same write-then-read order: the ratio compares the engines, not the cache states.
   const auto fio_file = store_dir / "swap.0";
-  if (!no_fio) fio_mbps(fio_file, "write", total, block, qd);
+  // fio missing or failing (no io_uring, no O_DIRECT) leaves its columns out, said once, rather
+  // than a row of -1 and ratios of 0 that read as measurements.
+  std::string fio_why = "skipped (--no-fio)";
+  if (!no_fio && fio_mbps(fio_file, "write", total, block, qd) < 0) {
+    no_fio = true;
+    fio_why = "fio is not installed or failed (fio --ioengine=io_uring --direct=1 on " + fio_file.string() + ")";
+  }
   // DeepSpeed's aio handle works on the same swap file too, each tensor at the offset the store's
   // allocator gives it (the extents are laid out from offset 0, in put order, and freed after
   // every pass). Its op is checked (and, the first time, compiled) once, before the runs.
@@ -270,16 +276,27 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("\nmedians over %d runs (order rotated each run); ratios are medians of the per-run ratios\n", runs);
+  if (no_fio) std::printf("fio: not measured: %s\n", fio_why.c_str());
   std::printf("| tensor | terrace put MB/s | fio write MB/s | put/fio | terrace get MB/s | fio read MB/s | get/fio |\n");
   std::printf("|---|---|---|---|---|---|---|\n");
+  // A figure over the runs where it was measured (a failed fio run gives -1), or "-" for none.
+  const auto cell = [](const std::vector<double>& v, const char* format) {
+    std::vector<double> ok;
+    for (const double x : v)
+      if (x > 0) ok.push_back(x);
+    char text[64];
+    std::snprintf(text, sizeof text, format, median(ok));
+    return ok.empty() ? std::string("-") : std::string(text);
+  };
   for (auto& r : rows) {
     std::vector<double> pr, gr;
     for (std::size_t i = 0; i < r.fio_w.size(); ++i) {
       if (r.fio_w[i] > 0) pr.push_back(r.put[i] / r.fio_w[i]);
       if (r.fio_r[i] > 0) gr.push_back(r.get[i] / r.fio_r[i]);
     }
-    std::printf("| %llu MiB | %.0f | %.0f | %.2f | %.0f | %.0f | %.2f |\n", static_cast<unsigned long long>(r.size_mib),
-                median(r.put), median(r.fio_w), median(pr), median(r.get), median(r.fio_r), median(gr));
+    std::printf("| %llu MiB | %.0f | %s | %s | %.0f | %s | %s |\n", static_cast<unsigned long long>(r.size_mib),
+                median(r.put), cell(r.fio_w, "%.0f").c_str(), cell(pr, "%.2f").c_str(), median(r.get),
+                cell(r.fio_r, "%.0f").c_str(), cell(gr, "%.2f").c_str());
   }
   std::printf("\nper-run MB/s, terrace put/get | fio write/read:\n");
   for (auto& r : rows) {
