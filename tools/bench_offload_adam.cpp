@@ -15,10 +15,12 @@
 // completely behind the larger.
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -46,13 +48,29 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-std::size_t parse_count(const std::string& s) {
+// A positive whole number with an optional K, M or G suffix (powers of 2). Anything else ("1.5M",
+// "-5", "64MB", a count that overflows) is refused: std::stoull read "1.5M" as 1 Mi and "-5" as
+// 2^64 - 5.
+std::size_t parse_count(const std::string& option, const std::string& s) {
   std::size_t multiplier = 1;
   std::string digits = s;
-  if (!s.empty() && (s.back() == 'M' || s.back() == 'm')) multiplier = MiB, digits.pop_back();
-  if (!s.empty() && (s.back() == 'K' || s.back() == 'k')) multiplier = 1024, digits.pop_back();
-  if (!s.empty() && (s.back() == 'G' || s.back() == 'g')) multiplier = MiB * 1024, digits.pop_back();
-  return std::stoull(digits) * multiplier;
+  if (!digits.empty()) {
+    switch (digits.back()) {
+      case 'K': case 'k': multiplier = 1024; break;
+      case 'M': case 'm': multiplier = MiB; break;
+      case 'G': case 'g': multiplier = MiB * 1024; break;
+      default: break;
+    }
+    if (multiplier != 1) digits.pop_back();
+  }
+  std::size_t value = 0;
+  const char* const end = digits.data() + digits.size();
+  const auto [at, ec] = std::from_chars(digits.data(), end, value);
+  if (digits.empty() || ec != std::errc() || at != end || value == 0 ||
+      value > std::numeric_limits<std::size_t>::max() / multiplier) {
+    throw std::invalid_argument(option + " '" + s + "': expected a positive whole number, optionally with K, M or G");
+  }
+  return value * multiplier;
 }
 
 // The store moving one step's bytes without the arithmetic: `chunks` tensors of `bytes` each,
@@ -120,7 +138,7 @@ int main(int argc, char** argv) {
   const std::filesystem::path base = std::filesystem::absolute(dir);
   int status = 0;
   try {
-    const std::size_t params = parse_count(params_text);
+    const std::size_t params = parse_count("--params", params_text);
     if (params < groups) {
       throw std::invalid_argument("--params " + params_text + " is fewer than one per group (--groups " +
                                   std::to_string(groups) + ")");
