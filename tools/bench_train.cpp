@@ -23,9 +23,11 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -189,13 +191,21 @@ void capacity(const train_options& base, const budgets& b) {
   std::printf("one more block fails with: %s\n\n", last_failure.c_str());
 }
 
-std::vector<double> parse_list(const std::string& text) {
+// Comma-separated positive numbers. Anything else is refused: std::stod read "8x" as 8, and a
+// bandwidth of 0 (the sim's "no limit") or below would print a row for a bandwidth never modelled.
+std::vector<double> parse_bandwidths(const std::string& text) {
   std::vector<double> out;
   std::size_t at = 0;
   while (at <= text.size()) {
-    const std::size_t comma = text.find(',', at);
-    out.push_back(std::stod(text.substr(at, comma - at)));
-    if (comma == std::string::npos) break;
+    const std::size_t comma = std::min(text.find(',', at), text.size());
+    const char* const begin = text.data() + at;
+    const char* const end = text.data() + comma;
+    double value = 0;
+    const auto [stop, ec] = std::from_chars(begin, end, value);
+    if (begin == end || ec != std::errc() || stop != end || !(value > 0) || !std::isfinite(value)) {
+      throw std::invalid_argument("--bandwidths '" + text + "': expected positive GB/s figures, comma-separated");
+    }
+    out.push_back(value);
     at = comma + 1;
   }
   return out;
@@ -239,7 +249,7 @@ int main(int argc, char** argv) {
   base.dir_is_default = true;  // every run starts over in it
   base.device_memory = device_mib << 20;
   try {
-    if (!skip_overlap) overlap(base, parse_list(bandwidths));
+    if (!skip_overlap) overlap(base, parse_bandwidths(bandwidths));
     if (!skip_delayed) delayed(base, delayed_steps, rounds);
     if (!skip_capacity) capacity(base, {device_mib << 20, host_mib << 20, disk_mib << 20});
   } catch (const std::exception& e) {
