@@ -248,13 +248,24 @@ int main(int argc, char** argv) {
   base.dir = dir.empty() ? terrace::tools::default_dir() : fs::path(dir);
   base.dir_is_default = true;  // every run starts over in it
   base.device_memory = device_mib << 20;
+  int status = 0;
   try {
     if (!skip_overlap) overlap(base, parse_bandwidths(bandwidths));
     if (!skip_delayed) delayed(base, delayed_steps, rounds);
     if (!skip_capacity) capacity(base, {device_mib << 20, host_mib << 20, disk_mib << 20});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train: %s\n", e.what());
-    return 1;
+    status = 1;
   }
-  return 0;
+  // The store every run trained in (up to --disk-mib of swap file) goes with the benchmark; the
+  // folder too when nothing else is in it.
+  try {
+    std::error_code ec;
+    if (fs::exists(base.dir / "store", ec)) terrace::tools::remove_store(base.dir);
+    fs::remove(base.dir, ec);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_train: %s\n", e.what());
+    status = 1;
+  }
+  return status;
 }

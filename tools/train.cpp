@@ -45,6 +45,8 @@ bool is_store_file(const std::string& name) {
   return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
+}  // namespace
+
 // Removes the engine's store and nothing else: its files, then its folder, holding the store's
 // own lock throughout (no other process may have it open, nor open it meanwhile). A folder that
 // holds anything else is refused whole, before a file is touched.
@@ -76,6 +78,8 @@ void remove_store(const fs::path& dir) {
   if (!ec) fs::remove(folder, ec);
   if (ec) throw train_setup_error("cannot remove " + folder.string() + ": " + ec.message());
 }
+
+namespace {
 
 // The per-step log holds each step once: the steps after `last` (a resumed run's checkpoint;
 // 0 for a fresh run) are dropped before this run logs them again. A killed run logged steps its

@@ -124,6 +124,13 @@ struct train_result {
 /// in <build>/tools), else $TMPDIR (or /tmp) /terrace-train.
 std::filesystem::path default_dir();
 
+/// @brief Removes the store in `dir` (dir/store: the tensor store's own files, then the folder)
+/// and nothing else.
+/// @throws train_setup_error when the folder cannot be read, holds a file the store did not
+/// write (nothing is removed then), the store is open in another process, or a file cannot be
+/// removed.
+void remove_store(const std::filesystem::path& dir);
+
 /// @brief Trains (or resumes) as `options` say. Progress goes to options.progress.
 /// @throws train_setup_error for a configuration that cannot train, before any step; what the
 ///         engine throws during training otherwise.
