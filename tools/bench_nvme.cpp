@@ -6,6 +6,7 @@
 //   bench_nvme [--dir DIR] [--total-mib 1024] [--runs 5] [--qd 16] [--block-kib 1024]
 //              [--sizes-mib 1,16,256] [--no-fio] [--no-deepspeed]
 //   Environment: TERRACE_DEEPSPEED_PYTHONPATH, a PYTHONPATH under which deepspeed imports.
+//   DIR (created when missing) is left as it was: the benchmark works in DIR/bench_nvme.<pid>.
 //
 // terrace: put every tensor (all in flight at once, the engine keeps --qd blocks in the ring),
 // wait for all; then get them all back, CRC-verified. fio: --ioengine=io_uring --direct=1
@@ -22,6 +23,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <memory>
+#include <stdexcept>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -29,17 +32,15 @@
 
 #include "terrace/error.hpp"
 #include "terrace/tensor_store.hpp"
+#include "tools/bench_scratch.hpp"
+#include "tools/bench_stats.hpp"
 
 namespace {
 
 using clock_type = std::chrono::steady_clock;
 constexpr std::uint64_t MiB = 1 << 20;
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using terrace::tools::median;
 
 std::string run_command(const std::string& cmd) {
   std::string out;
@@ -132,12 +133,12 @@ int main(int argc, char** argv) {
   std::vector<std::uint64_t> sizes_mib = {1, 16, 256};
   bool no_fio = false;
   bool no_deepspeed = false;
-  app.add_option("--dir", dir, "scratch directory (created; must not be tmpfs)");
+  app.add_option("--dir", dir, "where to make the scratch folder (removed at the end; must not be tmpfs)");
   app.add_option("--total-mib", total_mib, "bytes moved per configuration and direction")
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--runs", runs, "repetitions (medians are printed)")->check(CLI::Range(1, 1000));
   app.add_option("--qd", qd, "queue depth (terrace and fio)")->check(CLI::Range(1, 4096));
-  app.add_option("--block-kib", block_kib, "block size (terrace and fio)")->check(CLI::Range(4, 1 << 20));
+  app.add_option("--block-kib", block_kib, "block size (terrace and fio)")->check(CLI::Range(4, 256 << 10));
   app.add_option("--sizes-mib", sizes_mib, "tensor sizes, each at most --total-mib")
       ->delimiter(',')
       ->check(CLI::Range(1, 1 << 20));
@@ -154,186 +155,196 @@ int main(int argc, char** argv) {
     }
   }
 
-  const std::filesystem::path base = std::filesystem::absolute(dir);
-  const std::filesystem::path store_dir = base / "store";
-  std::filesystem::remove_all(base);
-  std::filesystem::create_directories(store_dir);
-  const std::uint64_t total = total_mib * MiB;
-  const std::size_t block = block_kib << 10;
+  int status = 0;
+  try {
+    // Declared first: removed once the store has closed its files.
+    const terrace::tools::bench_scratch scratch(dir, "bench_nvme");
+    const std::filesystem::path& base = scratch.path();
+    const std::filesystem::path store_dir = base / "store";
+    std::filesystem::create_directory(store_dir);
+    const std::uint64_t total = total_mib * MiB;
+    const std::size_t block = block_kib << 10;
 
-  terrace::tensor_store_options opt;
-  opt.capacity = total + 64 * MiB;
-  opt.queue_depth = qd;
-  opt.block_size = block;
-  auto store = terrace::tensor_store::create(store_dir, opt);
-  std::printf("bench_nvme: %s, %llu MiB per configuration, %d runs, dir %s\n", store.describe().c_str(),
-              static_cast<unsigned long long>(total_mib), runs, base.c_str());
-  if (!store.direct()) std::printf("warning: no O_DIRECT on this file system: numbers measure the page cache\n");
+    terrace::tensor_store_options opt;
+    opt.capacity = total + 64 * MiB;
+    opt.queue_depth = qd;
+    opt.block_size = block;
+    auto store = terrace::tensor_store::create(store_dir, opt);
+    std::printf("bench_nvme: %s, %llu MiB per configuration, %d runs, dir %s\n", store.describe().c_str(),
+                static_cast<unsigned long long>(total_mib), runs, base.c_str());
+    if (!store.direct()) std::printf("warning: no O_DIRECT on this file system: numbers measure the page cache\n");
 
-  auto* src = static_cast<unsigned char*>(std::aligned_alloc(4096, total));
-  auto* dst = static_cast<unsigned char*>(std::aligned_alloc(4096, total));
-  for (std::uint64_t i = 0; i < total; i += 8) {
-    const std::uint64_t v = i * 0x9E3779B97F4A7C15ull;
-    std::memcpy(src + i, &v, 8);
-  }
-  std::memset(dst, 0, total);
-
-  struct row {
-    std::uint64_t size_mib;
-    std::vector<double> put, get, fio_w, fio_r, ds_w, ds_r;
-  };
-  std::vector<row> rows;
-  for (auto s : sizes_mib) rows.push_back({s, {}, {}, {}, {}, {}, {}});
-
-  auto pass = [&](row& r, bool record) {
-    const std::uint64_t size = r.size_mib * MiB;
-    const std::uint64_t n = total / size;
-    std::vector<terrace::io_handle> hs;
-    auto t0 = clock_type::now();
-    for (std::uint64_t i = 0; i < n; ++i) hs.push_back(store.put("t" + std::to_string(i), src + i * size, size));
-    for (auto& h : hs) h.wait();
-    auto t1 = clock_type::now();
-    hs.clear();
-    for (std::uint64_t i = 0; i < n; ++i) hs.push_back(store.get("t" + std::to_string(i), dst + i * size, size));
-    for (auto& h : hs) h.wait();
-    auto t2 = clock_type::now();
-    if (std::memcmp(src, dst, n * size) != 0) {
-      std::fprintf(stderr, "bench_nvme: data mismatch for %llu MiB tensors\n", static_cast<unsigned long long>(r.size_mib));
-      std::exit(1);
+    const auto buffer = [total] {
+      std::unique_ptr<unsigned char, decltype(&std::free)> p(
+          static_cast<unsigned char*>(std::aligned_alloc(4096, total)), &std::free);
+      if (!p) throw std::runtime_error("cannot allocate two buffers of --total-mib each");
+      return p;
+    };
+    const auto src_buffer = buffer(), dst_buffer = buffer();
+    unsigned char* const src = src_buffer.get();
+    unsigned char* const dst = dst_buffer.get();
+    for (std::uint64_t i = 0; i < total; i += 8) {
+      const std::uint64_t v = i * 0x9E3779B97F4A7C15ull;
+      std::memcpy(src + i, &v, 8);
     }
-    for (std::uint64_t i = 0; i < n; ++i) store.erase("t" + std::to_string(i));
-    if (record) {
-      const double bytes = static_cast<double>(n * size) / 1e6;
-      r.put.push_back(bytes / std::chrono::duration<double>(t1 - t0).count());
-      r.get.push_back(bytes / std::chrono::duration<double>(t2 - t1).count());
-    }
-  };
+    std::memset(dst, 0, total);
 
-  // Warm-up: the first write into a preallocated file also converts its extents; fio's first run
-  // lays its file out. Neither is counted.
-  pass(rows.front(), false);
-  // fio runs on the store's own swap file (every tensor is erased after each pass, so nothing
-  // there is live): a virtual disk's host-side cache makes the same bytes read at very different
-  // speeds depending on the file and on what was written last (measured 2026-11-22: fio read
-  // 1.2 GB/s on a file of its own against 3.0-3.3 GB/s on the swap file just written). Same file,
-  // same write-then-read order: the ratio compares the engines, not the cache states.
-  const auto fio_file = store_dir / "swap.0";
-  // fio missing or failing (no io_uring, no O_DIRECT) leaves its columns out, said once, rather
-  // than a row of -1 and ratios of 0 that read as measurements.
-  std::string fio_why = "skipped (--no-fio)";
-  if (!no_fio && fio_mbps(fio_file, "write", total, block, qd) < 0) {
-    no_fio = true;
-    fio_why = "fio is not installed or failed (fio --ioengine=io_uring --direct=1 on " + fio_file.string() + ")";
-  }
-  // DeepSpeed's aio handle works on the same swap file too, each tensor at the offset the store's
-  // allocator gives it (the extents are laid out from offset 0, in put order, and freed after
-  // every pass). Its op is checked (and, the first time, compiled) once, before the runs.
-  const auto ds_err = base / "deepspeed.stderr";
-  std::string ds_why;
-  bool deepspeed = false;
-  if (no_deepspeed) {
-    ds_why = "skipped (--no-deepspeed)";
-  } else {
-    std::printf("DeepSpeed aio: checking (its first use compiles DeepSpeed's async_io op: minutes)\n");
-    std::fflush(stdout);
-    deepspeed = !deepspeed_run("--check", ds_err, ds_why).is_null();
-  }
-  auto deepspeed_pass = [&](row& r) {
-    const std::string args = "--file " + shell_quote(fio_file.string()) + " --total-bytes " + std::to_string(total) +
-                             " --tensor-bytes " + std::to_string(r.size_mib * MiB) + " --block-bytes " +
-                             std::to_string(block) + " --qd " + std::to_string(qd) + " --reps 1";
-    const nlohmann::json j = deepspeed_run(args, ds_err, ds_why);
-    if (j.is_null()) {  // reported once, after the tables
-      deepspeed = false;
-      for (auto& x : rows) x.ds_w.clear(), x.ds_r.clear();
-      return;
+    struct row {
+      std::uint64_t size_mib;
+      std::vector<double> put, get, fio_w, fio_r, ds_w, ds_r;
+    };
+    std::vector<row> rows;
+    for (auto s : sizes_mib) rows.push_back({s, {}, {}, {}, {}, {}, {}});
+
+    auto pass = [&](row& r, bool record) {
+      const std::uint64_t size = r.size_mib * MiB;
+      const std::uint64_t n = total / size;
+      std::vector<terrace::io_handle> hs;
+      auto t0 = clock_type::now();
+      for (std::uint64_t i = 0; i < n; ++i) hs.push_back(store.put("t" + std::to_string(i), src + i * size, size));
+      for (auto& h : hs) h.wait();
+      auto t1 = clock_type::now();
+      hs.clear();
+      for (std::uint64_t i = 0; i < n; ++i) hs.push_back(store.get("t" + std::to_string(i), dst + i * size, size));
+      for (auto& h : hs) h.wait();
+      auto t2 = clock_type::now();
+      if (std::memcmp(src, dst, n * size) != 0) {
+        throw std::runtime_error("data mismatch for " + std::to_string(r.size_mib) + " MiB tensors");
+      }
+      for (std::uint64_t i = 0; i < n; ++i) store.erase("t" + std::to_string(i));
+      if (record) {
+        const double bytes = static_cast<double>(n * size) / 1e6;
+        r.put.push_back(bytes / std::chrono::duration<double>(t1 - t0).count());
+        r.get.push_back(bytes / std::chrono::duration<double>(t2 - t1).count());
+      }
+    };
+
+    // Warm-up: the first write into a preallocated file also converts its extents; fio's first run
+    // lays its file out. Neither is counted.
+    pass(rows.front(), false);
+    // fio runs on the store's own swap file (every tensor is erased after each pass, so nothing
+    // there is live): a virtual disk's host-side cache makes the same bytes read at very different
+    // speeds depending on the file and on what was written last (measured 2026-11-22: fio read
+    // 1.2 GB/s on a file of its own against 3.0-3.3 GB/s on the swap file just written). Same file,
+    // same write-then-read order: the ratio compares the engines, not the cache states.
+    const auto fio_file = store_dir / "swap.0";
+    // fio missing or failing (no io_uring, no O_DIRECT) leaves its columns out, said once, rather
+    // than a row of -1 and ratios of 0 that read as measurements.
+    std::string fio_why = "skipped (--no-fio)";
+    if (!no_fio && fio_mbps(fio_file, "write", total, block, qd) < 0) {
+      no_fio = true;
+      fio_why = "fio is not installed or failed (fio --ioengine=io_uring --direct=1 on " + fio_file.string() + ")";
     }
-    r.ds_w.push_back(j["write_mbps"].get<double>());
-    r.ds_r.push_back(j["read_mbps"].get<double>());
-  };
-  // Each terrace pass is paired with a fio pass and a DeepSpeed pass next to it, and the ratios
-  // are taken per run: the neighbours' load drifts over seconds, so adjacent measurements share
-  // most of it. Which of the three goes first rotates from run to run (terrace, fio, DeepSpeed;
-  // then fio, DeepSpeed, terrace; ...): on a disk with a host cache, following another engine's
-  // read or write of the same bytes is not neutral, so no engine keeps one place.
-  for (int run = 0; run < runs; ++run) {
-    for (auto& r : rows) {
-      for (int k = 0; k < 3; ++k) {
-        switch ((run + k) % 3) {
-          case 0:
-            pass(r, true);
-            break;
-          case 1:
-            if (!no_fio) {
-              r.fio_w.push_back(fio_mbps(fio_file, "write", total, block, qd));
-              r.fio_r.push_back(fio_mbps(fio_file, "read", total, block, qd));
-            }
-            break;
-          default:
-            if (deepspeed) deepspeed_pass(r);
+    // DeepSpeed's aio handle works on the same swap file too, each tensor at the offset the store's
+    // allocator gives it (the extents are laid out from offset 0, in put order, and freed after
+    // every pass). Its op is checked (and, the first time, compiled) once, before the runs.
+    const auto ds_err = base / "deepspeed.stderr";
+    std::string ds_why;
+    bool deepspeed = false;
+    if (no_deepspeed) {
+      ds_why = "skipped (--no-deepspeed)";
+    } else {
+      std::printf("DeepSpeed aio: checking (its first use compiles DeepSpeed's async_io op: minutes)\n");
+      std::fflush(stdout);
+      deepspeed = !deepspeed_run("--check", ds_err, ds_why).is_null();
+    }
+    auto deepspeed_pass = [&](row& r) {
+      const std::string args = "--file " + shell_quote(fio_file.string()) + " --total-bytes " + std::to_string(total) +
+                               " --tensor-bytes " + std::to_string(r.size_mib * MiB) + " --block-bytes " +
+                               std::to_string(block) + " --qd " + std::to_string(qd) + " --reps 1";
+      const nlohmann::json j = deepspeed_run(args, ds_err, ds_why);
+      if (j.is_null()) {  // reported once, after the tables
+        deepspeed = false;
+        for (auto& x : rows) x.ds_w.clear(), x.ds_r.clear();
+        return;
+      }
+      r.ds_w.push_back(j["write_mbps"].get<double>());
+      r.ds_r.push_back(j["read_mbps"].get<double>());
+    };
+    // Each terrace pass is paired with a fio pass and a DeepSpeed pass next to it, and the ratios
+    // are taken per run: the neighbours' load drifts over seconds, so adjacent measurements share
+    // most of it. Which of the three goes first rotates from run to run (terrace, fio, DeepSpeed;
+    // then fio, DeepSpeed, terrace; ...): on a disk with a host cache, following another engine's
+    // read or write of the same bytes is not neutral, so no engine keeps one place.
+    for (int run = 0; run < runs; ++run) {
+      for (auto& r : rows) {
+        for (int k = 0; k < 3; ++k) {
+          switch ((run + k) % 3) {
+            case 0:
+              pass(r, true);
+              break;
+            case 1:
+              if (!no_fio) {
+                r.fio_w.push_back(fio_mbps(fio_file, "write", total, block, qd));
+                r.fio_r.push_back(fio_mbps(fio_file, "read", total, block, qd));
+              }
+              break;
+            default:
+              if (deepspeed) deepspeed_pass(r);
+          }
         }
       }
     }
-  }
-  std::printf("\nmedians over %d runs (order rotated each run); ratios are medians of the per-run ratios\n", runs);
-  if (no_fio) std::printf("fio: not measured: %s\n", fio_why.c_str());
-  std::printf("| tensor | terrace put MB/s | fio write MB/s | put/fio | terrace get MB/s | fio read MB/s | get/fio |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
-  // A figure over the runs where it was measured (a failed fio run gives -1), or "-" for none.
-  const auto cell = [](const std::vector<double>& v, const char* format) {
-    std::vector<double> ok;
-    for (const double x : v)
-      if (x > 0) ok.push_back(x);
-    char text[64];
-    std::snprintf(text, sizeof text, format, median(ok));
-    return ok.empty() ? std::string("-") : std::string(text);
-  };
-  for (auto& r : rows) {
-    std::vector<double> pr, gr;
-    for (std::size_t i = 0; i < r.fio_w.size(); ++i) {
-      if (r.fio_w[i] > 0) pr.push_back(r.put[i] / r.fio_w[i]);
-      if (r.fio_r[i] > 0) gr.push_back(r.get[i] / r.fio_r[i]);
-    }
-    std::printf("| %llu MiB | %.0f | %s | %s | %.0f | %s | %s |\n", static_cast<unsigned long long>(r.size_mib),
-                median(r.put), cell(r.fio_w, "%.0f").c_str(), cell(pr, "%.2f").c_str(), median(r.get),
-                cell(r.fio_r, "%.0f").c_str(), cell(gr, "%.2f").c_str());
-  }
-  std::printf("\nper-run MB/s, terrace put/get | fio write/read:\n");
-  for (auto& r : rows) {
-    std::printf("  %4llu MiB:", static_cast<unsigned long long>(r.size_mib));
-    for (std::size_t i = 0; i < r.put.size(); ++i)
-      std::printf("  %.0f/%.0f | %.0f/%.0f", r.put[i], r.get[i], i < r.fio_w.size() ? r.fio_w[i] : 0.0,
-                  i < r.fio_r.size() ? r.fio_r[i] : 0.0);
-    std::printf("\n");
-  }
-  if (deepspeed) {
-    std::printf("\nDeepSpeed aio_handle(block=%zu KiB, qd=%u, single_submit=0, overlap_events=1, threads=1), "
-                "O_DIRECT, same file\n",
-                block_kib, qd);
-    std::printf("| tensor | terrace put MB/s | DeepSpeed write MB/s | put/DeepSpeed | terrace get MB/s | "
-                "DeepSpeed read MB/s | get/DeepSpeed |\n");
+    std::printf("\nmedians over %d runs (order rotated each run); ratios are medians of the per-run ratios\n", runs);
+    if (no_fio) std::printf("fio: not measured: %s\n", fio_why.c_str());
+    std::printf("| tensor | terrace put MB/s | fio write MB/s | put/fio | terrace get MB/s | fio read MB/s | get/fio |\n");
     std::printf("|---|---|---|---|---|---|---|\n");
+    // A figure over the runs where it was measured (a failed fio run gives -1), or "-" for none.
+    const auto cell = [](const std::vector<double>& v, const char* format) {
+      std::vector<double> ok;
+      for (const double x : v)
+        if (x > 0) ok.push_back(x);
+      char text[64];
+      std::snprintf(text, sizeof text, format, median(ok));
+      return ok.empty() ? std::string("-") : std::string(text);
+    };
     for (auto& r : rows) {
       std::vector<double> pr, gr;
-      for (std::size_t i = 0; i < r.ds_w.size(); ++i) {
-        if (r.ds_w[i] > 0) pr.push_back(r.put[i] / r.ds_w[i]);
-        if (r.ds_r[i] > 0) gr.push_back(r.get[i] / r.ds_r[i]);
+      for (std::size_t i = 0; i < r.fio_w.size(); ++i) {
+        if (r.fio_w[i] > 0) pr.push_back(r.put[i] / r.fio_w[i]);
+        if (r.fio_r[i] > 0) gr.push_back(r.get[i] / r.fio_r[i]);
       }
-      std::printf("| %llu MiB | %.0f | %.0f | %.2f | %.0f | %.0f | %.2f |\n",
-                  static_cast<unsigned long long>(r.size_mib), median(r.put), median(r.ds_w), median(pr), median(r.get),
-                  median(r.ds_r), median(gr));
+      std::printf("| %llu MiB | %.0f | %s | %s | %.0f | %s | %s |\n", static_cast<unsigned long long>(r.size_mib),
+                  median(r.put), cell(r.fio_w, "%.0f").c_str(), cell(pr, "%.2f").c_str(), median(r.get),
+                  cell(r.fio_r, "%.0f").c_str(), cell(gr, "%.2f").c_str());
     }
-    std::printf("\nper-run MB/s, DeepSpeed write/read:\n");
+    std::printf("\nper-run MB/s, terrace put/get | fio write/read:\n");
     for (auto& r : rows) {
       std::printf("  %4llu MiB:", static_cast<unsigned long long>(r.size_mib));
-      for (std::size_t i = 0; i < r.ds_w.size(); ++i) std::printf("  %.0f/%.0f", r.ds_w[i], r.ds_r[i]);
+      for (std::size_t i = 0; i < r.put.size(); ++i)
+        std::printf("  %.0f/%.0f | %.0f/%.0f", r.put[i], r.get[i], i < r.fio_w.size() ? r.fio_w[i] : 0.0,
+                    i < r.fio_r.size() ? r.fio_r[i] : 0.0);
       std::printf("\n");
     }
-  } else {
-    std::printf("DeepSpeed aio: not measured: %s\n", ds_why.c_str());
+    if (deepspeed) {
+      std::printf("\nDeepSpeed aio_handle(block=%zu KiB, qd=%u, single_submit=0, overlap_events=1, threads=1), "
+                  "O_DIRECT, same file\n",
+                  block_kib, qd);
+      std::printf("| tensor | terrace put MB/s | DeepSpeed write MB/s | put/DeepSpeed | terrace get MB/s | "
+                  "DeepSpeed read MB/s | get/DeepSpeed |\n");
+      std::printf("|---|---|---|---|---|---|---|\n");
+      for (auto& r : rows) {
+        std::vector<double> pr, gr;
+        for (std::size_t i = 0; i < r.ds_w.size(); ++i) {
+          if (r.ds_w[i] > 0) pr.push_back(r.put[i] / r.ds_w[i]);
+          if (r.ds_r[i] > 0) gr.push_back(r.get[i] / r.ds_r[i]);
+        }
+        std::printf("| %llu MiB | %.0f | %.0f | %.2f | %.0f | %.0f | %.2f |\n",
+                    static_cast<unsigned long long>(r.size_mib), median(r.put), median(r.ds_w), median(pr), median(r.get),
+                    median(r.ds_r), median(gr));
+      }
+      std::printf("\nper-run MB/s, DeepSpeed write/read:\n");
+      for (auto& r : rows) {
+        std::printf("  %4llu MiB:", static_cast<unsigned long long>(r.size_mib));
+        for (std::size_t i = 0; i < r.ds_w.size(); ++i) std::printf("  %.0f/%.0f", r.ds_w[i], r.ds_r[i]);
+        std::printf("\n");
+      }
+    } else {
+      std::printf("DeepSpeed aio: not measured: %s\n", ds_why.c_str());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_nvme: %s\n", e.what());
+    status = 1;
   }
-  std::free(src);
-  std::free(dst);
-  std::filesystem::remove_all(base);
-  return 0;
+  return status;
 }

@@ -5,6 +5,7 @@
 //
 //   bench_offload_adam [--params 64M] [--groups 16] [--chunk-elements 4194304] [--depth 3]
 //                      [--threads 0] [--reps 5] [--dir DIR] [--qd 16] [--block-kib 1024]
+//   DIR (created when missing) is left as it was: the store goes in DIR/bench_offload_adam.<pid>.
 //
 //   compute   adam_optimizer::step over the same parameters in memory (one call, all groups);
 //   io        the store moving the same bytes as the step, chunk by chunk through the same number
@@ -32,6 +33,8 @@
 #include "terrace/offload_adam.hpp"
 #include "terrace/pinned_pool.hpp"
 #include "terrace/tensor_store.hpp"
+#include "tools/bench_scratch.hpp"
+#include "tools/bench_stats.hpp"
 
 namespace {
 
@@ -42,11 +45,7 @@ double seconds_since(clock_type::time_point t) {
   return std::chrono::duration<double>(clock_type::now() - t).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+using terrace::tools::median;
 
 // A positive whole number with an optional K, M or G suffix (powers of 2). Anything else ("1.5M",
 // "-5", "64MB", a count that overflows) is refused: std::stoull read "1.5M" as 1 Mi and "-5" as
@@ -130,12 +129,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(3, 64));
   app.add_option("--threads", threads, "optimizer threads (0: all cores)");
   app.add_option("--reps", reps, "repetitions (medians are printed)")->check(CLI::Range(1, 1000));
-  app.add_option("--dir", dir, "scratch directory (created and removed; must not be tmpfs)");
+  app.add_option("--dir", dir, "where to make the scratch folder (removed at the end; must not be tmpfs)");
   app.add_option("--qd", qd, "store queue depth")->check(CLI::Range(1, 4096));
   app.add_option("--block-kib", block_kib, "store block size")->check(CLI::Range(4, 1 << 20));
   CLI11_PARSE(app, argc, argv);
 
-  const std::filesystem::path base = std::filesystem::absolute(dir);
   int status = 0;
   try {
     const std::size_t params = parse_count("--params", params_text);
@@ -174,9 +172,9 @@ int main(int argc, char** argv) {
     m.clear();
     v.clear();
 
-    // ---- the store and the offloaded optimizer
-    std::filesystem::remove_all(base);
-    std::filesystem::create_directories(base);
+    // ---- the store and the offloaded optimizer (declared first: removed after the store closes)
+    const terrace::tools::bench_scratch scratch(dir, "bench_offload_adam");
+    const std::filesystem::path& base = scratch.path();
     terrace::tensor_store_options so;
     so.capacity = state_bytes + state_bytes / 8 + 256 * MiB;  // the state, room to replace chunks
     so.queue_depth = qd;
@@ -244,7 +242,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_offload_adam: %s\n", e.what());
     status = 1;
   }
-  std::error_code ec;
-  std::filesystem::remove_all(base, ec);  // after the store has closed its files
   return status;
 }
