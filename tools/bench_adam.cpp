@@ -26,6 +26,7 @@
 #include "optimizer/thread_pool.hpp"
 #include "terrace/adam.hpp"
 #include "tools/bench_python.hpp"
+#include "tools/bench_stats.hpp"
 
 namespace {
 
@@ -218,10 +219,7 @@ double seconds_since(clock_type::time_point t0) {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using terrace::tools::median;
 
 // Runs tools/bench_adam_torch.py; the median seconds per step, or a negative value (and a note).
 double python_step(const std::string& impl, std::size_t n, unsigned threads, int reps, std::string& note) {

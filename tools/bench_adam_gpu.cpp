@@ -20,6 +20,7 @@
 
 #include "kernels/adam.hpp"
 #include "tools/bench_python.hpp"
+#include "tools/bench_stats.hpp"
 
 namespace {
 
@@ -33,10 +34,7 @@ bool ok(cudaError_t e, const char* what) {
   return false;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using terrace::tools::median;
 
 // Median milliseconds of `reps` runs of `fn` on `stream`, after two warm-up runs.
 template <class F>
