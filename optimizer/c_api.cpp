@@ -4,6 +4,7 @@
 // message.
 #include "terrace/optimizer.h"
 
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <new>
@@ -37,6 +38,15 @@ terrace::dtype to_dtype(int t, const char* what) {
 template <class T>
 void check_array(T* array, size_t count, const char* name) {
   TERRACE_EXPECTS(count == 0 || array != nullptr, std::string("the array ") + name + " is NULL");
+}
+
+// No caller holds that many tensors: a larger count is a negative one converted to size_t, which
+// otherwise failed to size the tensor list and came back as TERRACE_EINTERNAL, "a bug".
+void check_count(size_t count) {
+  constexpr size_t max_count = PTRDIFF_MAX / sizeof(terrace::adam_tensor);
+  TERRACE_EXPECTS(count <= max_count, "count " + std::to_string(count) +
+                                          " is larger than any tensor list "
+                                          "(a negative count converted to size_t?)");
 }
 
 }  // namespace
@@ -76,6 +86,7 @@ TERRACE_API int terrace_adam_step(terrace_adam* adam, size_t count, float* const
   return guarded("terrace_adam_step", [&] {
     if (stepped != nullptr) *stepped = 0;
     auto& optimizer = get(adam);
+    check_count(count);
     check_array(params, count, "params");
     check_array(exp_avgs, count, "exp_avgs");
     const bool lion = optimizer.options().mode == terrace::adam_mode::lion;
@@ -104,6 +115,7 @@ TERRACE_API int terrace_adam_grad_norm(terrace_adam* adam, size_t count, const v
   return guarded("terrace_adam_grad_norm", [&] {
     auto& optimizer = get(adam);
     TERRACE_EXPECTS(norm != nullptr, "norm is NULL");
+    check_count(count);
     check_array(grads, count, "grads");
     check_array(sizes, count, "sizes");
     std::vector<terrace::adam_tensor> tensors(count);

@@ -205,6 +205,19 @@ class AgainstTorch(unittest.TestCase):
                                    1.0, 1.0, 0, None)
         self.assertEqual(rc, EINVAL)
         self.assertIn("param is null", lib.terrace_last_error().decode())
+        # Found in review: a negative count converted to size_t (-1 from a C caller) failed to size
+        # a std::vector and came back as TERRACE_EINTERNAL, "a bug", instead of a bad argument.
+        for count in (2**64 - 1, 2**63):
+            rc = lib.terrace_adam_step(opt.handle, count, pointers([buf]), pointers([buf]),
+                                       pointers([buf]), pointers([buf]), None, sizes, F32, BF16,
+                                       1.0, 1.0, 0, None)
+            self.assertEqual(rc, EINVAL, lib.terrace_last_error().decode())
+            self.assertIn(f"count {count}", lib.terrace_last_error().decode())
+            norm = ctypes.c_double()
+            rc = lib.terrace_adam_grad_norm(opt.handle, count, pointers([buf]), sizes, F32, 1.0,
+                                            ctypes.byref(norm), None)
+            self.assertEqual(rc, EINVAL, lib.terrace_last_error().decode())
+            self.assertIn(f"count {count}", lib.terrace_last_error().decode())
         self.assertEqual(opt.steps(), 0)
 
 
