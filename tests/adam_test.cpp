@@ -639,7 +639,8 @@ TEST(AdamDispatch, Avx512Bf16KernelsMatchAvx512Bitwise) {
 }
 
 // Lion's sign on the values that decide it: a zero interpolation leaves the param decayed only,
-// an infinite one moves it by lr, a NaN one makes it NaN (as torch.sign would); every ISA alike.
+// an infinite one moves it by lr, a NaN one makes it NaN (numpy's sign; torch.sign gives 0, see
+// docs/optimizer.md); every ISA alike.
 // And Lion never touches exp_avg_sq, which may be null.
 TEST(AdamLion, SignOfZeroInfinityAndNan) {
   for (simd_isa isa : available_isas()) {
