@@ -13,19 +13,22 @@ namespace terrace {
 
 namespace {
 
+bool has_avx2() noexcept {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+// The AVX-512 kernels are compiled with -mavx2 -mfma -mf16c as well (their scalar tails use FMA,
+// their half conversions F16C), so they need those too: a virtual machine may hide FMA while it
+// shows AVX-512.
 bool has_avx512() noexcept {
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
 }
 
 // AVX512_BF16 does not change the results (adam_avx512bf16.cpp), only the speed of bf16 stores,
 // so it is not an instruction set of its own: simd_isa::avx512 uses it where the CPU has it.
 bool has_avx512_bf16() noexcept { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
-
-bool has_avx2() noexcept {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
-}
 
 bool supported(simd_isa isa) noexcept {
   switch (isa) {

@@ -172,7 +172,7 @@ class adam_optimizer {
   /// @brief Steps taken so far (torch's state["step"]); the next step uses step_count() + 1.
   std::int64_t step_count() const noexcept;
   /// @brief Sets the counter, e.g. when resuming from a checkpoint.
-  /// @throws terrace::logic_error if `step` < 0.
+  /// @throws terrace::logic_error if `step` < 0, or INT64_MAX (no next step could be numbered).
   void set_step_count(std::int64_t step);
   /// @brief Changes the learning rate (schedulers). @throws terrace::logic_error unless lr > 0.
   void set_lr(double lr);
