@@ -421,6 +421,31 @@ TEST(Import, ValuesOfTheWrongTypeAreBadInputNamingFileAndEvent) {
   EXPECT_TRUE(tr::parse_kineto_json(R"({"traceEvents": [{"name": 5}, {"name": null}]})", "k.json").events.empty());
 }
 
+// Found in review: a pickle's NaN or infinity where a number belongs was quoted as "got null" (the
+// JSON text of a non-finite double), so the error named a value the file does not hold.
+TEST(Import, NonFiniteNumbersInAPickleAreQuotedAsThemselves) {
+  const auto binfloat = [](std::uint64_t bits) {
+    std::string op = "G";  // BINFLOAT: 8 bytes, big-endian
+    for (int shift = 56; shift >= 0; shift -= 8) op += static_cast<char>((bits >> shift) & 0xff);
+    return op;
+  };
+  for (const auto& [bits, want] : {std::pair{std::uint64_t{0x7ff8000000000000}, "got nan"},
+                                   std::pair{std::uint64_t{0x7ff0000000000000}, "got inf"},
+                                   std::pair{std::uint64_t{0xfff0000000000000}, "got -inf"}}) {
+    const std::string doc = snapshot_pickle(pickle_str("action") + pickle_str("alloc") + pickle_str("addr") +
+                                            "K\x01"s + pickle_str("size") + binfloat(bits));
+    try {
+      tr::parse_torch_snapshot_pickle(doc, "nan.pickle");
+      FAIL() << "expected logic_error for " << want;
+    } catch (const terrace::logic_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("nan.pickle: device_traces[0][0] size"), std::string::npos) << m;
+      EXPECT_NE(m.find(want), std::string::npos) << m;
+      EXPECT_EQ(m.find("null"), std::string::npos) << m;
+    }
+  }
+}
+
 // Found in review, each: a value nested 300 000 levels deep overflowed the stack while its error
 // was written (the serializer recurses per level); RMM's 0-byte requests (null pointers, two
 // live at once) made the replay refuse the trace; segment events whose sizes add past 2^63

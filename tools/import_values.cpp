@@ -11,6 +11,11 @@ using json = nlohmann::json;
 std::string quote(const json& j) {
   if (j.is_array()) return "an array of " + std::to_string(j.size()) + " elements";
   if (j.is_object()) return "an object of " + std::to_string(j.size()) + " members";
+  // A pickle's NaN or infinity: JSON text has no such number and would print "null".
+  if (j.is_number_float() && !std::isfinite(j.get<double>())) {
+    const double d = j.get<double>();
+    return std::isnan(d) ? "nan" : d > 0 ? "inf" : "-inf";
+  }
   return j.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
