@@ -183,6 +183,16 @@ TEST(Import, RmmCsvMatchesTheSourceTraceAndBadLinesAreNamed) {
                terrace::logic_error);
   EXPECT_THROW(tr::parse_rmm_csv("Thread,Time,Action,Pointer,Size,Stream\n1,t,free\n", "x.csv"),
                terrace::logic_error);
+  // Found in review: a row with more fields than the header (two rows run together, a stray
+  // comma) was replayed from its first fields as if well formed; too few was already refused.
+  try {
+    tr::parse_rmm_csv("Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x10,512,0\n1,t,allocate,0x20,512,0,1,t\n",
+                      "wide.csv");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("wide.csv:3: expected 6 fields, got 8"), std::string::npos) << m;
+  }
 }
 
 // A negative, fractional or out-of-range number was cast: -1 became 16 EiB, -1.5 and 1e30 were

@@ -245,6 +245,7 @@ imported_trace rmm_csv(std::istream& text, const std::string& source) {
   t.format = "rmm-csv";
   std::size_t line_no = 0;
   int col_action = -1, col_ptr = -1, col_size = -1, col_stream = -1;
+  std::size_t header_fields = 0;
   auto split = [](std::string_view line) {
     std::vector<std::string_view> f;
     std::size_t p = 0;
@@ -283,12 +284,14 @@ imported_trace rmm_csv(std::istream& text, const std::string& source) {
         throw logic_error(source + ":" + std::to_string(line_no) +
                           ": expected the header Thread,Time,Action,Pointer,Size,Stream");
       }
+      header_fields = f.size();
       continue;
     }
-    const int need = std::max({col_action, col_ptr, col_size, col_stream});
-    if (static_cast<int>(f.size()) <= need) {
+    // One field per header column: more is as malformed as fewer (rows run together, a stray
+    // comma), and replaying the first fields of such a row would invent an event.
+    if (f.size() != header_fields) {
       throw logic_error(source + ":" + std::to_string(line_no) + ": expected " +
-                        std::to_string(need + 1) + " fields, got " + std::to_string(f.size()));
+                        std::to_string(header_fields) + " fields, got " + std::to_string(f.size()));
     }
     const std::string_view action = f[static_cast<std::size_t>(col_action)];
     trace_event ev;
