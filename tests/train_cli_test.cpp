@@ -226,6 +226,10 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       {"--alloc-conf policy:nonsense --steps 2", "bad item 'policy:nonsense'"},
       // Found in a user review: a folder that is not there failed only after training.
       {"--save-trace /nonexistent-dir/t.jsonl --steps 2", "/nonexistent-dir is not a directory"},
+      // Found in review: a log that could not be written failed only once the NVMe store was
+      // made, leaving a store that the next run took for an earlier run's checkpoint.
+      {"--log /nonexistent-dir/log.txt --steps 2", "/nonexistent-dir is not a directory"},
+      {"--log '" + dir.path().string() + "' --steps 2", dir.path().string() + "': it is a directory"},
   };
   for (const bad_case& c : cases) {
     const run_result r = train(c.args + d);

@@ -297,15 +297,21 @@ train_result run_train(const train_options& options) {
     throw train_setup_error(e.what());
   }
   const std::vector<std::uint8_t> corpus = load_corpus(o.corpus, o.model.context);
-  // Files written after training: a folder that is not there is found out now, before --fresh
-  // removes anything, not after the training.
-  for (const fs::path& out : {o.write_report ? o.report : fs::path(), o.save_trace}) {
+  // Files written once the store exists or after training: a folder that is not there is found
+  // out now, before --fresh removes anything or a new store is made (which the next run would
+  // take for a checkpoint). The log is opened right after the store is made, so a folder given
+  // as the log is refused now too.
+  for (const fs::path& out : {o.write_report ? o.report : fs::path(), o.save_trace, o.log}) {
+    if (out.empty()) continue;
     std::error_code ec;
     const fs::path folder = out.has_parent_path() ? out.parent_path() : fs::path(".");
-    if (!out.empty() && !fs::is_directory(folder, ec)) {
+    if (!fs::is_directory(folder, ec)) {
       throw train_setup_error("cannot write '" + out.string() + "': " + folder.string() +
                               " is not a directory");
     }
+  }
+  if (std::error_code ec; !o.log.empty() && fs::is_directory(o.log, ec)) {
+    throw train_setup_error("cannot write the log '" + o.log.string() + "': it is a directory");
   }
   prepare_dir(o);
 
