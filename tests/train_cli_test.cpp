@@ -230,6 +230,9 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       // made, leaving a store that the next run took for an earlier run's checkpoint.
       {"--log /nonexistent-dir/log.txt --steps 2", "/nonexistent-dir is not a directory"},
       {"--log '" + dir.path().string() + "' --steps 2", dir.path().string() + "': it is a directory"},
+      // Found in review: CLI11 read -1 as 2^64 - 1 and clamped an overflowing seed to it.
+      {"--seed -1 --steps 2", "expected a whole number from 0 to 18446744073709551615, got '-1'"},
+      {"--seed 99999999999999999999999 --steps 2", "got '99999999999999999999999'"},
   };
   for (const bad_case& c : cases) {
     const run_result r = train(c.args + d);

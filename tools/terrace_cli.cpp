@@ -10,11 +10,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "terrace/config.hpp"
@@ -27,6 +30,21 @@
 #include "tools/train.hpp"
 
 namespace {
+
+// A whole number that fits in 64 unsigned bits, as written. CLI11 reads an unsigned option with
+// strtoull, which takes "-1" as 2^64 - 1 and clamps an overflowing number to it: two seeds the
+// user never gave, run without a word.
+const CLI::Validator kUnsigned64(
+    [](std::string& text) -> std::string {
+      std::uint64_t value = 0;
+      const char* const end = text.data() + text.size();
+      const auto [stop, ec] = std::from_chars(text.data(), end, value);
+      if (text.empty() || ec != std::errc() || stop != end) {
+        return "expected a whole number from 0 to 18446744073709551615, got '" + text + "'";
+      }
+      return {};
+    },
+    "UINT64");
 
 constexpr int kExitFailure = 1;
 constexpr int kExitBadInput = 2;
@@ -331,7 +349,9 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
   cmd->add_option("--lr", o.lr, "AdamW learning rate")->capture_default_str();
   cmd->add_option("--clip", o.clip, "clip the global gradient norm to this (0: no clipping)")
       ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "initial weights and batch sampling")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "initial weights and batch sampling")
+      ->check(kUnsigned64)
+      ->capture_default_str();
   cmd->add_option("--corpus", o.corpus, "the text to learn")->capture_default_str();
   cmd->add_option("--device", o.device, "sim (host memory with a capacity and a copy bandwidth) "
                                         "or cuda")
