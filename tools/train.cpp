@@ -94,7 +94,9 @@ void keep_logged_steps(const fs::path& path, std::int64_t last) {
     const long long step = std::strtoll(line.c_str(), &end, 10);
     if (end != line.c_str() && step >= 1 && step <= last) kept += line + "\n";
   }
-  if (!replace_file(path, kept)) throw train_setup_error("cannot write the log '" + path.string() + "'");
+  if (const std::string why = replace_file(path, kept); !why.empty()) {
+    throw train_setup_error("cannot write the log '" + path.string() + "': " + why);
+  }
 }
 
 void prepare_dir(const train_options& o) {

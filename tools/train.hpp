@@ -165,8 +165,8 @@ std::unique_ptr<layered_model> make_char_layered_model(const model::char_model_c
 // ---- train_report.cpp
 
 /// @brief Writes `contents` beside `path` and renames it over: a failed write leaves the old file
-/// whole, never half. False (the temporary removed) when it could not.
-bool replace_file(const std::filesystem::path& path, std::string_view contents);
+/// whole, never half. Returns why it could not (the temporary removed), or "" once written.
+std::string replace_file(const std::filesystem::path& path, std::string_view contents);
 
 /// @brief Writes the profiler's HTML report (tools/html_report.hpp) for the device allocator's
 /// recorded trace: the trace replayed under caching, expandable and planned, the segments at the

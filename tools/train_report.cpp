@@ -4,9 +4,12 @@
 // file). The trace is replayed under the three policies over the null backend, exactly as
 // `terrace report` does, so the page compares what the run reserved with what expandable segments
 // and the planned policy would have.
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
+#include <string>
 
 #include "tools/html_report.hpp"
 #include "tools/replay.hpp"
@@ -24,24 +27,28 @@ std::string write_memory_report(const memory_snapshot& recorded, const allocator
   base.config = config;
   base.config.record_trace = false;
   const report_input in = make_report_input(events, base, title, "terrace trace (recorded live by terrace train)");
-  if (!replace_file(path, render_html_report(in))) {
-    throw std::runtime_error("cannot write the memory report '" + path.string() + "'");
+  if (const std::string why = replace_file(path, render_html_report(in)); !why.empty()) {
+    throw std::runtime_error("cannot write the memory report '" + path.string() + "': " + why);
   }
   return report_summary(in);
 }
 
-bool replace_file(const std::filesystem::path& path, std::string_view contents) {
+std::string replace_file(const std::filesystem::path& path, std::string_view contents) {
   const std::filesystem::path tmp = path.string() + ".tmp";
+  errno = 0;  // the streams set it where the system refused (ENOSPC, EACCES, EISDIR, ...)
   std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
   if (out) out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
   out.close();
+  std::string why;
   std::error_code ec;
-  if (out) std::filesystem::rename(tmp, path, ec);
-  if (!out || ec) {
-    std::filesystem::remove(tmp, ec);
-    return false;
+  if (!out) {
+    why = errno != 0 ? std::strerror(errno) : "the write failed";
+  } else {
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) why = ec.message();
   }
-  return true;
+  if (!why.empty()) std::filesystem::remove(tmp, ec);
+  return why;
 }
 
 }  // namespace terrace::tools
