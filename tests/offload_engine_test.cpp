@@ -801,6 +801,15 @@ TEST(OffloadEngineFaults, AModelThatThrowsLeavesNothingAcquired) {
   }
 }
 
+// probe_options with every optimizer state on the host (no store), in place or delayed.
+offload_engine_options host_state_options(bool delayed) {
+  offload_engine_options o = probe_options({}, 1024);
+  o.delayed_update = delayed;
+  o.nvme_dir.clear();
+  o.optimizer_host_budget = SIZE_MAX;
+  return o;
+}
+
 // Puts a refusing_device between `e`'s engine (made again, with `o`) and its sim device.
 testing::refusing_device& refuse_under(probe_engine& e, const offload_engine_options& o) {
   auto wrapped = std::make_unique<testing::refusing_device>(std::move(e.device));
@@ -817,10 +826,7 @@ testing::refusing_device& refuse_under(probe_engine& e, const offload_engine_opt
 TEST(OffloadEngineFaults, ARefusedPrefetchAfterTheUpdateDoesNotFailTheStep) {
   for (bool delayed : {false, true}) {
     SCOPED_TRACE(delayed ? "delayed_update" : "in place");
-    offload_engine_options o = probe_options({}, 1024);
-    o.delayed_update = delayed;
-    o.nvme_dir.clear();
-    o.optimizer_host_budget = SIZE_MAX;
+    offload_engine_options o = host_state_options(delayed);
     probe_engine ref(kSmallLayers, o);
     std::vector<float> want;
     for (std::size_t s = 0; s < 3; ++s) want.push_back(ref.step(kProbeBatches[s]));
@@ -852,10 +858,7 @@ TEST(OffloadEngineFaults, ARefusedPrefetchAfterTheUpdateDoesNotFailTheStep) {
 TEST(OffloadEngineFaults, ADeviceErrorInstallingThePlanAfterTheUpdateDoesNotFailTheStep) {
   for (bool delayed : {false, true}) {
     SCOPED_TRACE(delayed ? "delayed_update" : "in place");
-    offload_engine_options o = probe_options({}, 1024);
-    o.delayed_update = delayed;
-    o.nvme_dir.clear();
-    o.optimizer_host_budget = SIZE_MAX;
+    offload_engine_options o = host_state_options(delayed);
     o.device_allocator.policy = alloc_policy::planned;
     probe_engine ref(kSmallLayers, o);
     std::vector<float> want;
