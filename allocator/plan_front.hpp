@@ -339,6 +339,8 @@ class plan_front {
   std::size_t arena_resident_bytes() const noexcept;
   // Publishes arena_resident_bytes() (stats, and the fallback's memory fraction).
   void note_arena_resident();
+  // Whether the memory fraction leaves room for `bytes` more of arena.
+  bool fraction_allows(std::size_t bytes) const;
   bool arena_adoptable() const noexcept;
   void give_arena_back() noexcept;
   void unmap_arena_pages(const std::vector<bool>& keep) noexcept;

@@ -220,8 +220,7 @@ bool plan_front::ensure_arena() {
 
   void* arena = nullptr;
   if (open_total > 0) {
-    // The memory fraction caps the arena as it caps the fallback's segments.
-    if (!fallback_room_ || open_total <= fallback_room_()) {
+    if (fraction_allows(open_total)) {
       try {
         arena = device_.reserve(open_total);
       } catch (const out_of_memory&) {
@@ -576,6 +575,12 @@ std::size_t plan_front::arena_resident_bytes() const noexcept {
   return arena_lazy_ ? arena_mapped_bytes_ : arena_bytes_;
 }
 
+// The memory fraction caps the arena (reserved whole, or its mapped pages) as it caps the
+// fallback's segments: together.
+bool plan_front::fraction_allows(std::size_t bytes) const {
+  return !fallback_room_ || bytes <= fallback_room_();
+}
+
 void plan_front::note_arena_resident() {
   stats_.arena_reserved_bytes = static_cast<std::int64_t>(arena_resident_bytes());
   if (fallback_resident_) fallback_resident_(arena_resident_bytes());
@@ -633,9 +638,8 @@ bool plan_front::map_arena(std::uintptr_t at, std::size_t size) {
     }
     std::size_t q = p;
     while (q < end && !arena_mapped_[q]) ++q;
-    // The memory fraction caps the mapped pages as it caps the fallback's segments.
     bool mapped = false;
-    if (!fallback_room_ || (q - p) * arena_page_ <= fallback_room_()) {
+    if (fraction_allows((q - p) * arena_page_)) {
       try {
         device_.map(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
         mapped = true;

@@ -767,34 +767,32 @@ struct offload_engine::impl {
     start_next_iteration();  // prefetch the params just published
   }
 
-  // Restarts the schedule once the params' home copies are final, prefetching the next forward's
-  // first params. That prefetch is only ahead of need, so its failure (a copy the device refuses)
-  // is not the caller's: thrown, it would fail a step or an update that has happened (and a
-  // caller feeds a failed step's batch again: the update applied twice). The next forward
-  // fetches on demand, and reports an error that persists. Anything else (a logic error) is a
-  // defect and is not hidden.
-  void start_next_iteration() {
+  // Runs work that is only ahead of need, after the update: its failure (a copy or a reserve the
+  // device refuses) is not the caller's. Thrown, it would fail a step or an update that has
+  // happened, and a caller feeds a failed step's batch again: the update applied twice. What
+  // needs the work later does it on demand and reports an error that persists. Anything else (a
+  // logic error) is a defect and is not hidden.
+  template <class Work>
+  static void ahead_of_need(Work&& work) {
     try {
-      tm->begin_iteration();
+      work();
     } catch (const device_error&) {
     } catch (const out_of_memory&) {
     }
   }
 
+  // Restarts the schedule once the params' home copies are final, prefetching the next forward's
+  // first params (a failed prefetch leaves them to the forward's demand fetches).
+  void start_next_iteration() {
+    ahead_of_need([&] { tm->begin_iteration(); });
+  }
+
   // Ends the device allocator's iteration and begins the next. Under the planned policy that is
-  // where a repeated iteration's plan is made and its arena reserved, after the update: a device
-  // error there is not the caller's either (see start_next_iteration). The plan is only an
-  // optimisation: without it the caching allocator serves, and its own reserves report an error
-  // that persists.
+  // where a repeated iteration's plan is made and its arena reserved; without the plan the caching
+  // allocator serves.
   void mark_device_iteration() {
-    try {
-      memory.end_iteration();
-    } catch (const device_error&) {
-    }
-    try {
-      memory.begin_iteration();
-    } catch (const device_error&) {
-    }
+    ahead_of_need([&] { memory.end_iteration(); });
+    ahead_of_need([&] { memory.begin_iteration(); });
   }
 
   // Under a host budget a host_data() call may move another home copy to NVMe, invalidating a

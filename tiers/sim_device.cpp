@@ -136,8 +136,7 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
       refuse_waiting_for_itself(ticket);
     }
     const blocked_worker caller(*this, ticket);
-    std::unique_lock<std::mutex> lock(m_);
-    done_cv_.wait(lock, [&] { return reached(ticket); });
+    block_until(ticket);
     return true;
   }
 
@@ -145,15 +144,8 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   /// a host function raised, if any.
   /// @throws logic_error when called from this stream's own worker (a host function on it).
   std::string drain() {
-    std::uint64_t target = 0;
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      target = pushed_;
-      refuse_waiting_for_itself(target);
-    }
-    const blocked_worker caller(*this, target);
-    std::unique_lock<std::mutex> lock(m_);
-    done_cv_.wait(lock, [&] { return reached(target); });
+    wait_until(ticket());
+    std::lock_guard<std::mutex> lock(m_);
     return std::exchange(error_, std::string{});
   }
 
