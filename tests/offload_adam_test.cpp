@@ -593,12 +593,24 @@ TEST(OffloadAdam, BadStepArgumentsAreRefusedBeforeAnythingIsWritten) {
   EXPECT_EQ(r.opt->stats().chunks_stepped, 0);
 }
 
-TEST(OffloadAdam, ResumeNeedsTheGroupWithItsSize) {
-  scratch_dir dir("offload_adam_resume_errors");
+// A store of its own, a pinned pool and options with chunks of 4096: what the resume tests
+// reopen optimizers over.
+struct resume_rig {
+  explicit resume_rig(const std::string& name)
+      : dir(name), store(tensor_store::create(dir.path(), store_options())) {
+    options.chunk_elements = 4096;
+  }
+  scratch_dir dir;
   host_rig host;
-  auto store = tensor_store::create(dir.path(), store_options());
-  offload_adam_options o;
-  o.chunk_elements = 4096;
+  tensor_store store;
+  offload_adam_options options;
+};
+
+TEST(OffloadAdam, ResumeNeedsTheGroupWithItsSize) {
+  resume_rig r("offload_adam_resume_errors");
+  host_rig& host = r.host;
+  tensor_store& store = r.store;
+  const offload_adam_options& o = r.options;
   {
     offload_adam opt(o, *host.pool, &store);
     // No checkpoint yet: nothing to resume from.
@@ -643,11 +655,10 @@ TEST(OffloadAdam, ResumeNeedsTheGroupWithItsSize) {
 // counter, and every group's bias correction went wrong from then on. A resume must now find
 // the counter where the checkpoint left it, or untouched (0: no step, no resume yet).
 TEST(OffloadAdam, AResumeRefusesToMoveTheStepCounterOfAnOptimizerThatHasStepped) {
-  scratch_dir dir("offload_adam_resume_counter");
-  host_rig host;
-  auto store = tensor_store::create(dir.path(), store_options());
-  offload_adam_options o;
-  o.chunk_elements = 4096;
+  resume_rig r("offload_adam_resume_counter");
+  host_rig& host = r.host;
+  tensor_store& store = r.store;
+  offload_adam_options& o = r.options;
   o.adam.lr = 1e-2;
   const std::vector<std::byte> grad = gradient(5000, 0, 0, dtype::f32);
   adam_step_options so;
