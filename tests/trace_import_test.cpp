@@ -193,6 +193,15 @@ TEST(Import, RmmCsvMatchesTheSourceTraceAndBadLinesAreNamed) {
     const std::string m = e.what();
     EXPECT_NE(m.find("wide.csv:3: expected 6 fields, got 8"), std::string::npos) << m;
   }
+  // A header that names a column twice is ambiguous: which Size is the size? It used to take the
+  // last one silently.
+  try {
+    tr::parse_rmm_csv("Thread,Time,Action,Pointer,Size,Size,Stream\n1,t,allocate,0x10,512,1024,0\n", "twice.csv");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("twice.csv:1: the header names column 'Size' twice"), std::string::npos) << m;
+  }
 }
 
 // A negative, fractional or out-of-range number was cast: -1 became 16 EiB, -1.5 and 1e30 were

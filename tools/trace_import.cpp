@@ -274,11 +274,19 @@ imported_trace rmm_csv(std::istream& text, const std::string& source) {
     if (line.empty()) continue;
     const auto f = split(line);
     if (col_action < 0) {
+      // A column named twice is ambiguous (which Size is the size?): refused, not the last taken.
+      auto take = [&](int& col, std::size_t k) {
+        if (col >= 0) {
+          throw logic_error(source + ":" + std::to_string(line_no) + ": the header names column '" +
+                            std::string(f[k]) + "' twice");
+        }
+        col = static_cast<int>(k);
+      };
       for (std::size_t k = 0; k < f.size(); ++k) {
-        if (f[k] == "Action") col_action = static_cast<int>(k);
-        if (f[k] == "Pointer") col_ptr = static_cast<int>(k);
-        if (f[k] == "Size") col_size = static_cast<int>(k);
-        if (f[k] == "Stream") col_stream = static_cast<int>(k);
+        if (f[k] == "Action") take(col_action, k);
+        if (f[k] == "Pointer") take(col_ptr, k);
+        if (f[k] == "Size") take(col_size, k);
+        if (f[k] == "Stream") take(col_stream, k);
       }
       if (col_action < 0 || col_ptr < 0 || col_size < 0) {
         throw logic_error(source + ":" + std::to_string(line_no) +
