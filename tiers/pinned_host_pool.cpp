@@ -79,6 +79,9 @@ struct pinned_host_pool::impl {
   std::map<std::uintptr_t, std::unique_ptr<region>> regions;  // by base address
   std::unordered_map<std::uintptr_t, buffer> live;
   pinned_pool_stats counters;
+  // Bytes of regions being reserved with the mutex released (reserve_unlocked): they count
+  // against the capacity before they exist.
+  std::size_t reserving = 0;
 
   impl(device_backend& d, pinned_pool_options o) : device(d), options(o) {
     if (options.region_size == 0) options.region_size = kDefaultRegion;
@@ -127,30 +130,50 @@ struct pinned_host_pool::impl {
     return reinterpret_cast<void*>(addr);
   }
 
-  // A new region big enough for `rounded`; throws out_of_memory (from the host, or the capacity).
+  // The size of a new region big enough for `rounded`; throws out_of_memory past the capacity.
   // `tight_only`: no region larger than the request needs (the retry after the host refused).
-  region& grow(std::size_t rounded, bool tight_only = false) {
+  std::size_t region_size_for(std::size_t rounded, bool tight_only) const {
     const std::size_t tight = tight_region(rounded);
     const std::size_t size = tight_only ? tight : std::max(options.region_size, tight);
     // Compared as what is left, so that a request near SIZE_MAX cannot wrap past the cap.
-    const std::size_t left = options.capacity - std::min(reserved(), options.capacity);
-    if (options.capacity != 0 && size > left) {
-      // A smaller region that still fits the request may be within the cap: whole huge pages if
-      // they fit, else whole pages. The cap is the caller's number; rounded down to 2 MiB, a
-      // capacity of 1 MiB served nothing and one of 5 MiB held 4.
-      if (tight <= left) return add_region(tight);
-      const std::size_t pages = tight_region(rounded, kMinPage);
-      if (pages > left) {
-        throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
-                            " would be exceeded");
-      }
-      return add_region(pages);
+    const std::size_t committed = reserved() + reserving;
+    const std::size_t left = options.capacity - std::min(committed, options.capacity);
+    if (options.capacity == 0 || size <= left) return size;
+    // A smaller region that still fits the request may be within the cap: whole huge pages if
+    // they fit, else whole pages. The cap is the caller's number; rounded down to 2 MiB, a
+    // capacity of 1 MiB served nothing and one of 5 MiB held 4.
+    if (tight <= left) return tight;
+    const std::size_t pages = tight_region(rounded, kMinPage);
+    if (pages > left) {
+      throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
+                          " would be exceeded");
     }
-    return add_region(size);
+    return pages;
   }
 
-  region& add_region(std::size_t size) {
-    void* p = device.reserve_pinned_host(size);
+  // A new region big enough for `rounded`, reserved with `lock` released: mmap + mlock populate
+  // every page (tens of milliseconds for a default region), and requests that fit the regions
+  // already held must not wait for that. Returns with `lock` held again; throws out_of_memory
+  // (from the host, or the capacity).
+  region& grow(std::unique_lock<std::mutex>& lock, std::size_t rounded, bool tight_only = false) {
+    const std::size_t size = region_size_for(rounded, tight_only);
+    reserving += size;
+    lock.unlock();
+    void* p = nullptr;
+    try {
+      p = device.reserve_pinned_host(size);
+    } catch (...) {
+      lock.lock();
+      reserving -= size;
+      throw;
+    }
+    lock.lock();
+    reserving -= size;
+    return add_region(p, size);
+  }
+
+  // Takes a region the host reserved into the books; gives it back if that fails.
+  region& add_region(void* p, std::size_t size) {
     const auto base = reinterpret_cast<std::uintptr_t>(p);
     try {
       auto r = std::make_unique<region>(base, size, options.alignment);
@@ -189,22 +212,24 @@ struct pinned_host_pool::impl {
     if (bytes == 0) return nullptr;
     TERRACE_EXPECTS(bytes <= SIZE_MAX - 4 * kRegionGranule, "pinned allocation of " +
                                                             std::to_string(bytes) + " bytes");
-    std::lock_guard lock(mutex);
+    std::unique_lock lock(mutex);
     const std::size_t rounded = round_up(bytes, options.alignment);
     if (void* p = carve(bytes, rounded)) return p;
     try {
-      region& r = grow(rounded);
+      region& r = grow(lock, rounded);
       return hand_out(r, *r.extents.allocate(rounded), bytes, rounded);
     } catch (const out_of_memory&) {
       // fall through to the retry
     }
+    // Other threads freed buffers or added regions while this one waited for the host.
+    if (void* p = carve(bytes, rounded)) return p;
     // Free regions may be the wrong shape (too small): give them back and ask once more, for no
     // more than this request needs, since a whole default region may be what the host refused
     // (a locked-memory limit of a few MiB is common).
     ++counters.num_alloc_retries;
     release_empty_regions();
     try {
-      region& r = grow(rounded, /*tight_only=*/true);
+      region& r = grow(lock, rounded, /*tight_only=*/true);
       return hand_out(r, *r.extents.allocate(rounded), bytes, rounded);
     } catch (const out_of_memory& e) {
       ++counters.num_ooms;

@@ -15,7 +15,9 @@
 /// 1.94x the bytes, and an arena must itself be 32 MiB-aligned. Tensors of tens to hundreds of MiB
 /// are exactly this tier's load, so it keeps its own extent allocator (shared with the NVMe store).
 ///
-/// Thread-safe: one mutex; allocate and deallocate are O(log holes).
+/// Thread-safe: one mutex; allocate and deallocate are O(log holes). A new region is reserved with
+/// the mutex released, so requests that fit the regions held do not wait for its pages to be
+/// populated. Regions are not inherited by a child forked without exec.
 #pragma once
 
 #include <cstddef>
