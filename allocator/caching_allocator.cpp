@@ -995,6 +995,11 @@ class allocator_impl {
     std::lock_guard<std::mutex> lock(mutex_);
     outside_reserved_ = bytes;
   }
+  // How many bytes the memory fraction in force allows, segments and arena together.
+  std::size_t fraction_allowed() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return allowed_bytes();
+  }
   // How many bytes more the memory fraction allows, segments and arena together.
   std::size_t fraction_room() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -1315,6 +1320,7 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
     plan_->set_fallback_sizing(
         [impl = impl_.get()](bool exact) { impl->set_exact_large_segments(exact); });
     plan_->set_fallback_budget([impl = impl_.get()] { return impl->fraction_room(); },
+                               [impl = impl_.get()] { return impl->fraction_allowed(); },
                                [impl = impl_.get()](std::size_t bytes) {
                                  impl->set_outside_reserved(bytes);
                                });

@@ -127,11 +127,13 @@ class plan_front {
   /// segments to the request.
   void set_fallback_sizing(std::function<void(bool)> exact) { fallback_exact_ = std::move(exact); }
   /// `room()` is how many bytes more the memory fraction allows (the fallback's segments and the
-  /// arena together); `resident(bytes)` tells the fallback how much of the arena is resident, which
-  /// the fraction caps beside its segments.
-  void set_fallback_budget(std::function<std::size_t()> room,
+  /// arena together); `allowed()` how many it allows in all (the fraction in force, which
+  /// set_memory_fraction may have changed since the config); `resident(bytes)` tells the fallback
+  /// how much of the arena is resident, which the fraction caps beside its segments.
+  void set_fallback_budget(std::function<std::size_t()> room, std::function<std::size_t()> allowed,
                            std::function<void(std::size_t)> resident) {
     fallback_room_ = std::move(room);
+    fallback_allowed_ = std::move(allowed);
     fallback_resident_ = std::move(resident);
   }
 
@@ -445,6 +447,7 @@ class plan_front {
   std::function<fallback_totals()> fallback_totals_;
   std::function<void(bool)> fallback_exact_;
   std::function<std::size_t()> fallback_room_;
+  std::function<std::size_t()> fallback_allowed_;
   std::function<void(std::size_t)> fallback_resident_;
   std::function<void(void*, std::size_t, std::uintptr_t)> adopt_segment_;
   std::function<void(std::uintptr_t, std::size_t, std::size_t, const std::vector<std::uintptr_t>&)>

@@ -360,7 +360,8 @@ void* plan_front::reserve_lazy_arena(std::size_t bytes) {
   const auto used = static_cast<std::int64_t>(device_.used_bytes());
   const std::int64_t others = std::max<std::int64_t>(used - now.reserved, 0);
   const std::int64_t before = std::max<std::int64_t>(now.allocated - recorded_live, 0);
-  const double limit = static_cast<double>(props.capacity) * config_.memory_fraction;
+  const double limit = fallback_allowed_ ? static_cast<double>(fallback_allowed_())
+                                         : static_cast<double>(props.capacity) * config_.memory_fraction;
   if (static_cast<double>(others + before) + static_cast<double>(range) +
           static_cast<double>(outside_floor_ + page) > limit) {
     return nullptr;

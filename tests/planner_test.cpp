@@ -1097,6 +1097,25 @@ TEST(PlannedPolicy, AnArenaTheDeviceCannotHoldWholeAtInstallationIsMappedPageByP
   EXPECT_LE(program.device().used_bytes(), 3 * kUnit + static_cast<std::size_t>(s.arena_reserved_bytes));
 }
 
+// Found in review: whether a lazily mapped arena fits beside what stays outside it was judged
+// against the configured memory fraction, not the one set_memory_fraction set since. Under a
+// lowered cap an arena that can never be mapped whole beside the carried block was installed
+// again and again, each time losing its iteration.
+TEST(PlannedPolicy, ALazilyMappedArenaIsJudgedAgainstTheMemoryFractionInForce) {
+  constexpr std::size_t kUnit = carried_block_program::kUnit;
+  carried_block_program program(3 * kUnit);
+  auto& a = program.allocator();
+  for (int it = 0; it < 3; ++it) program.iteration();  // the plan is installed under 8 MiB
+  void* transient = a.allocate(4 * kUnit);
+  a.set_memory_fraction(0.65);  // 5.2 MiB: less than the 2.3 MiB arena beside the 3 MiB block
+  program.iteration([&] { a.deallocate(transient); });  // lost: no room to map the arena's pages
+  ASSERT_EQ(a.plan_stats().lazy_arenas, 1);
+  program.iteration();  // installed again: judged against 5.2 MiB, refused (before: mapped lazily)
+  const auto s = a.plan_stats();
+  EXPECT_EQ(s.lazy_arenas, 1);
+  EXPECT_EQ(s.arena_refusals, 1);
+}
+
 // A request outside the plan that the device cannot hold beside the lazily mapped arena: the
 // iteration leaves the plan (as at a refused installation), and the arena's pages that hold no
 // live block go back for the request; the slots map them again in the iterations that follow.
