@@ -120,7 +120,13 @@ class null_device final : public device_backend {
       throw out_of_memory("terrace: out of memory on device 'null': its fake address space has no "
                           "room for " + describe_bytes(bytes));
     }
-    segments_.emplace(p, bytes);
+    try {
+      segments_.emplace(p, bytes);
+    } catch (...) {  // bad_alloc of the book's node: the range and its charge go back
+      space_.give(p, round_up(bytes, kAlignment));
+      meter_.uncharge(bytes);
+      throw;
+    }
     return reinterpret_cast<void*>(p);
   }
 

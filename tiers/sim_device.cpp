@@ -466,7 +466,13 @@ class sim_device final : public device_backend {
       throw out_of_memory("terrace: out of memory on device 'sim': the host refused " +
                           describe_bytes(bytes) + " (" + errno_text(err) + ")");
     }
-    segments_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+    try {
+      segments_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+    } catch (...) {  // bad_alloc of the book's node: the segment and its charge go back
+      free_segment(p, bytes);
+      meter_.uncharge(bytes);
+      throw;
+    }
     return p;
   }
 
