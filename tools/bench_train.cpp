@@ -231,9 +231,13 @@ int main(int argc, char** argv) {
   app.add_option("--layers", base.model.layers, "residual blocks (overlap)")->capture_default_str();
   app.add_option("--width", base.model.width, "hidden width")->capture_default_str();
   app.add_option("--bandwidths", bandwidths, "GB/s, comma-separated")->capture_default_str();
-  app.add_option("--device-mib", device_mib, "device memory")->capture_default_str();
-  app.add_option("--host-mib", host_mib, "pinned host memory (capacity)")->capture_default_str();
-  app.add_option("--disk-mib", disk_mib, "NVMe store (capacity)")->capture_default_str();
+  // Up to 1 PiB: in bytes (<< 20) a larger figure would wrap to a small one unnoticed.
+  const auto mib_range = CLI::Range(std::size_t{1}, std::size_t{1} << 30);
+  app.add_option("--device-mib", device_mib, "device memory")->check(mib_range)->capture_default_str();
+  app.add_option("--host-mib", host_mib, "pinned host memory (capacity)")
+      ->check(mib_range)
+      ->capture_default_str();
+  app.add_option("--disk-mib", disk_mib, "NVMe store (capacity)")->check(mib_range)->capture_default_str();
   app.add_option("--dir", dir, "the store's directory (default: <build>/train-state)");
   app.add_flag("--skip-overlap", skip_overlap);
   app.add_flag("--skip-capacity", skip_capacity);
