@@ -79,7 +79,7 @@ struct pinned_host_pool::impl {
   std::map<std::uintptr_t, std::unique_ptr<region>> regions;  // by base address
   std::unordered_map<std::uintptr_t, buffer> live;
   pinned_pool_stats counters;
-  // Bytes of regions being reserved with the mutex released (reserve_unlocked): they count
+  // Bytes of regions being reserved with the mutex released (grow): they count
   // against the capacity before they exist.
   std::size_t reserving = 0;
 
@@ -146,7 +146,10 @@ struct pinned_host_pool::impl {
     const std::size_t pages = tight_region(rounded, kMinPage);
     if (pages > left) {
       throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
-                          " would be exceeded");
+                          " would be exceeded" +
+                          (reserving == 0 ? std::string()
+                                          : " (" + detail::describe_bytes(reserving) +
+                                                " of it being reserved by other threads)"));
     }
     return pages;
   }
