@@ -840,6 +840,62 @@ TEST(TensorStore, FileSizeLimitIsReportedAtCreate) {
   EXPECT_EQ(rc, 0);
 }
 
+// Found in review: open() read the whole file named 'index' into memory before looking at its
+// header, so a damaged index whose size is wrong (here a sparse 64 GiB, as a corrupted inode or a
+// stray file may show) meant a 64 GiB allocation, not a clear error. The header (40 bytes, with
+// its own CRC) says how long the payload is; only that much is read, and a file of another size
+// is refused for it. Run under a 1 GiB address-space limit, where the old read threw bad_alloc.
+TEST(TensorStore, AnIndexFileLongerThanItsHeaderSaysIsRefusedWithoutReadingItAll) {
+  scratch_dir dir("index-long");
+  auto v = pattern(5000, 1);
+  {
+    auto s = tensor_store::create(dir.path(), small());
+    s.put("a", v.data(), v.size()).wait();
+    s.checkpoint();
+  }
+  const auto index = dir.path() / "index";
+  const auto size = std::filesystem::file_size(index);
+  std::filesystem::resize_file(index, std::uintmax_t{64} << 30);
+  const int rc = in_child([&] {
+    rlimit lim{std::uint64_t{1} << 30, std::uint64_t{1} << 30};
+    if (::setrlimit(RLIMIT_AS, &lim) != 0) return 3;
+    try {
+      tensor_store::open(dir.path(), small());
+      return 1;
+    } catch (const checksum_error&) {
+      return 4;  // the header is intact: its length, not its CRC, is what is wrong
+    } catch (const io_error& e) {
+      const std::string what = e.what();
+      return what.find("index") != std::string::npos && what.find("68719476736 bytes") != std::string::npos ? 0 : 5;
+    } catch (const std::bad_alloc&) {
+      return 6;
+    }
+  });
+  EXPECT_EQ(rc, 0) << "1: opened, 4: a checksum error, 5: a message without the file's size, 6: bad_alloc";
+  std::filesystem::resize_file(index, size);
+  auto s = tensor_store::open(dir.path(), small());  // restored: fine again
+  expect_tensor(s, "a", v);
+}
+
+// Found in review: a FIFO named 'index' (not a file the store wrote) hung open() for good in
+// open(2), waiting for a writer. It is refused as not being an index, and left where it is.
+TEST(TensorStore, AFifoNamedIndexIsRefusedNotWaitedOn) {
+  scratch_dir dir("index-fifo");
+  ASSERT_EQ(::mkfifo((dir.path() / "index").c_str(), 0600), 0);
+  const int rc = in_child([&] {
+    ::alarm(10);  // the old open() never returned
+    try {
+      tensor_store::open(dir.path(), small());
+      return 1;
+    } catch (const io_error& e) {
+      return std::string(e.what()).find("not a regular file") != std::string::npos ? 0 : 2;
+    }
+  });
+  EXPECT_EQ(rc, 0) << "1: opened, 2: another message, 114: hung in open()";
+  struct ::stat st {};
+  ASSERT_EQ(::lstat((dir.path() / "index").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+}
 TEST(TensorStore, FullFileSystemIsReportedAtCreate) {
   // A genuinely small file system: tmpfs of 4 MiB, mounted in a private user+mount namespace
   // (needs no privilege where unprivileged user namespaces are allowed).

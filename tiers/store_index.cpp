@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -213,26 +214,71 @@ void write_index_atomically(int dirfd, const std::string& dir, const store_index
   if (rc != 0) throw io_error(sys("cannot fsync directory " + dir, errno), errno);
 }
 
+namespace {
+
+// The payload length a header announces, or nullopt when `header` is no intact index header (too
+// short, another magic, a failing CRC: decode_index says which).
+std::optional<std::uint64_t> announced_payload(const std::vector<unsigned char>& header) {
+  if (header.size() < kHeaderBytes || std::memcmp(header.data(), kIndexMagic, 8) != 0) return std::nullopt;
+  std::uint64_t payload_bytes;
+  std::uint32_t header_crc;
+  std::memcpy(&payload_bytes, header.data() + 24, sizeof payload_bytes);
+  std::memcpy(&header_crc, header.data() + kHeaderBytes - 4, sizeof header_crc);
+  if (crc32c(0, header.data(), kHeaderBytes - 4) != header_crc) return std::nullopt;
+  return payload_bytes;
+}
+
+// Appends up to `n` bytes of `fd` to `out`; fewer only at the end of the file.
+void read_up_to(int fd, std::vector<unsigned char>& out, std::uint64_t n, const std::string& path) {
+  unsigned char buf[1 << 16];
+  while (n > 0) {
+    const ssize_t got = ::read(fd, buf, static_cast<std::size_t>(std::min<std::uint64_t>(n, sizeof buf)));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      throw io_error(sys("cannot read " + path, errno), errno);
+    }
+    if (got == 0) return;
+    out.insert(out.end(), buf, buf + got);
+    n -= static_cast<std::uint64_t>(got);
+  }
+}
+
+}  // namespace
+
 store_index read_index(int dirfd, const std::string& dir) {
   const std::string path = dir + "/" + kIndexName;
-  const int fd = ::openat(dirfd, kIndexName, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO of that name must not hang open() (it is refused below).
+  const int fd = ::openat(dirfd, kIndexName, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     const int e = errno;
     if (e == ENOENT) throw io_error("terrace: " + dir + " holds no tensor store (no file 'index')", e);
     throw io_error(sys("cannot open " + path, e), e);
   }
   std::vector<unsigned char> bytes;
-  unsigned char buf[1 << 16];
-  for (;;) {
-    const ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int e = errno;
-      ::close(fd);
-      throw io_error(sys("cannot read " + path, e), e);
+  try {
+    struct ::stat st {};
+    if (::fstat(fd, &st) != 0) throw io_error(sys("cannot stat " + path, errno), errno);
+    if (!S_ISREG(st.st_mode)) {
+      throw io_error("terrace: " + path + " is not a regular file, so not a tensor store index; " +
+                         "refusing to read it (move it away)",
+                     EINVAL);
     }
-    if (n == 0) break;
-    bytes.insert(bytes.end(), buf, buf + n);
+    // The header first, and then only as much as it announces: the file's own size is not
+    // trusted (a damaged inode or a stray file could make it any size, and reading it whole
+    // could exhaust memory before its header was even looked at).
+    read_up_to(fd, bytes, kHeaderBytes, path);
+    if (const auto payload = announced_payload(bytes)) {
+      read_up_to(fd, bytes, *payload, path);
+      if (unsigned char extra; ::read(fd, &extra, 1) == 1) {
+        throw io_error("terrace: index " + path + " is " + std::to_string(st.st_size) +
+                           " bytes, more than the " + std::to_string(kHeaderBytes + *payload) +
+                           " its header announces: not the index the store wrote",
+                       EINVAL);
+      }
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
   ::close(fd);
   return decode_index(bytes.data(), bytes.size(), path);
