@@ -199,6 +199,26 @@ TEST(TensorStore, FullStoreIsReportedBeforeAnyWrite) {
   s.put("small", v.data(), 10).wait();
 }
 
+
+// Found in review: create() rounded the capacity up to whole blocks per file in 64-bit arithmetic
+// that wrapped near 2^64, and made a store of 0 bytes (capacity() == 0, every put full) for a
+// capacity of 2^64 - 1. Such a capacity is refused as a bad option, and nothing is left behind.
+TEST(TensorStore, ACapacityThatNoSwapFileCanHoldIsRefusedNotWrappedToZero) {
+  for (unsigned files : {1u, 2u}) {
+    SCOPED_TRACE(std::to_string(files) + " files");
+    scratch_dir dir("capacity-wrap");
+    tensor_store_options o = small(UINT64_MAX);
+    o.files = files;
+    try {
+      auto s = tensor_store::create(dir.path(), o);
+      ADD_FAILURE() << "created a store of capacity " << s.capacity();
+    } catch (const logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("capacity"), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "index"));
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "swap.0"));
+  }
+}
 TEST(TensorStore, APutNear2To64BytesIsFullAndKeepsTheOldVersion) {
   // The extent size wrapped to 0 bytes: the put reached the engine, failed there with another
   // error, and had already dropped the tensor's old version.

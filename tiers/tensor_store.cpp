@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -114,6 +115,16 @@ int open_directory(const std::filesystem::path& dir) {
   return fd;
 }
 
+// The most a create() may be asked to hold: each swap file's data, in whole blocks, and its trailer
+// must fit in an off_t, and all files' data in 64 bits. Beyond it the rounding up to whole blocks
+// wrapped (2^64 - 1 made a store of 0 bytes).
+std::uint64_t largest_capacity(unsigned files, std::uint64_t block_size) {
+  const std::uint64_t per_file =
+      (static_cast<std::uint64_t>(std::numeric_limits<off_t>::max()) - kSwapTrailerBytes) / block_size * block_size;
+  const std::uint64_t per_file_in_64_bits = std::numeric_limits<std::uint64_t>::max() / files / block_size * block_size;
+  return std::min(per_file, per_file_in_64_bits) * files;
+}
+
 // Turns on O_DIRECT, or explains once why not.
 bool enable_direct(int fd, const std::string& path) {
   const int flags = ::fcntl(fd, F_GETFL);
@@ -160,6 +171,10 @@ class tensor_store_impl : private fork_guard {
                         opt.block_size <= kMaxBlockSize,
                     "block_size must be a multiple of 4 KiB, at most 256 MiB");
     TERRACE_EXPECTS(!create || opt.capacity > 0, "capacity must be positive");
+    TERRACE_EXPECTS(!create || opt.capacity <= largest_capacity(opt.files, opt.block_size),
+                    "capacity " + std::to_string(opt.capacity) + " is more than " + std::to_string(opt.files) +
+                        " swap file(s) can hold (" + std::to_string(largest_capacity(opt.files, opt.block_size)) +
+                        " bytes at most)");
     fork_guard::install();
     dirfd_.fd = open_directory(dir);
     try {
@@ -237,8 +252,9 @@ class tensor_store_impl : private fork_guard {
     store_index index;
     index.block_size = opt.block_size;
     index.files = opt.files;
-    const std::uint64_t per_file = (opt.capacity + opt.files - 1) / opt.files;
-    index.file_size = (per_file + opt.block_size - 1) / opt.block_size * opt.block_size;
+    // Rounded up without a sum that could wrap (the capacity is at most largest_capacity()).
+    const std::uint64_t per_file = opt.capacity / opt.files + (opt.capacity % opt.files != 0);
+    index.file_size = per_file / opt.block_size * opt.block_size + (per_file % opt.block_size != 0 ? opt.block_size : 0);
     index.identity = new_store_identity();
     write_create_marker(*index.identity);
     return index;
