@@ -157,8 +157,8 @@ class tensor_store {
 
   /// @brief Waits for all transfers, makes the data durable (fdatasync) and commits a new index
   /// atomically (write, fsync, rename, fsync directory). Puts that failed are not in it. A put
-  /// issued while it waits is not in it either: a tensor such a put replaces is taken as it stood
-  /// when the checkpoint began.
+  /// issued while it waits is in it if it finished before the snapshot; one still in flight is
+  /// not, and a tensor such a put replaces is taken as it stood when the checkpoint began.
   /// @returns the new generation (one more than the last).
   /// @throws io_error when the data cannot be made durable or the index cannot be written; the
   /// last committed checkpoint stays. After a failed fdatasync every later checkpoint() throws
