@@ -641,15 +641,18 @@ TEST(TensorStore, RefusesSymlinkedFiles) {
   EXPECT_FALSE(std::filesystem::exists(elsewhere.path() / "victim"));
 }
 
+// Makes a store in `dir` holding tensor "a" = `v`, checkpointed and closed; returns its index.
+std::filesystem::path checkpointed_index(const scratch_dir& dir, const std::vector<unsigned char>& v) {
+  auto s = tensor_store::create(dir.path(), small());
+  s.put("a", v.data(), v.size()).wait();
+  s.checkpoint();
+  return dir.path() / "index";
+}
+
 TEST(TensorStore, TruncatedOrCorruptIndexIsAClearError) {
   scratch_dir dir("index");
-  auto v = pattern(5000, 1);
-  {
-    auto s = tensor_store::create(dir.path(), small());
-    s.put("a", v.data(), v.size()).wait();
-    s.checkpoint();
-  }
-  const auto index = dir.path() / "index";
+  const auto v = pattern(5000, 1);
+  const auto index = checkpointed_index(dir, v);
   const auto size = std::filesystem::file_size(index);
   std::vector<char> bytes(size);
   std::ifstream(index, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(size));
@@ -867,13 +870,8 @@ TEST(TensorStore, FileSizeLimitIsReportedAtCreate) {
 // is refused for it. Run under a 1 GiB address-space limit, where the old read threw bad_alloc.
 TEST(TensorStore, AnIndexFileLongerThanItsHeaderSaysIsRefusedWithoutReadingItAll) {
   scratch_dir dir("index-long");
-  auto v = pattern(5000, 1);
-  {
-    auto s = tensor_store::create(dir.path(), small());
-    s.put("a", v.data(), v.size()).wait();
-    s.checkpoint();
-  }
-  const auto index = dir.path() / "index";
+  const auto v = pattern(5000, 1);
+  const auto index = checkpointed_index(dir, v);
   const auto size = std::filesystem::file_size(index);
   std::filesystem::resize_file(index, std::uintmax_t{64} << 30);
   const int rc = in_child([&] {
