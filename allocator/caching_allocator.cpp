@@ -145,8 +145,11 @@ class allocator_impl {
   }
 
   std::size_t allowed_bytes() const noexcept {
-    return static_cast<std::size_t>(static_cast<double>(device_.properties().capacity) *
-                                    memory_fraction_);
+    const std::size_t capacity = device_.properties().capacity;
+    const double allowed = static_cast<double>(capacity) * memory_fraction_;
+    // A capacity within 1 KiB of 2^64 is 2^64 as a double, which no size_t holds (converted, it
+    // read as 0 on x86-64: every request refused on an empty device).
+    return allowed >= static_cast<double>(capacity) ? capacity : static_cast<std::size_t>(allowed);
   }
 
   // ---------------------------------------------------------------- allocation

@@ -1116,5 +1116,26 @@ TEST(CachingAllocator, ResetAccumulatedStatsAlsoResetsThePlansDeviceAllocations)
   EXPECT_EQ(a.stats().num_device_alloc, 0);
 }
 
+
+// Found in review: the memory fraction's cap went from the capacity through a double and back to
+// size_t. A capacity within 1 KiB of 2^64 (SIZE_MAX, or device_capacity:18446744073709551615) is
+// 2^64 as a double, which no size_t holds (undefined; 0 on x86-64): every request was refused as
+// out of memory, "allowed by memory_fraction 0 bytes", on a device that was empty.
+TEST(CachingAllocator, ACapacityNearTwoToTheSixtyFourIsNotACapOfZero) {
+  device_options o;
+  o.capacity = SIZE_MAX;
+  auto dev = make_device("null", o);
+  caching_allocator a(*dev);
+  void* p = nullptr;
+  try {
+    p = a.allocate(4 * MiB);
+  } catch (const out_of_memory& e) {
+    ADD_FAILURE() << e.what();
+  }
+  EXPECT_NE(p, nullptr);
+  a.deallocate(p);
+  a.check_invariants();
+}
+
 }  // namespace
 }  // namespace terrace
