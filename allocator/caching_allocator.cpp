@@ -124,6 +124,9 @@ class allocator_impl {
 
   std::size_t segment_size_for(std::size_t rounded) const noexcept {
     if (is_small(rounded)) return config_.small_segment_size;
+    // A large_round near SIZE_MAX would wrap the rounding past SIZE_MAX to a tiny size (0 bytes,
+    // which backends refuse): no such segment exists, so ask for one no device can hold.
+    if (rounded > SIZE_MAX - config_.large_round) return SIZE_MAX;
     const std::size_t exact = round_up(rounded, config_.large_round);
     // A large_segment_size below min_large_alloc leaves requests between the two: they get a
     // segment of their own size, never one smaller than themselves.
@@ -150,6 +153,14 @@ class allocator_impl {
     // A capacity within 1 KiB of 2^64 is 2^64 as a double, which no size_t holds (converted, it
     // read as 0 on x86-64: every request refused on an empty device).
     return allowed >= static_cast<double>(capacity) ? capacity : static_cast<std::size_t>(allowed);
+  }
+
+  // Whether `more` bytes fit under the memory fraction beside what is held; `more` may be as
+  // large as SIZE_MAX, which the sum capped_total() + more would wrap.
+  bool fraction_allows(std::size_t more) const noexcept {
+    const std::size_t allowed = allowed_bytes();
+    const std::size_t held = capped_total();
+    return held <= allowed && more <= allowed - held;
   }
 
   // ---------------------------------------------------------------- allocation
@@ -249,7 +260,7 @@ class allocator_impl {
   block* try_new_memory(bool small, std::uintptr_t stream, std::size_t rounded) {
     if (config_.expandable_segments) return grow_expandable(small, stream, rounded);
     const std::size_t size = segment_size_for(rounded);
-    if (capped_total() + size > allowed_bytes()) return nullptr;
+    if (!fraction_allows(size)) return nullptr;
     void* p = nullptr;
     try {
       p = device_.reserve(size);
@@ -480,7 +491,7 @@ class allocator_impl {
     }
     // No hole anywhere: a new range, unless the device could not map the request's pages anyway
     // (the range would stay behind, reserved and empty, until the next empty_cache).
-    if (capped_total() + round_up(rounded, granularity_) > allowed_bytes()) return nullptr;
+    if (!fraction_allows(round_up(rounded, granularity_))) return nullptr;
     const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
     void* p = nullptr;
     try {
@@ -509,7 +520,7 @@ class allocator_impl {
       if (b->size + have < rounded) continue;
       const std::size_t need = round_up(rounded - std::min(have, rounded), granularity_);
       if (need == 0) continue;  // the mapped free neighbour alone fits: find_free_block missed it
-      if (capped_total() + need > allowed_bytes()) {
+      if (!fraction_allows(need)) {
         device_full = true;
         return nullptr;
       }

@@ -1137,5 +1137,20 @@ TEST(CachingAllocator, ACapacityNearTwoToTheSixtyFourIsNotACapOfZero) {
   a.check_invariants();
 }
 
+
+// Found in review: large_round is any multiple of 512 (TERRACE_ALLOC_CONF takes one up to
+// SIZE_MAX - 511), and rounding a large request up to it wrapped past SIZE_MAX to a segment of
+// 0 bytes: the request failed with the backend's logic_error "reserve of 0 bytes", which says
+// nothing of the config. No such segment can be reserved: out of memory, with the report.
+TEST(CachingAllocator, ALargeRoundNearSizeMaxIsOutOfMemoryNotAnEmptySegment) {
+  auto dev = sim(64 * MiB);
+  allocator_config cfg;
+  cfg.large_round = SIZE_MAX - 511;
+  caching_allocator a(*dev, cfg);
+  EXPECT_THROW(a.allocate(11 * MiB), out_of_memory);
+  a.check_invariants();
+  EXPECT_EQ(a.stats().segment[0].current, 0);
+}
+
 }  // namespace
 }  // namespace terrace
