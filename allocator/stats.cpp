@@ -57,14 +57,10 @@ void append_row(std::string& out, std::string_view a, std::string_view b, std::s
   out += buf;
 }
 
-}  // namespace
-
 // Three significant-ish digits are what a reader compares at a glance.
-std::string human_bytes(std::int64_t n) {
+std::string format_bytes(bool negative, std::uint64_t magnitude) {
   static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  const bool negative = n < 0;
-  // Negative values only appear if a caller fed inconsistent stats; show them rather than hide.
-  double v = negative ? -static_cast<double>(n) : static_cast<double>(n);
+  double v = static_cast<double>(magnitude);
   std::size_t u = 0;
   while (v >= 1024.0 && u + 1 < std::size(units)) {
     v /= 1024.0;
@@ -72,13 +68,27 @@ std::string human_bytes(std::int64_t n) {
   }
   char buf[48];
   if (u == 0) {
-    std::snprintf(buf, sizeof buf, "%s%lld B", negative ? "-" : "",
-                  static_cast<long long>(negative ? -n : n));
+    std::snprintf(buf, sizeof buf, "%s%llu B", negative ? "-" : "",
+                  static_cast<unsigned long long>(magnitude));
   } else {
     std::snprintf(buf, sizeof buf, "%s%.2f %s", negative ? "-" : "", v, units[u]);
   }
   return buf;
 }
+}  // namespace
+
+std::string human_bytes(std::int64_t n) {
+  // Negative values only appear if a caller fed inconsistent stats; show them rather than hide.
+  // The magnitude is taken unsigned: INT64_MIN has no positive int64_t.
+  const bool negative = n < 0;
+  const auto magnitude = negative ? std::uint64_t{0} - static_cast<std::uint64_t>(n)
+                                  : static_cast<std::uint64_t>(n);
+  return format_bytes(negative, magnitude);
+}
+
+// Not through the signed overload: sizes from 2^63 up (SIZE_MAX budgets and capacities) would
+// turn negative there.
+std::string human_bytes(std::uint64_t n) { return format_bytes(false, n); }
 
 
 std::string to_json(const allocator_stats& s) {

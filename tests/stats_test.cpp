@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -179,6 +180,19 @@ TEST(StatsText, ByteFamiliesAreHumanReadableAndCountsArePlain) {
   EXPECT_EQ(counts.find("MiB"), std::string::npos) << counts;
   EXPECT_NE(t.find("1.50 KiB"), std::string::npos) << t;
   EXPECT_NE(t.find("25.00%"), std::string::npos) << t;
+}
+
+
+// Found in review: the unsigned overload cast its size to int64_t, so every size from 2^63 up (a
+// budget or capacity of SIZE_MAX in a refusal's message) was written as a negative number.
+TEST(HumanBytes, SizesFromTwoToTheSixtyThreeUpArePositive) {
+  EXPECT_EQ(human_bytes(std::uint64_t{1} << 63), "8.00 EiB");
+  EXPECT_EQ(human_bytes(std::numeric_limits<std::uint64_t>::max()), "16.00 EiB");
+  EXPECT_EQ(human_bytes(std::uint64_t{1536}), "1.50 KiB");
+  EXPECT_EQ(human_bytes(std::uint64_t{512}), "512 B");
+  // The signed overload keeps showing inconsistent (negative) stats, the most negative too.
+  EXPECT_EQ(human_bytes(std::int64_t{-512}), "-512 B");
+  EXPECT_EQ(human_bytes(std::numeric_limits<std::int64_t>::min()), "-8.00 EiB");
 }
 
 }  // namespace

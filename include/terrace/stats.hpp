@@ -92,7 +92,7 @@ std::string to_text(const allocator_stats& s);
 /// @brief A byte count for people: "512 B", "1.50 MiB", "2.00 GiB" (binary units). Every
 /// message and report of terrace that states a size uses it.
 std::string human_bytes(std::int64_t n);
-/// @brief The same for unsigned sizes (size_t, capacities).
-inline std::string human_bytes(std::uint64_t n) { return human_bytes(static_cast<std::int64_t>(n)); }
+/// @brief The same for unsigned sizes (size_t, capacities), up to 16 EiB.
+std::string human_bytes(std::uint64_t n);
 
 }  // namespace terrace
