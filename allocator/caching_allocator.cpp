@@ -492,7 +492,11 @@ class allocator_impl {
     // No hole anywhere: a new range, unless the device could not map the request's pages anyway
     // (the range would stay behind, reserved and empty, until the next empty_cache).
     if (!fraction_allows(round_up(rounded, granularity_))) return nullptr;
-    const std::size_t range = round_up(std::max(device_.properties().capacity, rounded), granularity_);
+    // Whole pages, rounded down where rounding up would wrap past SIZE_MAX (to a range of 0 bytes);
+    // `rounded` is within the capacity (checked above), so it still fits.
+    const std::size_t want = std::max(device_.properties().capacity, rounded);
+    const std::size_t range = want > SIZE_MAX - granularity_ ? round_down(want, granularity_)
+                                                             : round_up(want, granularity_);
     void* p = nullptr;
     try {
       p = device_.reserve_address_range(range);

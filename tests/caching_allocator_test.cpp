@@ -1152,5 +1152,23 @@ TEST(CachingAllocator, ALargeRoundNearSizeMaxIsOutOfMemoryNotAnEmptySegment) {
   EXPECT_EQ(a.stats().segment[0].current, 0);
 }
 
+
+// Found in review: an expandable range is as large as the device, rounded up to whole pages; a
+// capacity within a page of 2^64 rounded past SIZE_MAX to a range of 0 bytes, refused by the
+// backend as a logic_error. A range that large cannot be had (the null backend's address space is
+// 2^53 bytes): out of memory, saying that address space ran out.
+TEST(CachingAllocator, AnExpandableRangeForACapacityNearTwoToTheSixtyFourDoesNotWrap) {
+  device_options o;
+  o.capacity = SIZE_MAX;
+  auto dev = make_device("null", o);
+  caching_allocator a(*dev, expandable_config());
+  try {
+    a.deallocate(a.allocate(4 * MiB));
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("address space"), std::string::npos) << e.what();
+  }
+  a.check_invariants();
+}
+
 }  // namespace
 }  // namespace terrace
