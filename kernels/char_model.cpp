@@ -36,6 +36,14 @@ void validate(const char_model_config& c) {
     throw logic_error("terrace: char_model_config.vocab must be at most 256 (tokens are bytes), got " +
                       std::to_string(c.vocab));
   }
+  // Every layer is a tensor of its own (its name a tensor id in the store), listed up front:
+  // a million blocks is far past any model this trains, and keeps layers + 3 (the layer count)
+  // an int.
+  constexpr int kMaxLayers = 1 << 20;
+  if (c.layers > kMaxLayers) {
+    throw logic_error("terrace: char_model_config.layers must be at most " +
+                      std::to_string(kMaxLayers) + ", got " + std::to_string(c.layers));
+  }
   if (c.cpu_threads < 0) {
     throw logic_error("terrace: char_model_config.cpu_threads must be >= 0 (0 = the machine's), got " +
                       std::to_string(c.cpu_threads));

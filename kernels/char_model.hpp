@@ -54,8 +54,8 @@ struct char_model_config {
   bool recompute_blocks = false;
 };
 
-/// @brief Throws logic_error unless every size is positive, vocab <= 256 (tokens are bytes) and
-/// cpu_threads >= 0. Every function below that takes a config calls it.
+/// @brief Throws logic_error unless every size is positive, vocab <= 256 (tokens are bytes),
+/// layers <= 2^20, cpu_threads >= 0 and every layer and activation fits BLAS's int sizes. Every function below that takes a config calls it.
 void validate(const char_model_config& config);
 
 /// @brief Parameters in all layers (the sum of layers(config)'s elements).

@@ -403,6 +403,10 @@ TEST(CharModel, BadConfigIsRefused) {
       bad([](auto& c) { c.width = 0; }),   bad([](auto& c) { c.layers = 0; }),
       bad([](auto& c) { c.batch = 0; }),   bad([](auto& c) { c.cpu_threads = -1; }),
       bad([](auto& c) { c.width = 1 << 16; }),  // a block of 2^32 elements
+      // Found in review: layers + 3 (the layer count) overflowed int, and a list of 2^31 layers
+      // was a std::length_error ("vector::reserve") instead of a refusal that says why.
+      bad([](auto& c) { c.layers = 2147483647; }),
+      bad([](auto& c) { c.layers = (1 << 20) + 1; }),
   };
   rig r;
   for (const auto& c : cases) {

@@ -216,6 +216,8 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
        "cannot read the corpus '" + dir.path().string() + "': Is a directory"},
       {"--resume --steps 2", "holds no checkpoint"},
       {"--steps 0", "--steps must be at least 1"},
+      // Found in review: a layer count past int was "error: vector::reserve", exit 1.
+      {"--layers 2147483647 --steps 2", "char_model_config.layers must be at most 1048576"},
       // Found in a user review: a negative or NaN clip turned clipping off without a word.
       {"--clip -1 --steps 2", "--clip must be >= 0 (0: no clipping), got -1"},
       {"--clip nan --steps 2", "--clip must be >= 0 (0: no clipping), got nan"},
