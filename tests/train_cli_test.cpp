@@ -310,4 +310,26 @@ TEST(TrainCli, FreshNeverDeletesFilesTerraceDidNotWrite) {
   EXPECT_NE(train("--fresh --resume --steps 2" + d).exit_code, 0);
 }
 
+
+// Found in review: --fresh removed the earlier checkpoint before the engine was made, so a
+// configuration the engine refuses (a typo'd budget, an lr <= 0, an unknown allocator key) cost
+// the user the checkpoint it was not going to replace. It is set aside and put back now.
+TEST(TrainCli, FreshThatCannotTrainKeepsTheEarlierCheckpoint) {
+  scratch_dir dir("cli-fresh-refused");
+  const std::string d = " --no-report --dir '" + dir.path().string() + "' ";
+  ASSERT_EQ(train("--steps 1" + d).exit_code, 0);
+  for (const char* bad : {"--host-budget 1", "--lr -1", "--alloc-conf bogus:1"}) {
+    const run_result r = train(std::string("--fresh --steps 2 ") + bad + d);
+    EXPECT_EQ(r.exit_code, 2) << bad << ":\n" << r.output;
+    EXPECT_TRUE(std::filesystem::exists(dir.path() / "store" / "index")) << bad << ":\n" << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "store.discarded")) << bad;
+  }
+  const run_result resumed = train("--resume --steps 2" + d);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("steps           2..2"), std::string::npos) << resumed.output;
+  // A fresh run that trains replaces it, and leaves nothing set aside.
+  ASSERT_EQ(train("--fresh --steps 1" + d).exit_code, 0);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "store.discarded"));
+}
+
 }  // namespace

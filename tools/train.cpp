@@ -45,13 +45,8 @@ bool is_store_file(const std::string& name) {
   return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-}  // namespace
-
-// Removes the engine's store and nothing else: its files, then its folder, holding the store's
-// own lock throughout (no other process may have it open, nor open it meanwhile). A folder that
-// holds anything else is refused whole, before a file is touched.
-void remove_store(const fs::path& dir) {
-  const fs::path folder = dir / "store";
+// The store's files in `folder`. A folder that holds anything else is refused whole.
+std::vector<fs::path> store_files(const fs::path& folder) {
   std::vector<fs::path> files;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(folder, ec)) {
@@ -63,11 +58,20 @@ void remove_store(const fs::path& dir) {
     files.push_back(entry.path());
   }
   if (ec) throw train_setup_error("cannot read " + folder.string() + ": " + ec.message());
+  return files;
+}
+
+// Removes the store in `folder`: its files, then the folder, holding the store's own lock
+// throughout (no other process may have it open, nor open it meanwhile).
+void remove_store_folder(const fs::path& folder) {
+  const std::vector<fs::path> files = store_files(folder);
+  std::error_code ec;
   const fs::path lock = folder / "lock";
   const int fd = ::open(lock.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
   if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     ::close(fd);
-    throw train_setup_error("the store in " + dir.string() + " is open in another process");
+    throw train_setup_error("the store in " + folder.parent_path().string() +
+                            " is open in another process");
   }
   for (const fs::path& f : files) {
     if (f != lock) fs::remove(f, ec);
@@ -78,6 +82,12 @@ void remove_store(const fs::path& dir) {
   if (!ec) fs::remove(folder, ec);
   if (ec) throw train_setup_error("cannot remove " + folder.string() + ": " + ec.message());
 }
+
+}  // namespace
+
+// Removes the engine's store and nothing else. A folder that holds anything else is refused
+// whole, before a file is touched.
+void remove_store(const fs::path& dir) { remove_store_folder(dir / "store"); }
 
 namespace {
 
@@ -97,6 +107,34 @@ void keep_logged_steps(const fs::path& path, std::int64_t last) {
   if (const std::string why = replace_file(path, kept); !why.empty()) {
     throw train_setup_error("cannot write the log '" + path.string() + "': " + why);
   }
+}
+
+// A fresh run's earlier store waits in <dir>/store.discarded until the new engine is made: only
+// then is it removed. A configuration the engine refuses (a budget too small, an lr <= 0, an
+// unknown allocator key) puts it back, so the refusal costs no checkpoint.
+fs::path discarded_store(const fs::path& dir) { return dir / "store.discarded"; }
+
+void set_store_aside(const fs::path& dir) {
+  const fs::path aside = discarded_store(dir);
+  std::error_code ec;
+  // A run killed between the two leaves one behind: a store, removed as any (a folder of the
+  // user's under that name is refused, untouched).
+  if (fs::exists(fs::symlink_status(aside, ec))) remove_store_folder(aside);
+  const fs::path folder = dir / "store";
+  (void)store_files(folder);  // a foreign file is refused before anything moves
+  const int fd = ::open((folder / "lock").c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  const bool busy = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0;
+  if (fd >= 0) ::close(fd);
+  if (busy) throw train_setup_error("the store in " + dir.string() + " is open in another process");
+  fs::rename(folder, aside, ec);
+  if (ec) throw train_setup_error("cannot move " + folder.string() + " aside: " + ec.message());
+}
+
+// Puts a store set aside back where it was, unless the new engine made one there meanwhile.
+void restore_store(const fs::path& dir) {
+  std::error_code ec;
+  const fs::path aside = discarded_store(dir);
+  if (fs::is_directory(aside, ec) && !fs::exists(dir / "store", ec)) fs::rename(aside, dir / "store", ec);
 }
 
 void prepare_dir(const train_options& o) {
@@ -124,7 +162,7 @@ void prepare_dir(const train_options& o) {
     throw train_setup_error(dir.string() + " holds the checkpoint of an earlier run: --resume "
                             "continues it, --fresh discards it");
   }
-  remove_store(dir);
+  set_store_aside(dir);
 }
 
 // ------------------------------------------------------------------------------- the progress bar
@@ -319,6 +357,13 @@ train_result run_train(const train_options& options) {
 
   std::unique_ptr<device_backend> device;
   std::unique_ptr<offload_engine> engine;
+  struct restore_on_failure {
+    const fs::path& dir;
+    bool armed = true;
+    ~restore_on_failure() {
+      if (armed) restore_store(dir);
+    }
+  } put_back{o.dir};
   try {
     device = make_device(o.device, device_options_for(o, resident_device_memory(o.model)));
     const offload_engine_options eo = engine_options_for(o, *device);
@@ -336,6 +381,10 @@ train_result run_train(const train_options& options) {
     throw train_setup_error(e.what());
   } catch (const device_error& e) {  // no GPU for --device cuda, among others
     throw train_setup_error(e.what());
+  }
+  put_back.armed = false;
+  if (std::error_code ec; fs::exists(discarded_store(o.dir), ec)) {
+    remove_store_folder(discarded_store(o.dir));
   }
 
   train_result r;
