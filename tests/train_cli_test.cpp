@@ -332,4 +332,24 @@ TEST(TrainCli, FreshThatCannotTrainKeepsTheEarlierCheckpoint) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "store.discarded"));
 }
 
+// Found in review: the trace was written straight over --save-trace (a failed or killed write
+// left a truncated trace that replays as a shorter run), and a failure did not say why. It is
+// written beside and renamed over, as the report is.
+TEST(TrainCli, ATraceThatCannotBeWrittenSaysWhyAndLeavesNoPartialFile) {
+  scratch_dir dir("cli-trace-fail");
+  const auto folder = dir.path() / "a-folder";
+  std::filesystem::create_directories(folder);
+  const run_result r = train("--steps 1 --no-report --dir '" + dir.path().string() +
+                             "' --save-trace '" + folder.string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("a-folder': Is a directory"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(folder.string() + ".tmp")) << "the temporary was left";
+  const auto trace = dir.path() / "t.jsonl";
+  const run_result ok = train("--fresh --steps 1 --no-report --dir '" + dir.path().string() +
+                              "' --save-trace '" + trace.string() + "'");
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_FALSE(lines_of(trace).empty());
+  EXPECT_FALSE(std::filesystem::exists(trace.string() + ".tmp"));
+}
+
 }  // namespace

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -472,10 +473,13 @@ train_result run_train(const train_options& options) {
                                      ? engine->device_memory().snapshot()
                                      : memory_snapshot{};
     if (!o.save_trace.empty()) {
-      std::ofstream out(o.save_trace, std::ios::binary);
-      if (out) write_trace_jsonl(out, snap.trace);
-      out.close();
-      if (!out) throw io_error("cannot write the trace '" + o.save_trace.string() + "'");
+      // Written beside and renamed over, as the report: a full disk or a kill mid-write never
+      // leaves a truncated trace, which would replay as a shorter run.
+      std::ostringstream text;
+      write_trace_jsonl(text, snap.trace);
+      if (const std::string why = replace_file(o.save_trace, text.str()); !why.empty()) {
+        throw io_error("cannot write the trace '" + o.save_trace.string() + "': " + why);
+      }
       r.trace = o.save_trace;
     }
     if (o.write_report) {
