@@ -352,4 +352,38 @@ TEST(TrainCli, ATraceThatCannotBeWrittenSaysWhyAndLeavesNoPartialFile) {
   EXPECT_FALSE(std::filesystem::exists(trace.string() + ".tmp"));
 }
 
+// Found in review: a resume checked only the model's shape and seed, so --resume with another
+// --batch, --corpus or --lr went on under the checkpoint's step numbers as a different run, and
+// said nothing. The run's settings are kept with its store and a resume that differs is refused.
+TEST(TrainCli, ResumeWithOtherRunSettingsIsRefused) {
+  scratch_dir dir("cli-resume-other");
+  const std::string d = " --no-report --dir '" + dir.path().string() + "' ";
+  const auto corpus = dir.path() / "other.txt";
+  std::ofstream(corpus) << std::string(4096, 'a');
+  ASSERT_EQ(train("--steps 2" + d).exit_code, 0);
+  struct other_case {
+    std::string args;
+    std::string message;
+  };
+  const std::vector<other_case> cases = {
+      {"--batch 4", "--batch 16, not 4"},
+      {"--lr 0.001", "--lr 0.00029999999999999997, not 0.001"},
+      {"--corpus '" + corpus.string() + "'", "--corpus"},
+      {"--delayed-update", "--delayed-update off, not on"},
+  };
+  for (const other_case& c : cases) {
+    const run_result r = train("--resume --steps 3 " + c.args + d);
+    EXPECT_EQ(r.exit_code, 2) << c.args << ":\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << ":\n" << r.output;
+    EXPECT_EQ(r.output.find("step 3/"), std::string::npos) << c.args << " trained:\n" << r.output;
+  }
+  // The same settings resume; the store's own files, these included, go with --fresh.
+  const run_result same = train("--resume --steps 3 --clip 1" + d);
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_NE(same.output.find("steps           3..3"), std::string::npos) << same.output;
+  const run_result fresh = train("--fresh --steps 1 --batch 4" + d);
+  EXPECT_EQ(fresh.exit_code, 0) << fresh.output;
+  EXPECT_EQ(train("--resume --steps 2 --batch 4" + d).exit_code, 0);
+}
+
 }  // namespace

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "terrace/config.hpp"
@@ -42,6 +43,7 @@ bool holds_store(const fs::path& dir) {
 bool is_store_file(const std::string& name) {
   // The names of tiers/store_index.hpp and tensor_store.cpp; "creating" marks an interrupted create.
   if (name == "index" || name == "index.tmp" || name == "lock" || name == "creating") return true;
+  if (name == "train-run" || name == "train-run.tmp") return true;  // run_settings, below
   if (name.size() <= 5 || name.rfind("swap.", 0) != 0) return false;
   return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
@@ -136,6 +138,62 @@ void restore_store(const fs::path& dir) {
   std::error_code ec;
   const fs::path aside = discarded_store(dir);
   if (fs::is_directory(aside, ec) && !fs::exists(dir / "store", ec)) fs::rename(aside, dir / "store", ec);
+}
+
+// What a run's steps compute beyond the model's shape and seed (which the engine's record
+// checks): its batches and its update rule. They are kept beside the store's files
+// (<dir>/store/train-run, written when the store is made), so that a resume with other ones is
+// refused rather than continued as a different run under the checkpoint's step numbers.
+// Throughput settings (threads, budgets, the device) are not among them.
+std::vector<std::pair<std::string, std::string>> run_settings(const train_options& o,
+                                                              const std::vector<std::uint8_t>& corpus) {
+  const auto number = [](double v) {
+    char buf[40];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    return std::string(buf);
+  };
+  std::uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a: the text, wherever it lives now
+  for (const std::uint8_t b : corpus) hash = (hash ^ b) * 0x100000001b3ull;
+  char text[64];
+  std::snprintf(text, sizeof text, "%zu bytes, FNV-1a %016llx", corpus.size(),
+                static_cast<unsigned long long>(hash));
+  std::vector<std::pair<std::string, std::string>> out = {
+      {"--batch", std::to_string(o.model.batch)},
+      {"--corpus", text},
+      {"--lr", number(o.lr)},
+      {"--clip", number(o.clip)},
+      {"--delayed-update", o.delayed_update ? "on" : "off"},
+  };
+  if (o.delayed_update) out.emplace_back("--delayed-update-after", std::to_string(o.delayed_update_after));
+  return out;
+}
+
+fs::path run_settings_file(const fs::path& dir) { return dir / "store" / "train-run"; }
+
+void save_run_settings(const fs::path& dir, const std::vector<std::pair<std::string, std::string>>& settings) {
+  std::string text;
+  for (const auto& [name, value] : settings) text += name + " " + value + "\n";
+  if (const std::string why = replace_file(run_settings_file(dir), text); !why.empty()) {
+    throw train_setup_error("cannot write " + run_settings_file(dir).string() + ": " + why);
+  }
+}
+
+// A store from before the settings were kept has none to compare: it resumes as it did.
+void check_run_settings(const fs::path& dir, const std::vector<std::pair<std::string, std::string>>& settings) {
+  std::ifstream in(run_settings_file(dir));
+  for (std::string line; std::getline(in, line);) {
+    const std::size_t space = line.find(' ');
+    const std::string name = line.substr(0, space);
+    const std::string kept = space == std::string::npos ? "" : line.substr(space + 1);
+    const auto it = std::find_if(settings.begin(), settings.end(),
+                                 [&](const auto& s) { return s.first == name; });
+    const std::string now = it == settings.end() ? "none" : it->second;
+    if (kept != now) {
+      throw train_setup_error("--resume: the checkpoint in " + dir.string() + " was trained with " +
+                              name + " " + kept + ", not " + now + " (a resumed run continues "
+                              "the same run: give its options, or --fresh to start over)");
+    }
+  }
 }
 
 void prepare_dir(const train_options& o) {
@@ -355,6 +413,8 @@ train_result run_train(const train_options& options) {
     throw train_setup_error("cannot write the log '" + o.log.string() + "': it is a directory");
   }
   prepare_dir(o);
+  const auto settings = run_settings(o, corpus);
+  if (o.resume) check_run_settings(o.dir, settings);
 
   std::unique_ptr<device_backend> device;
   std::unique_ptr<offload_engine> engine;
@@ -387,6 +447,7 @@ train_result run_train(const train_options& options) {
   if (std::error_code ec; fs::exists(discarded_store(o.dir), ec)) {
     remove_store_folder(discarded_store(o.dir));
   }
+  if (!o.resume && engine->store() != nullptr) save_run_settings(o.dir, settings);
 
   train_result r;
   r.dir = o.dir;
