@@ -4,6 +4,8 @@
 // cannot train.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -343,13 +345,23 @@ TEST(TrainCli, ATraceThatCannotBeWrittenSaysWhyAndLeavesNoPartialFile) {
                              "' --save-trace '" + folder.string() + "'");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("a-folder': Is a directory"), std::string::npos) << r.output;
-  EXPECT_FALSE(std::filesystem::exists(folder.string() + ".tmp")) << "the temporary was left";
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    EXPECT_NE(e.path().filename().string().rfind("a-folder.tmp", 0), 0u) << "the temporary was left";
+  }
   const auto trace = dir.path() / "t.jsonl";
+  // A file of the user's that happens to have the temporary's old name is not written over.
+  std::ofstream(trace.string() + ".tmp") << "mine\n";
   const run_result ok = train("--fresh --steps 1 --no-report --dir '" + dir.path().string() +
                               "' --save-trace '" + trace.string() + "'");
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_FALSE(lines_of(trace).empty());
-  EXPECT_FALSE(std::filesystem::exists(trace.string() + ".tmp"));
+  EXPECT_EQ(lines_of(trace.string() + ".tmp"), std::vector<std::string>{"mine"});
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    if (e.path().filename().string().rfind("t.jsonl", 0) == 0) names.push_back(e.path().filename());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"t.jsonl", "t.jsonl.tmp"})) << "a temporary was left";
 }
 
 // Found in review: a resume checked only the model's shape and seed, so --resume with another

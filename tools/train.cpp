@@ -43,7 +43,8 @@ bool holds_store(const fs::path& dir) {
 bool is_store_file(const std::string& name) {
   // The names of tiers/store_index.hpp and tensor_store.cpp; "creating" marks an interrupted create.
   if (name == "index" || name == "index.tmp" || name == "lock" || name == "creating") return true;
-  if (name == "train-run" || name == "train-run.tmp") return true;  // run_settings, below
+  // run_settings, below, and its temporaries (replace_file: "train-run.tmp.<pid>.<n>").
+  if (name == "train-run" || name.rfind("train-run.tmp.", 0) == 0) return true;
   if (name.size() <= 5 || name.rfind("swap.", 0) != 0) return false;
   return std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
 }

@@ -164,8 +164,9 @@ std::unique_ptr<layered_model> make_char_layered_model(const model::char_model_c
 
 // ---- train_report.cpp
 
-/// @brief Writes `contents` beside `path` and renames it over: a failed write leaves the old file
-/// whole, never half. Returns why it could not (the temporary removed), or "" once written.
+/// @brief Writes `contents` beside `path` (a new file, "<path>.tmp.<pid>.<n>") and renames it
+/// over: a failed write leaves the old file whole, never half, and no other file is touched.
+/// Returns why it could not (the temporary removed), or "" once written.
 std::string replace_file(const std::filesystem::path& path, std::string_view contents);
 
 /// @brief Writes the profiler's HTML report (tools/html_report.hpp) for the device allocator's

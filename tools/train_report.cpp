@@ -4,6 +4,9 @@
 // file). The trace is replayed under the three policies over the null backend, exactly as
 // `terrace report` does, so the page compares what the run reserved with what expandable segments
 // and the planned policy would have.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -34,16 +37,26 @@ std::string write_memory_report(const memory_snapshot& recorded, const allocator
 }
 
 std::string replace_file(const std::filesystem::path& path, std::string_view contents) {
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  errno = 0;  // the streams set it where the system refused (ENOSPC, EACCES, EISDIR, ...)
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (out) out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
-  out.close();
+  // The temporary is a new file (O_EXCL) under a name no other writer uses: a fixed "<path>.tmp"
+  // would truncate a file of the user's that has that name. Mode 0666 less the umask, as any
+  // file the user creates.
+  std::filesystem::path tmp;
+  int fd = -1;
+  for (unsigned attempt = 0; fd < 0; ++attempt) {
+    tmp = path.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(attempt);
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (fd < 0 && (errno != EEXIST || attempt == 99)) return std::strerror(errno);
+  }
   std::string why;
+  for (std::size_t done = 0; done < contents.size() && why.empty();) {
+    const ssize_t n = ::write(fd, contents.data() + done, contents.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) why = std::strerror(errno);
+    else done += static_cast<std::size_t>(n);
+  }
+  if (::close(fd) != 0 && why.empty()) why = std::strerror(errno);  // NFS reports ENOSPC here
   std::error_code ec;
-  if (!out) {
-    why = errno != 0 ? std::strerror(errno) : "the write failed";
-  } else {
+  if (why.empty()) {
     std::filesystem::rename(tmp, path, ec);
     if (ec) why = ec.message();
   }
