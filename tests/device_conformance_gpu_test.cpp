@@ -6,12 +6,16 @@
 // Every case skips (GTEST_SKIP in SetUp) when cuda_device_available() is false, so this program
 // compiles, runs and reports skips on a machine without a GPU. CUDA failures in the tests
 // themselves throw with the call and cudaGetErrorString, which GoogleTest prints.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -493,6 +497,61 @@ TEST_F(CudaContractDeathTest, ReleasingWithTheWrongSizeAborts) {
         dev->release(p, 8192);
       },
       "'cuda'.*reserved with 4096 bytes");
+}
+
+// Found in review: restore_cuda_caller called cudaSetDevice before putting a caller's own context
+// back, and cudaSetDevice binds and initialises the device's primary context, hundreds of MiB
+// on a GPU the caller reaches only through a context of its own. Run in a fresh process (the
+// death test's re-run of this program), so that the primary context is known to be inactive.
+class CudaFreshProcessTest : public CudaErrorPathTest {
+ protected:
+  void SetUp() override {
+    GTEST_FLAG_SET(death_test_style, "threadsafe");
+    CudaErrorPathTest::SetUp();
+  }
+};
+
+[[noreturn]] void exit_because(int code, const char* why) {
+  std::fprintf(stderr, "%s\n", why);
+  std::exit(code);
+}
+
+TEST_F(CudaFreshProcessTest, PuttingBackACallersOwnContextLeavesThePrimaryContextAlone) {
+  EXPECT_EXIT(
+      {
+        const auto device_get = reinterpret_cast<PFN_cuDeviceGet_v2000>(
+            detail::cuda_driver_entry_point("cuDeviceGet", 2000));
+        const auto primary_state = reinterpret_cast<PFN_cuDevicePrimaryCtxGetState_v7000>(
+            detail::cuda_driver_entry_point("cuDevicePrimaryCtxGetState", 7000));
+        const auto ctx_create = reinterpret_cast<PFN_cuCtxCreate_v3020>(
+            detail::cuda_driver_entry_point("cuCtxCreate", 3020));
+        const auto ctx_get = reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(
+            detail::cuda_driver_entry_point("cuCtxGetCurrent", 4000));
+        const auto ctx_set = reinterpret_cast<PFN_cuCtxSetCurrent_v4000>(
+            detail::cuda_driver_entry_point("cuCtxSetCurrent", 4000));
+        CUdevice device = 0;
+        if (device_get(&device, 0) != CUDA_SUCCESS) exit_because(2, "cuDeviceGet failed");
+        unsigned flags = 0;
+        int active = -1;
+        if (primary_state(device, &flags, &active) != CUDA_SUCCESS || active != 0) {
+          exit_because(2, "the primary context was active before the test");
+        }
+        CUcontext own = nullptr;
+        if (ctx_create(&own, 0, device) != CUDA_SUCCESS) exit_because(2, "cuCtxCreate failed");
+        (void)ctx_set(nullptr);  // as if terrace had switched this thread elsewhere
+        detail::restore_cuda_caller(detail::cuda_caller{0, own});
+        CUcontext now = nullptr;
+        if (ctx_get(&now) != CUDA_SUCCESS || now != own) exit_because(1, "the caller's context is not current");
+        if (primary_state(device, &flags, &active) != CUDA_SUCCESS || active != 0) {
+          exit_because(1, "restoring the caller made the device's primary context");
+        }
+        int runtime_device = -1;
+        if (cudaGetDevice(&runtime_device) != cudaSuccess || runtime_device != 0) {
+          exit_because(1, "the runtime does not see the caller's device");
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

@@ -19,8 +19,9 @@ struct cuda_caller {
 /// alone is put back (the safe guess).
 cuda_caller save_cuda_caller(int current_device) noexcept;
 
-/// Makes the caller's device current again, then its own context. Failures are cleared, not
-/// reported: the caller's state is restored as far as it can be.
+/// Makes the caller's own context current again (cuCtxSetCurrent, which gives the runtime its
+/// device too), or, when the context is unknown, its device (cudaSetDevice). Failures are cleared,
+/// not reported: the caller's state is restored as far as it can be.
 void restore_cuda_caller(const cuda_caller& caller) noexcept;
 
 }  // namespace terrace::detail

@@ -128,14 +128,14 @@ cuda_caller save_cuda_caller(int current_device) noexcept {
 
 void restore_cuda_caller(const cuda_caller& caller) noexcept {
   if (caller.device < 0) return;
-  if (cudaSetDevice(caller.device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return;
-  }
-  // The device's primary context is current now; the caller's own, if it had another, goes back.
+  // The caller's context goes back as it is: the runtime follows the current context, its device
+  // included. cudaSetDevice first would bind and initialise the device's primary context, hundreds
+  // of MiB on a GPU the caller uses only through a context of its own (cuCtxCreate).
   if (const auto set_current = ctx_set_current(); caller.context != nullptr && set_current != nullptr) {
-    (void)set_current(static_cast<CUcontext>(caller.context));
+    if (set_current(static_cast<CUcontext>(caller.context)) == CUDA_SUCCESS) return;
   }
+  // The context is unknown (or the driver refused it): the device alone, the safe guess.
+  if (cudaSetDevice(caller.device) != cudaSuccess) (void)cudaGetLastError();
 }
 
 device_scope::device_scope(int device) noexcept : device_(device) {
