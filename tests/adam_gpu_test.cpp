@@ -74,14 +74,22 @@ void run_against_reference(adam_mode mode, dtype grad_type) {
   cuda_ok(cudaDeviceSynchronize(), "sync");
   cuda_ok(cudaMemcpy(p.data(), dp.ptr, p.bytes(), cudaMemcpyDeviceToHost), "copy back p");
   cuda_ok(cudaMemcpy(m.data(), dm.ptr, m.bytes(), cudaMemcpyDeviceToHost), "copy back m");
+  cuda_ok(cudaMemcpy(v.data(), dv.ptr, v.bytes(), cudaMemcpyDeviceToHost), "copy back v");
   cuda_ok(cudaMemcpy(copy.data(), dc.ptr, copy.bytes(), cudaMemcpyDeviceToHost), "copy back copy");
   const auto tol = testing::tolerances_for(dtype::f32);
   std::size_t bad = 0;
   for (std::size_t i = 0; i < n; ++i) {
     const double p_tol = steps * (tol.param * std::abs(ref.param[i]) + tol.param_abs_per_lr * o.lr);
+    // The unscaled gradients are N(0, 1): the moments' absolute floors are as in adam_test.cpp.
     const double m_tol = tol.moment * (std::abs(ref.exp_avg[i]) + 0.1);
-    if (std::abs(p.get(i) - ref.param[i]) > p_tol || std::abs(m.get(i) - ref.exp_avg[i]) > m_tol) {
-      if (++bad <= 5) ADD_FAILURE() << "element " << i << ": " << p.get(i) << " vs " << ref.param[i];
+    const double v_tol = tol.moment * (std::abs(ref.exp_avg_sq[i]) + 0.01);
+    if (std::abs(p.get(i) - ref.param[i]) > p_tol || std::abs(m.get(i) - ref.exp_avg[i]) > m_tol ||
+        std::abs(v.get(i) - ref.exp_avg_sq[i]) > v_tol) {
+      if (++bad <= 5) {
+        ADD_FAILURE() << "element " << i << ": param " << p.get(i) << " vs " << ref.param[i] << ", m "
+                      << m.get(i) << " vs " << ref.exp_avg[i] << ", v " << v.get(i) << " vs "
+                      << ref.exp_avg_sq[i];
+      }
     }
     ASSERT_EQ(static_cast<const std::uint16_t*>(copy.data())[i], detail::float_to_bf16(p.get(i)));
   }
