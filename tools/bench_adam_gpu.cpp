@@ -40,17 +40,21 @@ using terrace::tools::median;
 template <class F>
 double time_ms(cudaStream_t stream, int reps, F fn) {
   cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
+  if (!ok(cudaEventCreate(&a), "cudaEventCreate") || !ok(cudaEventCreate(&b), "cudaEventCreate")) {
+    std::exit(1);
+  }
   for (int i = 0; i < 2; ++i) fn();
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(a, stream);
+    // A time that was not measured is not printed as one.
+    if (!ok(cudaEventRecord(a, stream), "cudaEventRecord")) std::exit(1);
     fn();
-    cudaEventRecord(b, stream);
-    cudaEventSynchronize(b);
     float t = 0;
-    cudaEventElapsedTime(&t, a, b);
+    if (!ok(cudaEventRecord(b, stream), "cudaEventRecord") ||
+        !ok(cudaEventSynchronize(b), "cudaEventSynchronize") ||
+        !ok(cudaEventElapsedTime(&t, a, b), "cudaEventElapsedTime")) {
+      std::exit(1);
+    }
     ms.push_back(t);
   }
   cudaEventDestroy(a);
@@ -123,13 +127,18 @@ int main(int argc, char** argv) {
     return 1;
   }
   for (void* b : {static_cast<void*>(p), static_cast<void*>(m), static_cast<void*>(v), grad}) {
-    cudaMemsetAsync(b, 0, fp32, stream);
+    if (!ok(cudaMemsetAsync(b, 0, fp32, stream), "cudaMemsetAsync")) return 1;
   }
-  cudaMemsetAsync(copy, 0, n * 2, stream);
+  if (!ok(cudaMemsetAsync(copy, 0, n * 2, stream), "cudaMemsetAsync")) return 1;
 
   // The bound: a device-to-device copy of the same size as the three fp32 states, read once and
   // written once.
-  const double copy_ms = time_ms(stream, reps, [&] { cudaMemcpyAsync(m, p, fp32, cudaMemcpyDeviceToDevice, stream); });
+  // A failed copy would time as nothing, and every "of copy" ratio below would be meaningless.
+  cudaError_t copied = cudaSuccess;
+  const double copy_ms = time_ms(stream, reps, [&] {
+    if (const cudaError_t e = cudaMemcpyAsync(m, p, fp32, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess) copied = e;
+  });
+  if (!ok(copied, "cudaMemcpyAsync") || !ok(cudaStreamSynchronize(stream), "the copy")) return 1;
   const double copy_gbs = 2.0 * static_cast<double>(fp32) / (copy_ms * 1e6);
 
   // AdamW with typical hyper-parameters, step 10 (the scalars a host would compute).
