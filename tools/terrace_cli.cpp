@@ -379,8 +379,9 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
                   "most pinned host bytes (0: no limit of terrace's own)")
       ->capture_default_str();
   cmd->add_option("--dir", args.dir,
-                  "the NVMe store's directory (default: <build>/train-state; needs O_DIRECT, so "
-                  "not a tmpfs)");
+                  "the NVMe store's directory (default: <build>/train-state); on a disk: a tmpfs "
+                  "holds the offloaded state in RAM, and where O_DIRECT is missing the store "
+                  "falls back to buffered I/O with a warning");
   cmd->add_option("--store-capacity", args.store_capacity,
                   "bytes of the store (0: what the configuration needs)")
       ->capture_default_str();

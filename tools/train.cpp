@@ -366,7 +366,7 @@ fs::path default_dir() {
   if (!ec) {
     const std::string folder = exe.parent_path().filename().string();
     // <build>/tools/terrace, <build>/tests/..., <build>/tools/bench_train: the build tree is on
-    // the disk the build lives on (O_DIRECT-capable, unlike a tmpfs /tmp).
+    // the disk the build lives on (a tmpfs /tmp would hold the offloaded state in RAM).
     if (folder == "tools" || folder == "tests") return exe.parent_path().parent_path() / "train-state";
   }
   const char* tmp = std::getenv("TMPDIR");
