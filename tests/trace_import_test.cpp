@@ -202,6 +202,15 @@ TEST(Import, RmmCsvMatchesTheSourceTraceAndBadLinesAreNamed) {
     const std::string m = e.what();
     EXPECT_NE(m.find("twice.csv:1: the header names column 'Size' twice"), std::string::npos) << m;
   }
+  // Found in review (docs): only Action, Pointer and Size are required, but a header missing one
+  // was told to be RMM's whole header, not which column it lacks (here a renamed "Ptr").
+  try {
+    tr::parse_rmm_csv("Thread,Time,Action,Ptr,Size\n1,t,allocate,0x10,512\n", "ptr.csv");
+    FAIL() << "expected logic_error";
+  } catch (const terrace::logic_error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("ptr.csv:1: the header has no 'Pointer' column"), std::string::npos) << m;
+  }
 }
 
 // A negative, fractional or out-of-range number was cast: -1 became 16 EiB, -1.5 and 1e30 were

@@ -289,8 +289,19 @@ imported_trace rmm_csv(std::istream& text, const std::string& source) {
         if (f[k] == "Stream") take(col_stream, k);
       }
       if (col_action < 0 || col_ptr < 0 || col_size < 0) {
-        throw logic_error(source + ":" + std::to_string(line_no) +
-                          ": expected the header Thread,Time,Action,Pointer,Size,Stream");
+        // Name what is missing: only these three are required, so RMM's whole header alone
+        // would not tell a log with a renamed column what to change.
+        std::string missing;
+        int n = 0;
+        for (const auto& [col, name] : {std::pair{col_action, "Action"}, std::pair{col_ptr, "Pointer"},
+                                        std::pair{col_size, "Size"}}) {
+          if (col >= 0) continue;
+          missing += (n++ == 0 ? "'" : ", '") + std::string(name) + "'";
+        }
+        throw logic_error(source + ":" + std::to_string(line_no) + ": the header has no " + missing +
+                          (n == 1 ? " column" : " columns") +
+                          " (required: Action, Pointer, Size; RMM writes "
+                          "Thread,Time,Action,Pointer,Size,Stream)");
       }
       header_fields = f.size();
       continue;
