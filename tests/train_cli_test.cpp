@@ -223,6 +223,10 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       // Found in a user review: a negative or NaN clip turned clipping off without a word.
       {"--clip -1 --steps 2", "--clip must be >= 0 (0: no clipping), got -1"},
       {"--clip nan --steps 2", "--clip must be >= 0 (0: no clipping), got nan"},
+      // Found in review (docs): a bad --lr was refused by the optimizer in its own words
+      // ("adam: lr ... (expected std::isfinite(o.lr) && o.lr > 0)"), not the option's.
+      {"--lr -1 --steps 2", "--lr must be a positive number, got -1"},
+      {"--lr inf --steps 2", "--lr must be a positive number, got inf"},
       // Found in a user review: a report asked for and refused at once was silently not written;
       // and --device-memory 0 was an 8 GiB device, which the help did not say.
       {"--report x.html --no-report --steps 2", "--report excludes --no-report"},

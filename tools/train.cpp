@@ -388,6 +388,13 @@ train_result run_train(const train_options& options) {
     std::snprintf(got, sizeof got, "%g", o.clip);
     throw train_setup_error(std::string("--clip must be >= 0 (0: no clipping), got ") + got);
   }
+  // Checked here, in the option's name: the optimizer would refuse it too, but in its own
+  // terms (its field and source expression).
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) {
+    char got[32];
+    std::snprintf(got, sizeof got, "%g", o.lr);
+    throw train_setup_error(std::string("--lr must be a positive number, got ") + got);
+  }
   if (o.device != "sim" && o.device != "cuda") {
     throw train_setup_error("--device must be sim or cuda, not '" + o.device + "'");
   }
