@@ -247,6 +247,10 @@ TEST(PinnedPool, TheMemlockLimitRefusalNamesTheLimit) {
 // more for the first write to 512 MiB after a fork, 5x the plain write). The child sees no such
 // mapping at all, which mincore reports as ENOMEM.
 TEST(PinnedPool, AForkedChildDoesNotInheritThePinnedRegions) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "under the TSan runtime a forked child still maps a MADV_DONTFORK region "
+                  "(measured: mincore succeeds there)";
+#endif
   auto dev = sim();
   pinned_host_pool pool(*dev, small_regions());
   void* p = pool.allocate(1 * MiB);
