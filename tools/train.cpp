@@ -65,18 +65,26 @@ std::vector<fs::path> store_files(const fs::path& folder) {
   return files;
 }
 
+// Takes the lock of the store in `folder` (the one its tensor_store holds while open): the
+// descriptor holding it, to close when done, or -1 for a store without a lock file. Throws when
+// another process has the store open.
+int lock_store(const fs::path& folder) {
+  const int fd = ::open((folder / "lock").c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+  if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    throw train_setup_error("the store in " + folder.parent_path().string() +
+                            " is open in another process");
+  }
+  return fd;
+}
+
 // Removes the store in `folder`: its files, then the folder, holding the store's own lock
 // throughout (no other process may have it open, nor open it meanwhile).
 void remove_store_folder(const fs::path& folder) {
   const std::vector<fs::path> files = store_files(folder);
   std::error_code ec;
   const fs::path lock = folder / "lock";
-  const int fd = ::open(lock.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-  if (fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    ::close(fd);
-    throw train_setup_error("the store in " + folder.parent_path().string() +
-                            " is open in another process");
-  }
+  const int fd = lock_store(folder);
   for (const fs::path& f : files) {
     if (f != lock) fs::remove(f, ec);
     if (ec) break;
@@ -126,11 +134,9 @@ void set_store_aside(const fs::path& dir) {
   if (fs::exists(fs::symlink_status(aside, ec))) remove_store_folder(aside);
   const fs::path folder = dir / "store";
   (void)store_files(folder);  // a foreign file is refused before anything moves
-  const int fd = ::open((folder / "lock").c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
-  const bool busy = fd >= 0 && ::flock(fd, LOCK_EX | LOCK_NB) != 0;
-  if (fd >= 0) ::close(fd);
-  if (busy) throw train_setup_error("the store in " + dir.string() + " is open in another process");
+  const int fd = lock_store(folder);  // held through the rename: the lock file moves with it
   fs::rename(folder, aside, ec);
+  if (fd >= 0) ::close(fd);
   if (ec) throw train_setup_error("cannot move " + folder.string() + " aside: " + ec.message());
 }
 
