@@ -951,11 +951,14 @@ TEST(TierManager, AWriteAcquireThatFailsInThePrefetchWalkLeavesNoEmptyBlockNorPi
 // A sim device behind a refusing_device, its allocator and pinned pool, and a compute stream;
 // each test makes its own manager, which goes before them.
 struct refusing_rig {
-  testing::refusing_device dev{make_device("sim", [] {
-    device_options o;
-    o.capacity = 64 * MiB;
-    return o;
-  }())};
+  explicit refusing_rig(double copy_bandwidth = 0.0)
+      : dev{make_device("sim", [copy_bandwidth] {
+          device_options o;
+          o.capacity = 64 * MiB;
+          o.copy_bandwidth = copy_bandwidth;
+          return o;
+        }())} {}
+  testing::refusing_device dev;
   caching_allocator memory{dev};
   pinned_host_pool host{dev, [] {
     pinned_pool_options po;
@@ -1029,6 +1032,39 @@ TEST(TierManager, AReleaseWhoseEventRecordFailsLeavesTheTensorAcquired) {
   EXPECT_NO_THROW(tm.release(a, r.compute));
   EXPECT_NO_THROW(tm.acquire(b, r.compute));
   tm.release(b, r.compute);
+}
+
+
+// Writes `value` over tensor `id` on the device (acquired for writing, released).
+void write_on_device(tier_manager& tm, refusing_rig& r, tensor_id id, int value, std::size_t bytes) {
+  auto* d = static_cast<unsigned char*>(tm.acquire(id, r.compute, access::write));
+  enqueue_host_function(r.dev.inner(), r.compute, [d, value, bytes] { std::memset(d, value, bytes); });
+  tm.release(id, r.compute);
+}
+
+// Found in review: a copy down whose event the device refused to record stayed queued with
+// nothing to tell when it is done: host_data(access::write) handed its caller the home buffer at
+// once, and the copy then landed on what the caller wrote. A refused record now waits for the
+// copy stream before the error propagates, and the copy counts as done.
+TEST(TierManager, ACopyDownWhoseEventRecordFailsIsNotLeftWritingTheHomeCopy) {
+  constexpr std::size_t kBytes = 2 * MiB;
+  refusing_rig r(/*copy_bandwidth=*/100e6);  // 2 MiB: ~21 ms per copy
+  tier_manager tm(r.dev, r.memory, r.host, {});
+  const tensor_id slow = tm.add("slow", kBytes, pattern(kBytes, 1).data());
+  const tensor_id g = tm.add("g", kBytes, pattern(kBytes, 2).data());
+  write_on_device(tm, r, slow, 5, kBytes);
+  tm.flush(slow);  // holds the copy stream: g's copy down waits its turn behind it
+  write_on_device(tm, r, g, 7, kBytes);
+  r.dev.refuse_records = 1;  // the copy down's event
+  EXPECT_THROW(tm.flush(g), device_error);
+  ASSERT_EQ(r.dev.refuse_records, 0) << "the test does not test: nothing was refused";
+  tm.check_invariants();
+  auto* home = static_cast<unsigned char*>(tm.host_data(g, access::write));
+  std::memset(home, 9, kBytes);
+  r.dev.synchronize_device();
+  std::size_t overwritten = 0;
+  for (std::size_t k = 0; k < kBytes; ++k) overwritten += home[k] != 9;
+  EXPECT_EQ(overwritten, 0u) << "the refused flush's copy landed on the bytes host_data's caller wrote";
 }
 
 }  // namespace

@@ -373,9 +373,29 @@ struct tier_manager::impl {
   void copy_down(tensor& t) {
     for (auto& [stream, e] : t.done) device.wait(copy, e);
     device.copy_async(t.host, t.dev, t.bytes, copy_kind::device_to_host, copy);
-    device.record(ensure(t.down), copy);
-    note_block_copy(t);
+    try {
+      device.record(ensure(t.down), copy);
+      note_block_copy(t);
+    } catch (...) {
+      // The copy is queued but no event tells when it is done: nothing would wait for it before
+      // the home buffer is written (host_data(access::write)) or the block handed on. Once the
+      // copy stream is idle it is a finished copy down; if even that fails, it stays unfinished
+      // (dev_newer), as a copy never queued.
+      bool idle = false;
+      try {
+        device.synchronize(copy);
+        idle = true;
+      } catch (...) {
+      }
+      if (idle) mark_copied_down(t);
+      throw;
+    }
     t.down_pending = true;
+    mark_copied_down(t);
+  }
+
+  // The home copy gets (or, down_pending, is getting) the device copy's data.
+  void mark_copied_down(tensor& t) {
     t.host_written = true;
     t.nvme_current = false;
     t.dev_newer = false;
