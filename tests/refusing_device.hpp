@@ -22,6 +22,7 @@ class refusing_device final : public device_backend {
   int refuse_copies_up = 0;
   int refuse_reserves = 0;
   int refuse_records = 0;
+  int records_before_refusing = 0;  // records that pass before refuse_records applies
   device_backend& inner() { return *inner_; }  // for enqueue_host_function
 
  private:
@@ -47,7 +48,9 @@ class refusing_device final : public device_backend {
   event_ref do_create_event() override { return inner_->create_event(); }
   void do_destroy_event(event_ref e) noexcept override { inner_->destroy_event(e); }
   void do_record(event_ref e, stream_ref s) override {
-    if (refuse_records > 0) {
+    if (refuse_records > 0 && records_before_refusing > 0) {
+      --records_before_refusing;
+    } else if (refuse_records > 0) {
       --refuse_records;
       throw device_error("test: event record refused");
     }

@@ -1067,5 +1067,31 @@ TEST(TierManager, ACopyDownWhoseEventRecordFailsIsNotLeftWritingTheHomeCopy) {
   EXPECT_EQ(overwritten, 0u) << "the refused flush's copy landed on the bytes host_data's caller wrote";
 }
 
+// Found in review: a copy up whose block event (the fence's, recorded after the copy's own) the
+// device refused left the tensor on the device with the copy queued but not pending: its next
+// acquire did not make the stream wait, and the kernel read the block before the data was in.
+// The refusal now fails the acquire as a refused copy up does, leaving no device copy.
+TEST(TierManager, ACopyUpWhoseBlockEventRecordFailsLeavesNoDeviceCopyWithoutTheData) {
+  constexpr std::size_t kBytes = 2 * MiB;
+  refusing_rig r(/*copy_bandwidth=*/100e6);
+  tier_manager tm(r.dev, r.memory, r.host, {});
+  const tensor_id slow = tm.add("slow", kBytes, pattern(kBytes, 1).data());
+  const tensor_id a = tm.add("a", kBytes, pattern(kBytes, 3).data());
+  write_on_device(tm, r, slow, 5, kBytes);
+  tm.flush(slow);  // holds the copy stream: a's copy up waits its turn behind it
+  r.dev.records_before_refusing = 1;  // the copy up's own event
+  r.dev.refuse_records = 1;           // the block's
+  EXPECT_THROW(tm.acquire(a, r.compute), device_error);
+  ASSERT_EQ(r.dev.refuse_records, 0) << "the test does not test: nothing was refused";
+  tm.check_invariants();
+  EXPECT_THROW(tm.release(a, r.compute), logic_error) << "a was left pinned";
+  auto* p = static_cast<unsigned char*>(tm.acquire(a, r.compute));
+  std::vector<unsigned char> seen(kBytes);
+  enqueue_host_function(r.dev.inner(), r.compute, [p, &seen] { std::memcpy(seen.data(), p, seen.size()); });
+  tm.release(a, r.compute);
+  r.dev.synchronize_device();
+  EXPECT_TRUE(seen == pattern(kBytes, 3)) << "the kernel read a's block before its copy up";
+}
+
 }  // namespace
 }  // namespace terrace

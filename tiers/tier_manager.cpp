@@ -435,6 +435,9 @@ struct tier_manager::impl {
         device.copy_async(block, t.host, t.bytes, copy_kind::host_to_device, copy);
         queued = true;
         device.record(ensure(t.up), copy);
+        // Here too: without the block's event the tensor would be left on the device with its
+        // copy queued and nothing pending, and its next acquire would not wait for the data.
+        note_block_copy(t);
       } catch (...) {
         if (queued) {
           try {
@@ -452,7 +455,6 @@ struct tier_manager::impl {
     counters.device_bytes = static_cast<std::int64_t>(device_bytes);
     counters.device_bytes_peak = std::max(counters.device_bytes_peak, counters.device_bytes);
     if (copies) {
-      note_block_copy(t);
       t.up_pending = true;
       counters.host_to_device_bytes += static_cast<std::int64_t>(t.bytes);
       ++counters.host_to_device_copies;
