@@ -67,6 +67,9 @@ void plan_front::reset_recording() {
   window_seen_.clear();
   explicit_begin_ = SIZE_MAX;
   request_rec_ = -1;
+  // Nothing recorded is left for forget_refused_request to take back (the pressure path may
+  // leave the plan, and so restart the recording, between a request and its refusal).
+  recorded_pending_ = false;
   for (auto& [addr, e] : live_) e.rec_id = -1;
 }
 

@@ -184,6 +184,12 @@ void plan_front::check_invariants() const {
     throw logic_error("terrace: planned policy invariant: " + what);
   };
   if (slot_holders != slot_live_) fail("slot-holding block count drifted");
+  // The prefix sums keep their sentinel and one entry per token; every recorded request one each.
+  if (prefix_hash_.size() != tokens_.size() + 1 || prefix_bytes_.size() != prefix_hash_.size() ||
+      prefix_hash_.empty() || tokens_.size() > kMaxRecordTokens ||
+      rec_free_pos_.size() != rec_alloc_pos_.size()) {
+    fail("the recording's arrays disagree");
+  }
   if (arena_lazy_ && static_cast<std::size_t>(std::count(arena_mapped_.begin(), arena_mapped_.end(),
                                                           true)) * arena_page_ !=
                          arena_mapped_bytes_) {

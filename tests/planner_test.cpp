@@ -2062,3 +2062,32 @@ TEST(PlannedPolicy, EmptyCacheBetweenIterationsGivesTheIdleArenaBack) {
     EXPECT_TRUE(live.empty());
   }
 }
+
+// The 16th request of a marked iteration in sync is the last the shadow records; refused by the
+// fallback, with an idle arena, the pressure path leaves the plan (the recording starts over
+// there) and retries; refused again, the request is taken back out of a recording that no longer
+// holds it. It popped the emptied recording's vectors (their sentinel too) instead.
+TEST(PlannedPolicy, ARequestRefusedAfterThePressurePathRestartedTheRecordingLeavesItWhole) {
+  terrace::device_options d;
+  d.capacity = std::size_t{64} << 20;
+  auto dev = terrace::make_device("null", d);
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  held_blocks live(a);
+  auto iteration = [&](bool too_large_last) {
+    a.begin_iteration();
+    for (int k = 0; k < 15; ++k) live.give(live.get(kUnit + static_cast<std::size_t>(k) * 4096));
+    if (too_large_last) {
+      EXPECT_THROW(a.allocate(std::size_t{128} << 20), terrace::out_of_memory);
+      ASSERT_NO_THROW(a.check_invariants());
+    }
+    a.end_iteration();
+  };
+  for (int it = 0; it < 4; ++it) iteration(false);
+  ASSERT_TRUE(a.plan_stats().active);
+  iteration(true);
+  for (int it = 0; it < 6; ++it) iteration(false);
+  ASSERT_NO_THROW(a.check_invariants());
+  EXPECT_TRUE(a.plan_stats().active);
+  EXPECT_TRUE(live.empty());
+}
