@@ -104,9 +104,11 @@ class acquired_tensors {
     held_.push_back(id);
     return p;
   }
+  // Forgotten only once released: a release that throws (an event the device cannot record)
+  // leaves the tensor acquired, and the destructor releases it again.
   void release(tensor_id id) {
-    std::erase(held_, id);
     tm_.release(id, stream_);
+    held_.erase(std::find(held_.begin(), held_.end(), id));
   }
 
  private:

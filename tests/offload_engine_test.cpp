@@ -889,6 +889,39 @@ TEST(OffloadEngineFaults, ADeviceErrorInstallingThePlanAfterTheUpdateDoesNotFail
   }
 }
 
+// Found in review: the step's release of a tensor forgot it before asking the tier manager, so a
+// release that threw (the device refused the event that says when the stream is done with it;
+// the tier manager then keeps the tensor acquired, to be released again) left the tensor pinned
+// for good: every later optimizer phase refused its param (host_data while acquired), and the
+// engine could not train again. Now the step releases it again as it unwinds.
+TEST(OffloadEngineFaults, ARefusedReleaseLeavesNothingAcquired) {
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed_update" : "in place");
+    offload_engine_options o = host_state_options(delayed);
+    probe_engine ref(kSmallLayers, o);
+    std::vector<float> want;
+    for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
+
+    probe_engine e(kSmallLayers, o);
+    testing::refusing_device& dev = refuse_under(e, o);
+    auto& model = dynamic_cast<probe_model&>(e.engine->model());
+    EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[0]), want[0]));
+    // The first record after a backward begins is the release of its layer's param.
+    model.on_backward = [&dev](std::size_t layer) {
+      if (layer == 1) dev.refuse_records = 1;
+    };
+    EXPECT_THROW(e.step(kProbeBatches[1]), device_error);
+    model.on_backward = nullptr;
+    ASSERT_EQ(dev.refuse_records, 0) << "the test does not test: nothing was refused";
+    e.engine->tiers().check_invariants();
+    for (std::size_t s = 1; s < 4; ++s) {
+      EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[s]), want[s])) << "step " << s + 1;
+    }
+    expect_same_state(e, ref, "after step 4");
+    EXPECT_EQ(e.engine->step_count(), 4);
+  }
+}
+
 // Found in review: the first step's acquires are recorded as the schedule, and a first step that
 // threw part-way left its first acquires as the schedule for good: every later use was a miss
 // and a demand fetch. Its partial recording is now dropped and the next step records again.
