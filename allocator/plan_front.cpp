@@ -616,6 +616,9 @@ void plan_front::end_iteration() {
   }
   const std::size_t lo = explicit_begin_, hi = tokens_.size();
   if (hi == lo) return;
+  // This closes [lo, hi): an end_iteration again before the next begin_iteration would otherwise
+  // compare the iteration with itself and find it repeated.
+  explicit_begin_ = hi;
   // Iterations are compared stream by stream: a training step's streams interleave in ways that
   // depend on timing (a copy stream's fetch before or after the compute stream's frees), which
   // the plan does not depend on. A stream's own order can vary too: with optimizer state on NVMe,
