@@ -570,6 +570,9 @@ bool plan_front::record_stream(void* p, stream_ref stream) {
 }
 
 void plan_front::begin_iteration() {
+  // Marked again before any request of the iteration it started (a trainer's loop and a library
+  // under it both marking the step): the same start, not an iteration that left the plan.
+  if (explicit_ && mode_ == mode::in_sync && shadow_left_ == kShadowRequests) return;
   explicit_ = true;
   choosing_ = false;
   if (!slots_.empty() && !replan_pending_) {

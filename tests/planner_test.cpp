@@ -2114,3 +2114,26 @@ TEST(PlannedPolicy, AnIterationEndedTwiceIsNotTakenForTwo) {
   EXPECT_EQ(s.lost_iterations, 0);
   EXPECT_TRUE(live.empty());
 }
+
+// begin_iteration called twice with no request between marks one start (a trainer's loop and a
+// library under it both marking the step): the first mark's iteration is not one lost. It counted
+// one lost iteration per step, and after three the plan was set aside though every step kept to it.
+TEST(PlannedPolicy, AnIterationBegunTwiceIsNotLost) {
+  auto dev = terrace::make_device("null");
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
+  constexpr std::size_t kUnit = std::size_t{1} << 20;
+  held_blocks live(a);
+  for (int it = 0; it < 12; ++it) {
+    a.begin_iteration();
+    a.begin_iteration();
+    for (int k = 0; k < 12; ++k) live.give(live.get(kUnit + static_cast<std::size_t>(k) * 4096));
+    a.end_iteration();
+    ASSERT_NO_THROW(a.check_invariants());
+  }
+  const auto s = a.plan_stats();
+  EXPECT_EQ(s.plans, 1);
+  EXPECT_EQ(s.lost_iterations, 0);
+  EXPECT_EQ(s.suspensions, 0);
+  EXPECT_GE(s.planned_hits, 9 * 12);
+  EXPECT_TRUE(live.empty());
+}
