@@ -176,7 +176,12 @@ class null_device final : public device_backend {
     const auto p = reinterpret_cast<std::uintptr_t>(ptr);
     vmm_.check_map(p, bytes);
     meter_.charge(bytes, "map");
-    vmm_.mark_mapped(p, bytes);
+    try {
+      vmm_.mark_mapped(p, bytes);  // a new entry in the books: the host may have no memory
+    } catch (...) {
+      meter_.uncharge(bytes);
+      throw;
+    }
   }
 
   void do_unmap(void* ptr, std::size_t bytes) noexcept override {

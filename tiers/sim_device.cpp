@@ -553,7 +553,13 @@ class sim_device final : public device_backend {
       throw device_error("terrace: device 'sim': map(" + hex_address(a) + ", " +
                          describe_bytes(bytes) + ") failed: mprotect: " + errno_text(err));
     }
-    vmm_.mark_mapped(a, bytes);
+    try {
+      vmm_.mark_mapped(a, bytes);  // a new entry in the books: the host may have no memory
+    } catch (...) {
+      ::mprotect(p, bytes, PROT_NONE);
+      meter_.uncharge(bytes);
+      throw;
+    }
   }
 
   void do_unmap(void* p, std::size_t bytes) noexcept override {
@@ -562,11 +568,13 @@ class sim_device final : public device_backend {
     if (std::string why = vmm_.why_not_unmappable(a, bytes); !why.empty()) {
       contract_violation("sim", why);
     }
-    // Drop the contents first: the physical pages go back to the host and the next map of these
+    // The books first: a host without memory for their entry (noexcept: fatal) stops here with
+    // the pages still mapped, as the books say.
+    vmm_.mark_unmapped(a, bytes);
+    // Then drop the contents: the physical pages go back to the host and the next map of these
     // addresses reads zeros, as fresh physical memory would.
     ::madvise(p, bytes, MADV_DONTNEED);
     ::mprotect(p, bytes, PROT_NONE);
-    vmm_.mark_unmapped(a, bytes);
     meter_.uncharge(bytes);
   }
 

@@ -77,23 +77,25 @@ class vmm_book {
     }
   }
 
-  /// REQUIRES: check_map(p, bytes) passed.
+  /// REQUIRES: check_map(p, bytes) passed. Joins the run with its mapped neighbours.
+  /// @throws std::bad_alloc, having changed nothing: runs are extended in place or moved by their
+  /// node, and only a run that touches neither neighbour is a new entry.
   void mark_mapped(std::uintptr_t p, std::size_t bytes) {
-    std::uintptr_t begin = p;
-    std::uintptr_t end = p + bytes;
-    auto next = mapped_.lower_bound(end);
-    if (next != mapped_.end() && next->first == end) {
-      end = next->second;
-      next = mapped_.erase(next);
+    const std::uintptr_t end = p + bytes;
+    const auto next = mapped_.lower_bound(end);
+    const bool joins_next = next != mapped_.end() && next->first == end;
+    const auto prev = next == mapped_.begin() ? mapped_.end() : std::prev(next);
+    const bool joins_prev = prev != mapped_.end() && prev->second == p;
+    if (joins_prev) {
+      prev->second = joins_next ? next->second : end;
+      if (joins_next) mapped_.erase(next);
+    } else if (joins_next) {
+      auto node = mapped_.extract(next);
+      node.key() = p;
+      mapped_.insert(std::move(node));
+    } else {
+      mapped_.emplace(p, end);
     }
-    if (next != mapped_.begin()) {
-      auto prev = std::prev(next);
-      if (prev->second == begin) {
-        begin = prev->first;
-        mapped_.erase(prev);
-      }
-    }
-    mapped_.emplace(begin, end);
     mapped_bytes_ += bytes;
   }
 
@@ -109,13 +111,25 @@ class vmm_book {
   }
 
   /// REQUIRES: why_not_unmappable(p, bytes) is empty.
+  /// @throws std::bad_alloc, having changed nothing: only a hole in the middle of a run makes a
+  /// new entry (its upper part), and that comes first.
   void mark_unmapped(std::uintptr_t p, std::size_t bytes) {
-    auto it = std::prev(mapped_.upper_bound(p));
-    const std::uintptr_t begin = it->first;
+    const auto it = std::prev(mapped_.upper_bound(p));
     const std::uintptr_t end = it->second;
-    mapped_.erase(it);
-    if (begin < p) mapped_.emplace(begin, p);
-    if (p + bytes < end) mapped_.emplace(p + bytes, end);
+    const bool keeps_head = it->first < p;
+    const bool keeps_tail = p + bytes < end;
+    if (keeps_tail && keeps_head) {
+      mapped_.emplace_hint(std::next(it), p + bytes, end);
+      it->second = p;
+    } else if (keeps_tail) {
+      auto node = mapped_.extract(it);
+      node.key() = p + bytes;
+      mapped_.insert(std::move(node));
+    } else if (keeps_head) {
+      it->second = p;
+    } else {
+      mapped_.erase(it);
+    }
     mapped_bytes_ -= bytes;
   }
 
@@ -132,19 +146,23 @@ class vmm_book {
 
  private:
   std::string why_not_in_a_range(const char* op, std::uintptr_t p, std::size_t bytes) const {
-    const std::string call = std::string(op) + "(" + hex_address(p) + ", " + std::to_string(bytes) + ")";
+    // Spelled out only for a refusal: a check that passes allocates nothing, so that unmap
+    // (noexcept) cannot meet a host out of memory here.
+    const auto call = [&] {
+      return std::string(op) + "(" + hex_address(p) + ", " + std::to_string(bytes) + ")";
+    };
     if (bytes == 0 || p % granularity_ != 0 || bytes % granularity_ != 0) {
-      return call + ": address and size must be multiples of the map granularity " +
+      return call() + ": address and size must be multiples of the map granularity " +
              describe_bytes(granularity_);
     }
     auto it = ranges_.upper_bound(p);
-    if (it == ranges_.begin()) return call + ": not inside a reserved address range";
+    if (it == ranges_.begin()) return call() + ": not inside a reserved address range";
     --it;
     const std::uintptr_t base = it->first;
     const std::size_t size = it->second;
-    if (p - base >= size) return call + ": not inside a reserved address range";
+    if (p - base >= size) return call() + ": not inside a reserved address range";
     if (bytes > size - (p - base)) {
-      return call + ": runs past the end of the reserved range [" + hex_address(base) + ", " +
+      return call() + ": runs past the end of the reserved range [" + hex_address(base) + ", " +
              hex_address(base + size) + ")";
     }
     return {};
