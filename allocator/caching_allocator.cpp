@@ -17,6 +17,7 @@
 #include <unordered_map>
 
 #include "allocator/block.hpp"
+#include "allocator/node_stash.hpp"
 #include "allocator/plan_front.hpp"
 #include "allocator/stream_uses.hpp"
 #include "terrace/error.hpp"
@@ -81,6 +82,7 @@ class allocator_impl {
     granularity_ = std::max<std::size_t>(props.map_granularity, kMinBlockSize);
     tracing_ = config_.record_trace;
     memory_fraction_ = config_.memory_fraction;
+    spare_blocks_.reserve(kSpareBlocksKept);  // delete_block's push_back never reallocates
   }
 
   ~allocator_impl() {
@@ -169,14 +171,19 @@ class allocator_impl {
     if (bytes == 0) return nullptr;
     std::lock_guard<std::mutex> lock(mutex_);
     if (!pending_.empty()) process_completed_frees();
+    prepare_books();
+    std::string kept_tag = tracing_ ? std::string(tag) : std::string();
     const std::size_t rounded = round_size(bytes);
     const bool small = is_small(rounded);
     const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
 
     block* b = find_free_block(small, s, rounded);
     if (b == nullptr) b = obtain_new_memory(small, s, rounded, bytes);
-    b = take_block(b, rounded);  // maps (expandable) and splits as needed
-    if (tracing_) b->tag.assign(tag.data(), tag.size());
+    // The last step that may fail (its node is allocated) comes first: if the host refuses it, b
+    // is still a free block in its set and nothing else has changed.
+    enter_live(b);
+    b = take_block(b, rounded);  // splits as needed, with the spares prepare_books made ready
+    b->tag = std::move(kept_tag);
     hand_out(b, bytes);
     if (tracing_) trace(trace_action::alloc, s, b->addr, b->size, bytes, b->tag);
     return reinterpret_cast<void*>(b->addr);
@@ -196,11 +203,34 @@ class allocator_impl {
                         format_bytes(props.capacity) + ")");
   }
 
-  // b, out of every free set, becomes a live allocation of `requested` bytes, and is counted.
-  void hand_out(block* b, std::size_t requested) {
+  // Everything a call's changes to the books may need, made ready before its first change, so
+  // that a host out of memory (std::bad_alloc) finds nothing half done: the spare blocks that
+  // splits take and the nodes that set insertions take (node_stash). Three of each cover the
+  // most one allocation uses: a new expandable range's head, its mapped hole's unmapped rest and
+  // the request's split remainder. @throws std::bad_alloc, having changed nothing.
+  void prepare_books() {
+    while (spare_blocks_.size() < 3) spare_blocks_.push_back(new block());
+    free_nodes_.ensure(3);
+    unmapped_nodes_.ensure(3);
+  }
+
+  // Room for `more` elements beyond the size, grown geometrically (reserve alone grows to the
+  // exact size asked, which would reallocate at every call). @throws std::bad_alloc.
+  template <class T>
+  static void reserve_room(std::vector<T>& v, std::size_t more) {
+    if (v.capacity() - v.size() >= more) return;
+    v.reserve(std::max(v.size() + more, 2 * v.capacity()));
+  }
+
+  // b's entry in the live table: the one insertion of an allocation that allocates, so it is
+  // made before any other change. @throws std::bad_alloc, having changed nothing.
+  void enter_live(block* b) { live_.emplace(b->addr, b); }
+
+  // b, out of every free set and entered in the live table, becomes a live allocation of
+  // `requested` bytes, and is counted.
+  void hand_out(block* b, std::size_t requested) noexcept {
     b->allocated = true;
     b->requested = requested;
-    live_.emplace(b->addr, b);
     for (int i : {0, pool_index(b->seg->small_pool)}) {
       stats_.allocation[i].increase(1);
       stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
@@ -244,9 +274,11 @@ class allocator_impl {
   block* obtain_new_memory(bool small, std::uintptr_t stream, std::size_t rounded,
                            std::size_t requested) {
     maybe_collect_garbage(rounded);
+    prepare_books();  // what the collection's unmapping used
     if (block* b = try_new_memory(small, stream, rounded)) return b;
     ++stats_.num_alloc_retries;
     release_cached_memory();
+    prepare_books();
     // Waiting for the pending frees may have made a block that fits reusable.
     if (block* b = find_free_block(small, stream, rounded)) return b;
     address_space_refusal_.clear();  // the report tells why the retry failed, not the first try
@@ -267,7 +299,13 @@ class allocator_impl {
     } catch (const out_of_memory&) {
       return nullptr;
     }
-    segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), size, stream, small, false);
+    segment* seg = nullptr;
+    try {
+      seg = new_segment(reinterpret_cast<std::uintptr_t>(p), size, stream, small, false);
+    } catch (...) {
+      release_quietly(p, size);
+      throw;
+    }
     count_reserved(seg, static_cast<std::int64_t>(size));
     ++stats_.num_device_alloc;
     if (tracing_) trace(trace_action::segment_alloc, stream, seg->addr, size, 0, {});
@@ -276,11 +314,21 @@ class allocator_impl {
   }
 
   // Puts a free mapped block into its pool, counting it as inactive split if it is a piece.
-  void insert_free(block* b) {
+  void insert_free(block* b) noexcept {
     if (b->is_split()) count_inactive_split(b, +1);
-    pool_of(b->seg->small_pool).insert(b);
+    free_nodes_.insert(pool_of(b->seg->small_pool), b);
   }
 
+  // A segment's memory that never entered the books goes back; a device that fails even that
+  // keeps it (the failure that brought us here is the one to report).
+  void release_quietly(void* p, std::size_t size) noexcept {
+    try {
+      device_.release(p, size);
+    } catch (...) {
+    }
+  }
+
+  // A segment in segments_, or (std::bad_alloc) nothing changed.
   segment* new_segment(std::uintptr_t addr, std::size_t size, std::uintptr_t stream, bool small,
                        bool expandable) {
     auto seg = std::make_unique<segment>();
@@ -295,8 +343,13 @@ class allocator_impl {
     head->stream = stream;
     head->seg = seg.get();
     seg->head = head;
+    try {
+      segments_.emplace(addr, seg.get());
+    } catch (...) {
+      delete_block(head);
+      throw;
+    }
     segment* raw = seg.release();
-    segments_.emplace(addr, raw);
     const int p = pool_index(small);
     stats_.segment[0].increase(1);
     stats_.segment[p].increase(1);
@@ -308,7 +361,7 @@ class allocator_impl {
   block* take_block(block* b, std::size_t rounded) {
     TERRACE_EXPECTS(b->size >= rounded, "caching allocator: a block smaller than its request");
     free_set& pool = pool_of(b->seg->small_pool);
-    pool.erase(b);
+    free_nodes_.erase(pool, b);
     if (b->is_split()) count_inactive_split(b, -1);
     if (b->size > rounded && should_split(b, rounded)) {
       block* rest = new_block();
@@ -323,7 +376,7 @@ class allocator_impl {
       b->next = rest;
       b->size = rounded;
       count_inactive_split(rest, +1);
-      pool.insert(rest);
+      free_nodes_.insert(pool, rest);
     }
     return b;
   }
@@ -337,7 +390,14 @@ class allocator_impl {
     auto it = live_.find(addr);
     if (it == live_.end()) throw logic_error(describe_bad_pointer(addr, "free"));
     block* b = it->second;
-    // Events first: only if the device can neither record them nor be waited for does the free
+    // Room first, for the events coming back, the pending entry and the free set's node: a host
+    // out of memory then fails the free before anything has changed.
+    free_nodes_.ensure(1);
+    if (!b->used_streams.empty()) {
+      reserve_room(event_pool_, b->used_streams.size());
+      reserve_room(pending_, 1);
+    }
+    // Events next: only if the device can neither record them nor be waited for does the free
     // fail, and then the block stays live and nothing has changed.
     std::vector<event_ref> events;
     if (!b->used_streams.empty()) {
@@ -402,8 +462,8 @@ class allocator_impl {
   block* merge_free_neighbours(block* b) {
     free_set& pool = pool_of(b->seg->small_pool);
     if (block* n = b->next; n != nullptr && n->is_free() && n->mapped == b->mapped) {
-      pool.erase(n);
-      if (!n->mapped) b->seg->unmapped.erase(n);
+      free_nodes_.erase(pool, n);
+      if (!n->mapped) unmapped_nodes_.erase(b->seg->unmapped, n);
       if (n->mapped && n->is_split()) count_inactive_split(n, -1);
       b->size += n->size;
       b->next = n->next;
@@ -411,8 +471,8 @@ class allocator_impl {
       delete_block(n);
     }
     if (block* pv = b->prev; pv != nullptr && pv->is_free() && pv->mapped == b->mapped) {
-      pool.erase(pv);
-      if (!b->mapped) b->seg->unmapped.erase(b);
+      free_nodes_.erase(pool, pv);
+      if (!b->mapped) unmapped_nodes_.erase(b->seg->unmapped, b);
       if (pv->mapped && pv->is_split()) count_inactive_split(pv, -1);
       pv->size += b->size;
       pv->next = b->next;
@@ -437,6 +497,8 @@ class allocator_impl {
         ++it;
         continue;
       }
+      reserve_room(event_pool_, it->events.size());
+      free_nodes_.ensure(1);
       for (event_ref e : it->events) event_pool_.push_back(e);
       complete_free(it->b);
       it = pending_.erase(it);
@@ -451,6 +513,8 @@ class allocator_impl {
     try {
       for (; done < pending_.size(); ++done) {
         pending_free& pf = pending_[done];
+        reserve_room(event_pool_, pf.events.size());
+        free_nodes_.ensure(1);
         for (event_ref e : pf.events) device_.synchronize(e);
         for (event_ref e : pf.events) event_pool_.push_back(e);
         complete_free(pf.b);
@@ -497,6 +561,7 @@ class allocator_impl {
     const std::size_t want = std::max(device_.properties().capacity, rounded);
     const std::size_t range = want > SIZE_MAX - granularity_ ? round_down(want, granularity_)
                                                              : round_up(want, granularity_);
+    reserve_room(ranges, 1);
     void* p = nullptr;
     try {
       p = device_.reserve_address_range(range);
@@ -507,9 +572,18 @@ class allocator_impl {
       address_space_refusal_ = e.what();
       return nullptr;
     }
-    segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
+    segment* seg = nullptr;
+    try {
+      seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
+    } catch (...) {
+      try {
+        device_.release_address_range(p, range);
+      } catch (...) {
+      }
+      throw;
+    }
     seg->head->mapped = false;  // address space only: kept out of the free set
-    seg->unmapped.insert(seg->head);
+    unmapped_nodes_.insert(seg->unmapped, seg->head);
     ranges.push_back(seg);
     bool device_full = false;
     return map_hole(seg, rounded, device_full);
@@ -565,9 +639,9 @@ class allocator_impl {
       if (b->next) b->next->prev = rest;
       b->next = rest;
       b->size = need;
-      seg->unmapped.insert(rest);
+      unmapped_nodes_.insert(seg->unmapped, rest);
     }
-    seg->unmapped.erase(b);
+    unmapped_nodes_.erase(seg->unmapped, b);
     b->mapped = true;
     // The new pages join the mapped free predecessor, and, when they fill a hole exactly, the
     // mapped free block after the hole as well.
@@ -578,8 +652,13 @@ class allocator_impl {
   // many blocks change at once, so the inactive_split families are recounted afterwards rather than
   // tracked move by move (this is empty_cache / the OOM path, not a hot path).
   void unmap_free_pages() {
-    for (auto& [key, ranges] : expandable_) {
-      for (segment* seg : ranges) unmap_free_pages(seg);
+    try {
+      for (auto& [key, ranges] : expandable_) {
+        for (segment* seg : ranges) unmap_free_pages(seg);
+      }
+    } catch (...) {
+      fix_inactive_split_counts();  // the blocks done so far moved
+      throw;
     }
     fix_inactive_split_counts();
   }
@@ -591,20 +670,27 @@ class allocator_impl {
       const std::uintptr_t lo = round_up(b->addr, granularity_);
       const std::uintptr_t hi = round_down(b->addr + b->size, granularity_);
       if (hi <= lo) continue;
-      pool.erase(b);
+      prepare_books();  // the splits below and their insertions; may throw before any change
+      free_nodes_.erase(pool, b);
       block* mid = b;  // carve [lo, hi) out of b as a block of its own
       if (lo > b->addr) {
         mid = split_off(b, lo - b->addr);
-        pool.insert(b);
+        free_nodes_.insert(pool, b);
       }
-      if (hi < mid->addr + mid->size) pool.insert(split_off(mid, hi - mid->addr));
-      device_.unmap(reinterpret_cast<void*>(mid->addr), mid->size);
+      if (hi < mid->addr + mid->size) free_nodes_.insert(pool, split_off(mid, hi - mid->addr));
+      try {
+        device_.unmap(reinterpret_cast<void*>(mid->addr), mid->size);
+      } catch (...) {
+        // Still mapped: a free block again, with its pieces, or it would be in no set at all.
+        free_nodes_.insert(pool, merge_free_neighbours(mid));
+        throw;
+      }
       seg->mapped_bytes -= mid->size;
       count_reserved(seg, -static_cast<std::int64_t>(mid->size));
       ++stats_.num_device_free;
       if (tracing_) trace(trace_action::segment_unmap, seg->stream, mid->addr, mid->size, 0, {});
       mid->mapped = false;
-      seg->unmapped.insert(mid);
+      unmapped_nodes_.insert(seg->unmapped, mid);
       b = merge_free_neighbours(mid);
     }
   }
@@ -724,7 +810,7 @@ class allocator_impl {
     stats_.segment[p].decrease(1);
     for (block* b = seg->head; b != nullptr;) {
       block* n = b->next;
-      pool.erase(b);
+      free_nodes_.erase(pool, b);
       if (b->allocated) live_.erase(b->addr);
       delete_block(b);
       b = n;
@@ -745,15 +831,28 @@ class allocator_impl {
   // Called right after empty_cache(), so no block is pending.
   std::vector<fallback_hole> claim_free_blocks() {
     std::lock_guard<std::mutex> lock(mutex_);
-    std::vector<fallback_hole> holes;
+    // Two passes, so that a host out of memory claims nothing: first everything that allocates
+    // (the list, the holes, the live entries), then the changes, which cannot fail.
+    std::vector<block*> claimed;
     for (const auto& [addr, seg] : segments_) {
       if (seg->expandable) continue;
       for (block* b = seg->head; b != nullptr; b = b->next) {
-        if (!b->is_free() || !b->mapped) continue;
-        take_block(b, b->size);  // out of the free set, uncounted as inactive split; no split
-        hand_out(b, b->size);
-        holes.push_back({b->addr, b->size, b->stream, seg->small_pool});
+        if (b->is_free() && b->mapped) claimed.push_back(b);
       }
+    }
+    std::vector<fallback_hole> holes;
+    holes.reserve(claimed.size());
+    std::size_t entered = 0;
+    try {
+      for (; entered < claimed.size(); ++entered) enter_live(claimed[entered]);
+    } catch (...) {
+      for (std::size_t i = 0; i < entered; ++i) live_.erase(claimed[i]->addr);
+      throw;
+    }
+    for (block* b : claimed) {
+      take_block(b, b->size);  // out of the free set, uncounted as inactive split; no split
+      hand_out(b, b->size);
+      holes.push_back({b->addr, b->size, b->stream, b->seg->small_pool});
     }
     return holes;
   }
@@ -764,6 +863,7 @@ class allocator_impl {
   // given back to the device whole (empty_cache, the OOM path) like any other.
   void adopt_segment(void* p, std::size_t size, std::uintptr_t stream) {
     std::lock_guard<std::mutex> lock(mutex_);
+    prepare_books();
     segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), size, stream, false, false);
     count_reserved(seg, static_cast<std::int64_t>(size));
     if (tracing_) trace(trace_action::segment_alloc, stream, seg->addr, size, 0, {});
@@ -785,7 +885,15 @@ class allocator_impl {
     TERRACE_EXPECTS(b != nullptr && !seg->expandable && b->is_free() && b->mapped &&
                         addr + size <= b->addr + b->size,
                     "adopt_range: the range is not inside one free block");
-    pool_of(seg->small_pool).erase(b);
+    // What allocates comes before any change: the spares, the streams' copy, the live entry
+    // (keyed by the address, which the carving below does not move).
+    prepare_books();
+    std::vector<std::uintptr_t> other_streams;
+    for (std::uintptr_t other : used_streams) {
+      if (other != b->stream) other_streams.push_back(other);
+    }
+    const auto entry = live_.emplace(addr, nullptr).first;
+    free_nodes_.erase(pool_of(seg->small_pool), b);
     if (b->is_split()) count_inactive_split(b, -1);
     if (addr > b->addr) {
       block* up = split_off(b, addr - b->addr);
@@ -793,9 +901,8 @@ class allocator_impl {
       b = up;
     }
     if (b->size > size) insert_free(split_off(b, size));
-    for (std::uintptr_t other : used_streams) {
-      if (other != b->stream) b->used_streams.push_back(other);
-    }
+    b->used_streams = std::move(other_streams);
+    entry->second = b;
     hand_out(b, requested);
   }
 
@@ -1028,7 +1135,19 @@ class allocator_impl {
   // ---------------------------------------------------------------- trace and snapshot
 
   void trace(trace_action a, std::uintptr_t stream, std::uintptr_t addr, std::size_t size,
-             std::size_t requested, std::string_view tag) {
+             std::size_t requested, std::string_view tag) noexcept {
+    // The trace is a record, not the allocator's state: an event the host has no memory for is
+    // counted as lost (snapshot().trace_events_lost) rather than failing a call whose changes
+    // are already made.
+    try {
+      record_trace_event(a, stream, addr, size, requested, tag);
+    } catch (const std::bad_alloc&) {
+      ++trace_events_lost_;
+    }
+  }
+
+  void record_trace_event(trace_action a, std::uintptr_t stream, std::uintptr_t addr,
+                          std::size_t size, std::size_t requested, std::string_view tag) {
     trace_event e;
     e.action = a;
     e.time_ns = static_cast<std::uint64_t>(
@@ -1114,6 +1233,7 @@ class allocator_impl {
       e.action = trace_action::snapshot;
       snap.trace.push_back(e);
     }
+    snap.trace_events_lost = trace_events_lost_;
     return snap;
   }
 
@@ -1276,7 +1396,7 @@ class allocator_impl {
     b->requested = 0;
     b->used_streams.clear();
     b->tag.clear();
-    if (spare_blocks_.size() < 4096) {
+    if (spare_blocks_.size() < kSpareBlocksKept) {
       spare_blocks_.push_back(b);
     } else {
       delete b;
@@ -1302,7 +1422,11 @@ class allocator_impl {
   std::string address_space_refusal_;  // the backend's words, when a miss found no address space
   std::vector<pending_free> pending_;
   std::vector<event_ref> event_pool_;
+  static constexpr std::size_t kSpareBlocksKept = 4096;
   std::vector<block*> spare_blocks_;
+  node_stash<free_set> free_nodes_;                            // for small_free_ and large_free_
+  node_stash<std::set<block*, address_order>> unmapped_nodes_;  // for segment::unmapped
+  std::size_t trace_events_lost_ = 0;
   allocator_stats stats_;
   allocator_stats stats_at_reset_;  // stats_ at the last reset_accumulated_stats (check_invariants)
   std::vector<trace_event> trace_;

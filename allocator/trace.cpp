@@ -162,6 +162,8 @@ void write_snapshot_json(std::ostream& out, const memory_snapshot& s) {
   json doc = {{"device", s.device},
               {"segments", std::move(segments)},
               {"device_traces", json::array({std::move(trace)})}};
+  // Not a PyTorch field; written only when the trace has gaps, which a reader should know of.
+  if (s.trace_events_lost > 0) doc["trace_events_lost"] = s.trace_events_lost;
   out << dump(doc) << '\n';
 }
 

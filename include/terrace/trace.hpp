@@ -83,6 +83,9 @@ struct memory_snapshot {
   int device = 0;
   std::vector<snapshot_segment> segments;
   std::vector<trace_event> trace;  ///< the recorded trace, oldest first (empty when recording is off)
+  /// Events the host had no memory to record (the calls themselves succeeded): the trace has
+  /// gaps. Events the ring dropped as the oldest are not counted here.
+  std::size_t trace_events_lost = 0;
 };
 
 /// @brief Writes the snapshot as one JSON document:
