@@ -14,21 +14,25 @@ namespace {
 // valid, for the thread's whole life. Only overwritten, never cleared: t_has_error says whether it
 // is current. Longer messages are cut with "...".
 constexpr std::size_t kErrorCapacity = 4096;
+// The call's description quotes its arguments (a config string, a path), which may be as long as
+// the buffer: it gets at most this much, so that the reason of the failure always has room.
+constexpr std::size_t kCallCapacity = 1024;
 thread_local char t_error[kErrorCapacity];
 
-// Appends `s` at t_error[at]; returns the new end. Keeps room for the terminator.
-std::size_t append(std::size_t at, const char* s) noexcept {
-  while (*s != '\0' && at + 1 < kErrorCapacity) t_error[at++] = *s++;
+// Appends `s` at t_error[at], up to t_error[end] (exclusive; the default keeps room for the
+// terminator); returns the new end. A cut is marked with "...".
+std::size_t append(std::size_t at, const char* s, std::size_t end = kErrorCapacity - 1) noexcept {
+  while (*s != '\0' && at < end) t_error[at++] = *s++;
   if (*s != '\0') {  // cut: mark it
-    for (std::size_t i = kErrorCapacity - 4; i + 1 < kErrorCapacity; ++i) t_error[i] = '.';
-    at = kErrorCapacity - 1;
+    for (std::size_t i = end - 3; i < end; ++i) t_error[i] = '.';
+    at = end;
   }
   return at;
 }
 }  // namespace
 
 void set_error(const char* call, const char* prefix, const char* what) noexcept {
-  std::size_t at = append(0, call);
+  std::size_t at = append(0, call, kCallCapacity);
   at = append(at, ": ");
   at = append(at, prefix);
   at = append(at, what);

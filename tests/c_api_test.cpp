@@ -634,6 +634,17 @@ TEST(CApi, AVeryLongErrorIsCutNotLost) {
   EXPECT_EQ(e.substr(e.size() - 3), "...");
 }
 
+TEST(CApi, AVeryLongArgumentLeavesRoomForTheReason) {
+  // The call's description (which quotes its arguments) filled the whole buffer, so the reason
+  // of the failure was cut off entirely: only `terrace_configure("xxx...` was left.
+  const std::string huge(10000, 'x');
+  EXPECT_NE(terrace_configure(huge.c_str()), TERRACE_OK);
+  const std::string e = terrace_last_error();
+  EXPECT_TRUE(contains(e, "terrace_configure(\"xxx")) << e.substr(0, 80);
+  EXPECT_TRUE(contains(e, "...: terrace: allocator config")) << e.substr(0, 80) << " ... "
+                                                             << e.substr(e.size() - 80);
+}
+
 TEST(CApi, RecordStreamOnALiveBlockAndRefusalOfOthers) {
   void* p = terrace_malloc(4 * KiB, kShared, nullptr);
   ASSERT_NE(p, nullptr);
