@@ -43,7 +43,12 @@ struct avx2_traits {
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
   }
+  // Round to nearest even, NaN to sign | 0x7e00: the same bits as float_to_f16. vcvtps2ph keeps
+  // a NaN's payload, so a NaN lane is first made the quiet NaN of its sign with no payload.
   static void store_f16(std::uint16_t* p, F x) noexcept {
+    const F quiet_nan = _mm256_or_ps(_mm256_and_ps(x, _mm256_set1_ps(-0.0f)),
+                                     _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)));
+    x = _mm256_blendv_ps(x, quiet_nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                      _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }

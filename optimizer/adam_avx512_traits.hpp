@@ -43,7 +43,13 @@ struct avx512_traits {
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
+  // Round to nearest even, NaN to sign | 0x7e00: the same bits as float_to_f16. vcvtps2ph keeps
+  // a NaN's payload (0x7fc12345 becomes 0x7e09), so a NaN lane is first made the quiet NaN of
+  // its sign with no payload, which converts to exactly that.
   static void store_f16(std::uint16_t* p, F x) noexcept {
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    const F quiet_nan = _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_set1_epi32(0x7fc00000)));
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet_nan);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }

@@ -443,6 +443,36 @@ TEST_P(AdamPerIsa, GradientThatOverflowsWhenUnscaledSkipsTheStep) {
   EXPECT_TRUE(same_state(before, tensors));
 }
 
+// Found in review: the AVX2 and AVX-512 f16 stores (vcvtps2ph) kept a NaN's sign and the top of
+// its payload (0x7fc12345 became 0x7e09), where the scalar kernel, the SIMD kernels' own tails, the
+// GPU kernel and torch's conversion write sign | 0x7e00: a NaN weight's f16 copy depended on the
+// ISA and on where in the vector the element fell. Payload NaNs of both signs, body and tail.
+TEST_P(AdamPerIsa, NanParamCopyHasTheScalarConversionsBits) {
+  for (dtype copy : {dtype::f16, dtype::bf16}) {
+    adam_options o;
+    o.isa = GetParam();
+    o.threads = 1;
+    adam_optimizer adam(o);
+    constexpr std::size_t n = 37;  // SIMD body and tail
+    std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), g(n, 0.0f);
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::uint32_t sign = i % 2 != 0 ? 0x80000000u : 0u;
+      p[i] = detail::bits_float(sign | 0x7fc00000u | ((0x12345u * (i + 1)) & 0x3fffffu));
+    }
+    typed_buffer out(copy, n);
+    const adam_tensor t{p.data(), m.data(), v.data(), g.data(), out.data(), n};
+    adam_step_options so;
+    so.copy_dtype = copy;
+    ASSERT_TRUE(adam.step(std::span<const adam_tensor>(&t, 1), so));
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(std::isnan(p[i]));
+      const std::uint16_t expected = copy == dtype::f16 ? detail::float_to_f16(p[i]) : detail::float_to_bf16(p[i]);
+      EXPECT_EQ(static_cast<const std::uint16_t*>(out.data())[i], expected)
+          << to_string(copy) << " element " << i << ", param bits " << std::hex << detail::float_bits(p[i]);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isa, AdamPerIsa, ::testing::ValuesIn(available_isas()),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
