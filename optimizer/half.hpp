@@ -48,10 +48,17 @@ inline std::uint16_t float_to_f16(float x) noexcept {
   // 65520 and up round to infinity (65504 is the largest finite half).
   if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);
   if (a < 0x38800000u) {
-    // Below 2^-14 the result is subnormal: adding 0.5 lines the half's last mantissa bit up with
-    // the float's, so the FPU's own round-to-nearest-even does the rounding (ULP of 0.5 is 2^-24).
-    const float shifted = bits_float(a) + 0.5f;
-    return static_cast<std::uint16_t>(sign | (float_bits(shifted) - 0x3f000000u));
+    // Below 2^-14 the result is subnormal: the count of 2^-24 units, rounded to nearest even in
+    // integers (adding 0.5f and letting the FPU round followed the caller's rounding mode, where
+    // vcvtps2ph and every other path here round to nearest even). 2^-25 and below round to zero.
+    if (a <= 0x33000000u) return sign;
+    const std::uint32_t mantissa = (a & 0x7fffffu) | 0x800000u;
+    const std::uint32_t shift = 126u - (a >> 23);  // 14 (just below 2^-14) to 24 (just above 2^-25)
+    const std::uint32_t units = mantissa >> shift;
+    const std::uint32_t rest = mantissa & ((1u << shift) - 1u);
+    const std::uint32_t half = 1u << (shift - 1u);
+    const std::uint32_t up = rest > half || (rest == half && (units & 1u) != 0) ? 1u : 0u;
+    return static_cast<std::uint16_t>(sign | (units + up));  // 0x400 if it rounds up to 2^-14
   }
   // Normal: rebias the exponent, then round the 13 dropped bits to nearest even.
   const std::uint32_t odd = (a >> 13) & 1u;

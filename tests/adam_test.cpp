@@ -11,6 +11,7 @@
 #endif
 
 #include <algorithm>
+#include <cfenv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -469,6 +470,37 @@ TEST_P(AdamPerIsa, NanParamCopyHasTheScalarConversionsBits) {
       const std::uint16_t expected = copy == dtype::f16 ? detail::float_to_f16(p[i]) : detail::float_to_bf16(p[i]);
       EXPECT_EQ(static_cast<const std::uint16_t*>(out.data())[i], expected)
           << to_string(copy) << " element " << i << ", param bits " << std::hex << detail::float_bits(p[i]);
+    }
+  }
+}
+
+// Found in review: float_to_f16 rounded a value in the f16 subnormal range with the FPU (x + 0.5f),
+// so under the caller's rounding mode (which the pool hands to every worker) and not to nearest
+// even; the SIMD bodies' vcvtps2ph rounds to nearest even whatever the mode: under FE_UPWARD a
+// 3e-6 weight's f16 copy was 0x0033 in the scalar kernel and the tails, 0x0032 in the SIMD body.
+TEST_P(AdamPerIsa, F16CopyRoundsToNearestEvenUnderAnyRoundingMode) {
+  for (int mode : {FE_UPWARD, FE_DOWNWARD, FE_TOWARDZERO}) {
+    adam_options o;
+    o.isa = GetParam();
+    o.threads = 1;
+    o.weight_decay = 0.0;
+    adam_optimizer adam(o);
+    constexpr std::size_t n = 37;  // SIMD body and tail
+    std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), g(n, 0.0f);
+    for (std::size_t i = 0; i < n; ++i) p[i] = (i % 2 != 0 ? -1.0f : 1.0f) * (3.0e-6f + 1.7e-7f * static_cast<float>(i));
+    typed_buffer out(dtype::f16, n);
+    const adam_tensor t{p.data(), m.data(), v.data(), g.data(), out.data(), n};
+    adam_step_options so;
+    so.copy_dtype = dtype::f16;
+    ASSERT_EQ(std::fesetround(mode), 0);
+    const bool stepped = adam.step(std::span<const adam_tensor>(&t, 1), so);
+    std::fesetround(FE_TONEAREST);
+    ASSERT_TRUE(stepped);
+    for (std::size_t i = 0; i < n; ++i) {
+      // What vcvtps2ph writes: round to nearest even, the mode ignored.
+      const double units = std::nearbyint(std::abs(static_cast<double>(p[i])) * 0x1p24);
+      const auto expected = static_cast<std::uint16_t>((p[i] < 0 ? 0x8000 : 0) | static_cast<int>(units));
+      EXPECT_EQ(static_cast<const std::uint16_t*>(out.data())[i], expected) << "mode " << mode << " element " << i;
     }
   }
 }
