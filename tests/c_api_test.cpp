@@ -603,6 +603,24 @@ TEST(CApiDeathTest, MallocAndFreeAgreeOnTheDeviceCountAfterInit) {
       ::testing::ExitedWithCode(0), "");
 }
 
+TEST(CApiDeathTest, ABlockAllocatedBeforeInitLoweredTheCountCanStillBeFreed) {
+  // The free checked the device against the new count and refused it: the block, allocated while
+  // its device existed, could never be freed and was counted as a bad free. In a child, as above.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        void* p = terrace_malloc(4 * KiB, kCounted, nullptr);
+        terrace_init(kCounted);  // device kCounted no longer exists
+        terrace_free(p, 4 * KiB, kCounted, nullptr);
+        const bool accepted = p != nullptr && std::string(terrace_last_error()).empty();
+        terrace_init(kDeviceCount);  // to read the device's stats again
+        const bool freed = accepted && stat(kCounted, "allocated_bytes.all.current") == 0 &&
+                           stat(kCounted, "num_bad_frees") == 0;
+        std::_Exit(freed ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
 TEST(CApi, TheLastErrorOutlivesTheThreadsOwnThreadLocals) {
   // A thread's thread_local objects die before its last destructors finish (and before static
   // destructors, where embedders free too); a std::string error buffer was written after its
