@@ -200,9 +200,13 @@ class live_table {
   };
   static std::pair<std::uintptr_t, std::uint64_t> hash_of(void* p) noexcept {
     // Blocks are 512-byte aligned: drop those bits, then mix. The top 6 bits pick the shard
-    // (kLiveShards == 64), the low bits the cell; neighbouring blocks spread over both.
+    // (kLiveShards == 64), the low bits the cell. A product's low bits depend only on the key's
+    // low bits, so blocks 2 MiB apart (2^12 units) all started probing at one cell, and the
+    // probes grew with the live count; folding the high half in spreads them (the shift leaves
+    // the shard bits alone).
     const auto key = reinterpret_cast<std::uintptr_t>(p);
-    return {key, static_cast<std::uint64_t>(key >> 9) * 0x9E3779B97F4A7C15ull};
+    const std::uint64_t h = static_cast<std::uint64_t>(key >> 9) * 0x9E3779B97F4A7C15ull;
+    return {key, h ^ (h >> 29)};
   }
   std::array<shard, kLiveShards> shards_;
 };

@@ -10,15 +10,22 @@
 // With a GPU (and a CUDA build) the same mixes also run over the "cuda" backend and against
 // cudaMalloc/cudaFree and cudaMallocAsync/cudaFreeAsync (bench_allocator_cuda.cpp).
 //
+// c_abi_free_malloc_with_live/N: one free + malloc of a 2 MiB block through the C ABI (what
+// PyTorch's hooks call) while N such blocks are live, on the null device; vs_cpp divides it by
+// the same pair through caching_allocator with N live. The C ABI's table of live pointers must
+// not slow down as N grows.
+//
 // Run with --benchmark_repetitions=N --benchmark_report_aggregates_only=true and read the medians.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "terrace/caching_allocator.hpp"
 #include "terrace/device.hpp"
+#include "terrace/terrace.h"
 #include "tools/bench_allocator_mixes.hpp"
 
 #ifdef TERRACE_WITH_CUDA
@@ -126,6 +133,67 @@ void bm_raw_pair(benchmark::State& state, size_mix mix) {
   state.counters["ns_per_pair"] = benchmark::Counter(ns, benchmark::Counter::kAvgThreads);
 }
 
+// ------------------------------------------- the C ABI's free + malloc with many blocks live
+
+constexpr std::size_t kLiveBlock = 2u << 20;
+
+// ns per free + malloc of one of `live` blocks in turn, through `free_one` and `malloc_one`.
+template <class Free, class Malloc>
+double pair_ns_with_live(std::vector<void*>& blocks, Free&& free_one, Malloc&& malloc_one,
+                         std::size_t pairs) {
+  const auto start = clock_type::now();
+  for (std::size_t i = 0; i < pairs; ++i) {
+    void*& p = blocks[i % blocks.size()];
+    free_one(p);
+    p = malloc_one();
+    benchmark::DoNotOptimize(p);
+  }
+  return elapsed_ns(start) / static_cast<double>(pairs);
+}
+
+void bm_c_abi_with_live(benchmark::State& state) {
+  const auto live = static_cast<std::size_t>(state.range(0));
+  // The C++ allocator over its own null device, as the yardstick, measured first.
+  double cpp_ns = 0.0;
+  {
+    auto device = terrace::make_device("null");
+    terrace::caching_allocator alloc(*device);
+    std::vector<void*> blocks(live);
+    for (void*& p : blocks) p = alloc.allocate(kLiveBlock);
+    cpp_ns = pair_ns_with_live(
+        blocks, [&](void* p) { alloc.deallocate(p); }, [&] { return alloc.allocate(kLiveBlock); },
+        4 * live);
+    for (void* p : blocks) alloc.deallocate(p);
+  }
+  std::vector<void*> blocks(live);
+  for (void*& p : blocks) p = terrace_malloc(kLiveBlock, 0, nullptr);
+  std::size_t i = 0;
+  const auto start = clock_type::now();
+  for (auto _ : state) {
+    void*& p = blocks[i++ % live];
+    terrace_free(p, kLiveBlock, 0, nullptr);
+    p = terrace_malloc(kLiveBlock, 0, nullptr);
+    benchmark::DoNotOptimize(p);
+  }
+  const double ns = elapsed_ns(start) / static_cast<double>(state.iterations());
+  for (void* p : blocks) terrace_free(p, kLiveBlock, 0, nullptr);
+  terrace_empty_cache();
+  state.SetItemsProcessed(state.iterations());
+  state.counters["ns_per_pair"] = ns;
+  state.counters["cpp_ns"] = cpp_ns;
+  state.counters["vs_cpp"] = ns / cpp_ns;
+}
+
+void register_c_abi_benchmarks() {
+  // The C ABI's device 0 on the null backend, which has room for 64 Ki blocks of 2 MiB.
+  if (terrace_configure("device:null,device_capacity:1TiB") != 0) return;
+  benchmark::RegisterBenchmark("c_abi_free_malloc_with_live", &bm_c_abi_with_live)
+      ->Arg(1000)
+      ->Arg(16000)
+      ->Arg(64000)
+      ->UseRealTime();
+}
+
 template <int Backend>
 void register_backend_benchmarks() {
   const std::string backend = kBackendNames[Backend];
@@ -150,6 +218,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   register_backend_benchmarks<0>();
+  register_c_abi_benchmarks();
   if (terrace::cuda_device_available()) {
     register_backend_benchmarks<1>();
 #ifdef TERRACE_WITH_CUDA
