@@ -229,7 +229,9 @@ std::array<std::atomic<std::int64_t>, kMaxDevices> g_size_mismatched_frees{};
 
 // Guards creation and everything below it.
 std::mutex g_mutex;
-std::optional<allocator_config> g_config;  // from terrace_configure, or frozen at first creation
+// From terrace_configure, or frozen at first creation. Never destroyed, like the slots: a first
+// malloc on another device during static destruction still reads it.
+std::optional<allocator_config>& g_config = *new std::optional<allocator_config>();
 bool g_config_frozen = false;              // true once any allocator exists
 std::atomic<int> g_device_count{-1};       // from terrace_init; -1 = not told
 int g_record_trace = -1;                   // from terrace_record_trace; -1 = as configured
