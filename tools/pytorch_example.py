@@ -71,14 +71,16 @@ def main():
     tt = terrace_torch.load(lib_path)
 
     torch.manual_seed(0)
-    device = torch.device("cuda")
+    # One device throughout: the marks, the stats and the snapshot are per device.
+    device = torch.device("cuda", torch.cuda.current_device())
+    index = device.index
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024),
         torch.nn.GELU(), torch.nn.Linear(1024, 10)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for step in range(args.steps):
         # Step marks for the planned policy (TERRACE_ALLOC_CONF=policy:planned); no-ops otherwise.
-        tt.begin_iteration()
+        tt.begin_iteration(index)
         batch = 64 + 32 * (step % 4)  # varying shapes exercise the cache as real data does
         x = torch.randn(batch, 1024, device=device)
         y = torch.randint(0, 10, (batch,), device=device)
@@ -86,12 +88,12 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        tt.end_iteration()
+        tt.end_iteration(index)
         if step % 5 == 0 or step == args.steps - 1:
             print(f"step {step:3d} loss {loss.item():.4f}")
     torch.cuda.synchronize()
 
-    stats = tt.stats(torch.cuda.current_device())
+    stats = tt.stats(index)
     MiB = 1 << 20
     print(json.dumps({
         "allocated_bytes.all.peak (MiB)": round(stats["allocated_bytes.all.peak"] / MiB, 1),
@@ -104,9 +106,9 @@ def main():
     }, indent=1))
     torch.cuda.empty_cache()  # the reset hook: terrace releases its cached segments
     print(f"after empty_cache: reserved "
-          f"{tt.stats()['reserved_bytes.all.current'] / MiB:.1f} MiB")
+          f"{tt.stats(index)['reserved_bytes.all.current'] / MiB:.1f} MiB")
     if args.snapshot:
-        tt.dump_snapshot(args.snapshot)
+        tt.dump_snapshot(args.snapshot, index)
         print(f"snapshot written to {args.snapshot}; convert it with "
               f"tools/terrace_to_torch_snapshot.py for pytorch.org/memory_viz")
 

@@ -107,9 +107,12 @@ TERRACE_API int terrace_configure(const char* conf);
  *  always receives the size including the NUL. */
 TERRACE_API int terrace_stats_json(int device, char* buf, size_t capacity, size_t* needed);
 /** @brief Marks the start / end of a training iteration on `device` for the planned policy
- *  (TERRACE_ALLOC_CONF policy:planned): two equal iterations in a row are planned and later ones
- *  served from the plan. Optional (the planner also finds the iteration itself); a no-op under
- *  the other policies. Its figures appear in terrace_stats_json as "plan.*" keys. */
+ *  (TERRACE_ALLOC_CONF policy:planned): an iteration equal to one of the last four is planned and
+ *  later ones served from the plan. Optional (the planner also finds the iteration itself). Its
+ *  figures appear in terrace_stats_json as "plan.*" keys. Like a first allocation, the first mark
+ *  creates the device's allocator, so the configuration is frozen from then on (the plan must
+ *  see the first iteration's start); under the other policies the mark does nothing more than go
+ *  into the trace when tracing is on. */
 TERRACE_API int terrace_begin_iteration(int device);
 TERRACE_API int terrace_end_iteration(int device);
 /** @brief Resets the peak counters of `device`. */
