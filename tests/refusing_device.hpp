@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// A device whose next copies up, reserves or event records can be refused (device_error at the call), as a
+// A device whose next copies up, reserves, event records or event synchronizes can be refused (device_error at the call), as a
 // CUDA call can be (an invalid argument, a launch queue that is full); everything else goes to the
 // device it wraps. The sim device's own fault injection covers reserves, maps and pinned memory,
 // but a test cannot see whether it was used.
@@ -23,6 +23,8 @@ class refusing_device final : public device_backend {
   int refuse_reserves = 0;
   int refuse_records = 0;
   int records_before_refusing = 0;  // records that pass before refuse_records applies
+  int refuse_event_syncs = 0;
+  int event_syncs_before_refusing = 0;  // as records_before_refusing, for refuse_event_syncs
   device_backend& inner() { return *inner_; }  // for enqueue_host_function
 
  private:
@@ -58,7 +60,15 @@ class refusing_device final : public device_backend {
   }
   bool do_query(event_ref e) override { return inner_->query(e); }
   void do_wait(stream_ref s, event_ref e) override { inner_->wait(s, e); }
-  void do_synchronize_event(event_ref e) override { inner_->synchronize(e); }
+  void do_synchronize_event(event_ref e) override {
+    if (refuse_event_syncs > 0 && event_syncs_before_refusing > 0) {
+      --event_syncs_before_refusing;
+    } else if (refuse_event_syncs > 0) {
+      --refuse_event_syncs;
+      throw device_error("test: event synchronize refused");
+    }
+    inner_->synchronize(e);
+  }
   void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind kind,
                      stream_ref s) override {
     if (kind == copy_kind::host_to_device && refuse_copies_up > 0) {

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "refusing_device.hpp"
 #include "scratch_dir.hpp"
 #include "terrace/caching_allocator.hpp"
 #include "terrace/device.hpp"
@@ -370,6 +371,49 @@ TEST(TierManagerNvme, HostEvictionsOfOneRoundWriteTogetherAndAFailedPutKeepsItsT
   const auto* hb = static_cast<const unsigned char*>(r.tm->host_data(big));
   EXPECT_EQ(hb[kBytes + 7], pattern(9)[7]);
   r.tm->check_invariants();
+}
+
+// Host evictions wait for each victim's copies before putting it. When the wait fails for a
+// later victim, the puts already started for earlier ones still land and free their buffers:
+// left unwaited, a put could still be reading a home buffer that is then written or reused.
+TEST(TierManagerNvme, AVictimWhoseCopiesCannotBeWaitedForStillLandsTheEarlierVictimsPuts) {
+  testing::scratch_dir dir("tm-settle");
+  auto store = tensor_store::create(dir.path(), store_options());
+  testing::refusing_device dev(make_device("sim"));
+  caching_allocator memory(dev);
+  pinned_host_pool host(dev);
+  const stream_ref compute = dev.create_stream();
+  {
+    tier_manager tm(dev, memory, host, budgets(kBytes, 3 * kBytes), &store);
+    std::vector<tensor_id> ids;
+    for (int i = 0; i < 3; ++i) ids.push_back(tm.add("v" + std::to_string(i), kBytes, pattern(i).data()));
+    // Each is copied up once, and all but the last copy are evicted by the next (device room for
+    // one): each has an event of its copy up for an eviction to wait on, and v0 and v1 can leave
+    // home together.
+    for (tensor_id id : ids) {
+      tm.acquire(id, compute, access::read);
+      tm.release(id, compute);
+    }
+    dev.synchronize(compute);
+    // "big" needs v0's and v1's home copies out in one round: v0's wait passes and its put
+    // starts, v1's wait is refused.
+    dev.refuse_event_syncs = 1;
+    dev.event_syncs_before_refusing = 1;
+    std::vector<unsigned char> big_init = pattern(9);
+    big_init.insert(big_init.end(), big_init.begin(), big_init.end());
+    EXPECT_THROW(tm.add("big", 2 * kBytes, big_init.data()), device_error);
+    dev.refuse_event_syncs = 0;
+    tm.check_invariants();
+    EXPECT_EQ(tm.stats().host_evictions, 1);  // the first victim's put landed; its buffer is free
+    // Nothing was lost: every tensor reads back right.
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const auto* h = static_cast<const unsigned char*>(tm.host_data(ids[i]));
+      ASSERT_EQ(std::memcmp(h, pattern(static_cast<int>(i)).data(), kBytes), 0) << i;
+    }
+    tm.check_invariants();
+    dev.synchronize_device();
+  }
+  dev.destroy_stream(compute);
 }
 
 TEST(TierManagerNvme, MisuseIsAClearError) {

@@ -572,18 +572,20 @@ struct tier_manager::impl {
       io_handle put;  // default: nothing to write (already on NVMe, or never written)
     };
     std::vector<write> writes;
+    writes.reserve(victims.size());  // a put started is always kept, to be waited for below
     std::exception_ptr failure;
     for (tensor_id id : victims) {
       tensor& t = tensors[id];
-      settle_copies(t);
       write w{id, {}};
-      if (t.host_written && !t.nvme_current) {
-        try {
-          w.put = nvme->put(t.name, t.host, t.bytes);
-        } catch (...) {
-          failure = std::current_exception();  // the store is full: evict no more
-          break;
-        }
+      try {
+        settle_copies(t);
+        if (t.host_written && !t.nvme_current) w.put = nvme->put(t.name, t.host, t.bytes);
+      } catch (...) {
+        // The store is full, or a copy of this victim cannot be waited for: evict no more. The
+        // puts already started still land below (an io_handle does not wait when destroyed, and
+        // the put would go on reading a home buffer that is then written or reused).
+        failure = std::current_exception();
+        break;
       }
       writes.push_back(w);
     }
