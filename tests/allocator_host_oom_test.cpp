@@ -6,6 +6,10 @@
 // every N until a run meets no failure. After each injected failure the allocator must be exactly
 // as it was before the call that failed (no block lost, none handed out twice, the stats equal a
 // recount), and the rest of the workload must run to an empty device.
+//
+// The caching and expandable policies only: the planned policy's bookkeeping (its recording's
+// parallel arrays, a slot taken before its live entry, a plan installed member by member) does
+// not give this guarantee yet (docs/planning.md, "Host out of memory").
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -162,6 +166,15 @@ class waited_device final : public device_backend {
   std::function<void()> on_host_wait_;
 };
 
+::testing::AssertionResult invariants_hold(const caching_allocator& a) {
+  try {
+    a.check_invariants();
+    return ::testing::AssertionSuccess();
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << e.what();
+  }
+}
+
 bool operator==(const counts& x, const counts& y) {
   return x.allocations == y.allocations && x.allocated_bytes == y.allocated_bytes &&
          x.requested_bytes == y.requested_bytes;
@@ -244,7 +257,7 @@ run_result run_workload(long fail_at, bool expandable) {
       // The call failed as a whole: nothing it began may remain.
       EXPECT_TRUE(counts_of(a) == before) << "op " << op << " (fail_at " << fail_at
                                           << ") changed the allocator's counts and failed";
-      EXPECT_NO_THROW(a.check_invariants()) << "after op " << op << " (fail_at " << fail_at << ")";
+      EXPECT_TRUE(invariants_hold(a)) << "after op " << op << " (fail_at " << fail_at << ")";
     }
     close_gate();
     if (::testing::Test::HasFailure()) break;
@@ -265,11 +278,12 @@ run_result run_workload(long fail_at, bool expandable) {
   return result;
 }
 
-void sweep(bool expandable) {
+template <class Run>
+void sweep(Run&& run) {
   long fail_at = 0;
   std::size_t runs_with_lost_events = 0;
   for (; fail_at < 100000; ++fail_at) {
-    const run_result r = run_workload(fail_at, expandable);
+    const run_result r = run(fail_at);
     if (::testing::Test::HasFailure()) {
       ADD_FAILURE() << "first failure with the allocation numbered " << fail_at << " refused";
       return;
@@ -283,10 +297,12 @@ void sweep(bool expandable) {
   EXPECT_GT(runs_with_lost_events, 0u);
 }
 
-TEST(AllocatorHostOom, EveryFailedAllocationInACallLeavesTheAllocatorAsItWas) { sweep(false); }
+TEST(AllocatorHostOom, EveryFailedAllocationInACallLeavesTheAllocatorAsItWas) {
+  sweep([](long fail_at) { return run_workload(fail_at, false); });
+}
 
 TEST(AllocatorHostOom, EveryFailedAllocationInACallOnExpandableSegmentsLeavesItAsItWas) {
-  sweep(true);
+  sweep([](long fail_at) { return run_workload(fail_at, true); });
 }
 
 }  // namespace
