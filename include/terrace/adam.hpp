@@ -147,8 +147,10 @@ class adam_optimizer {
   /// element size), a tensor with size 0 is allowed; param_copy set on some tensors but not all;
   /// grad_scale <= 0, clip_coef < 0, either not finite, or clip_coef / grad_scale beyond float's
   /// range; sizes adding up past 2^61 elements (a negative length converted to size_t); the step
-  /// counter already at INT64_MAX; aliasing between param and its state is not
-  /// checked. Nothing is written when it throws.
+  /// counter already at INT64_MAX. Nothing is written when it throws. Not checked: buffers
+  /// that overlap, whether a param and its own state or two tensors of the list (each must be
+  /// distinct memory: the threads split the tensors between them, and an element seen twice
+  /// would be updated twice, racing).
   bool step(std::span<const adam_tensor> tensors, const adam_step_options& step_options = {});
 
   /// @brief step() over one flat set of buffers.
