@@ -1474,14 +1474,16 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
   impl_->refuse_impossible(bytes);
   if (!plan_ || bytes == 0) return impl_->allocate(bytes, stream, tag);
   std::lock_guard<std::mutex> lock(plan_->mutex());
-  if (void* p = plan_->try_allocate(bytes, stream, tag)) {
-    if (impl_->tracing()) {
-      impl_->trace_arena_block(trace_action::alloc, stream, p, plan_->block_size(p), bytes, tag);
-    }
-    return p;
-  }
   void* p = nullptr;
   try {
+    // Inside the try: a request try_allocate recorded and then failed on (a device error, a
+    // host out of memory) is taken back out of the recording, as one the fallback refuses.
+    if (void* q = plan_->try_allocate(bytes, stream, tag)) {
+      if (impl_->tracing()) {
+        impl_->trace_arena_block(trace_action::alloc, stream, q, plan_->block_size(q), bytes, tag);
+      }
+      return q;
+    }
     try {
       p = impl_->allocate(bytes, stream, tag);
     } catch (const out_of_memory&) {
@@ -1505,7 +1507,15 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
     plan_->forget_refused_request();
     throw;
   }
-  plan_->on_fallback_alloc(p, bytes, stream);
+  try {
+    plan_->on_fallback_alloc(p, bytes, stream);
+  } catch (...) {
+    // The front could not track the block (a host out of memory): it goes back, and the
+    // request fails as a whole.
+    impl_->deallocate(p);
+    plan_->forget_refused_request();
+    throw;
+  }
   plan_->note_totals(impl_->totals());
   return p;
 }

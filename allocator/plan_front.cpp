@@ -42,6 +42,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <new>
 #include <utility>
 
 #include "allocator/plan_front_common.hpp"
@@ -454,18 +455,22 @@ void plan_front::on_fallback_alloc(void* p, std::size_t bytes, stream_ref stream
   e.requested = bytes;
   e.stream = reinterpret_cast<std::uintptr_t>(stream.native);
   e.rec_id = request_rec_;  // recorded, if try_allocate recorded the request
-  if (pending_slot_ >= 0) {
-    e.slot = static_cast<std::int32_t>(pending_slot_);
-    lane& l = lanes_[slots_[static_cast<std::size_t>(pending_slot_)].lane];
-    e.gen = l.gen;
+  const std::int64_t j = std::exchange(pending_slot_, -1);
+  lane* l = j >= 0 ? &lanes_[slots_[static_cast<std::size_t>(j)].lane] : nullptr;
+  if (l != nullptr) {
+    e.slot = static_cast<std::int32_t>(j);
+    e.gen = l->gen;
+  }
+  // The entry first: if the host has no memory for it, nothing is counted (the caller gives
+  // the block back to the fallback).
+  live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
+  if (l != nullptr) {
     ++slot_live_;
-    ++l.live;
-    ++l.gen_live;
+    ++l->live;
+    ++l->gen_live;
   } else {
     track_unplanned(static_cast<std::int64_t>(e.size));
   }
-  pending_slot_ = -1;
-  live_.emplace(reinterpret_cast<std::uintptr_t>(p), e);
 }
 
 std::size_t plan_front::block_size(const void* p) const {
@@ -486,15 +491,24 @@ bool plan_front::on_free(void* p, arena_free* freed) {
     }
     return false;
   }
+  const bool recorded = mode_ != mode::in_sync || shadow_left_ > 0;
+  if (recorded) {
+    if (tokens_.size() >= kMaxRecordTokens) reset_recording();
+    reserve_recording(/*request=*/false);  // before the entry goes: a failure frees nothing
+  }
   const live_entry e = it->second;
   live_.erase(it);
-  if (mode_ != mode::in_sync || shadow_left_ > 0) {
-    if (tokens_.size() >= kMaxRecordTokens) reset_recording();
+  if (recorded) {
     if (e.rec_id >= 0 && static_cast<std::size_t>(e.rec_id) < rec_free_pos_.size()) {
       rec_free_pos_[static_cast<std::size_t>(e.rec_id)] = static_cast<std::uint32_t>(tokens_.size());
     }
     push_token(mix(e.key ^ 0x5bd1e995ull) ^ e.size, -static_cast<std::int64_t>(e.size), e.stream);
-    detect_steady_state();
+    try {
+      detect_steady_state();
+    } catch (const std::bad_alloc&) {
+      // The free has happened: a host with no memory to look for the steady state (or plan it)
+      // skips the look rather than fail the free. The next token looks again.
+    }
   }
   if (e.slot >= 0) {
     const auto j = static_cast<std::size_t>(e.slot);

@@ -254,6 +254,7 @@ class plan_front {
   };
 
   std::uint64_t key_of(std::size_t rounded, std::uintptr_t stream, std::string_view tag) const;
+  void reserve_recording(bool request);
   void push_token(std::uint64_t token, std::int64_t delta, std::uintptr_t stream);
   static std::uint64_t window_hash(const std::uint64_t* ring, std::size_t n,
                                    std::size_t first) noexcept;
@@ -359,6 +360,8 @@ class plan_front {
   std::vector<std::uint64_t> pow_{1};
   std::vector<std::int64_t> prefix_bytes_{0};
   std::vector<std::uint64_t> tokens_;
+  std::size_t token_room_ = 0;    // tokens every token array has room for (reserve_recording)
+  std::size_t request_room_ = 0;  // requests every rec_ array has room for
   std::vector<std::uint32_t> rec_alloc_pos_;   // token position of recorded alloc i
   std::vector<std::uint32_t> rec_free_pos_;    // token position of its free, or UINT32_MAX
   std::vector<std::size_t> rec_size_;

@@ -218,6 +218,25 @@ bool plan_front::ensure_arena() {
     layout_in_holes(claimed, where, off, open_total, heuristic, memo_.shared);
   }
 
+  // Room for everything the installation below records, made before the arena is reserved: a
+  // host out of memory then gives the holes back (unsettled) and leaves no arena reserved and
+  // no plan half installed.
+  std::vector<std::size_t> used(claimed.size(), 0);  // per hole: the end of its last slot
+  std::vector<std::int64_t> memo_index(claimed.size(), -1);
+  std::size_t all_items = 0, all_lanes = 0;
+  for_each_plan([&](std::size_t) {
+    memo_where_.reserve(plan_items_.size());
+    memo_off_.reserve(plan_items_.size());
+    by_addr_.reserve(plan_item_slot_.size());
+    all_items += plan_item_slot_.size();
+    all_lanes += lanes_.size();
+  });
+  memo_.holes.reserve(claimed.size());
+  owners_.reserve(owners_.size() + all_items);
+  owner_streams_.reserve(owner_streams_.size() + all_lanes);
+  holes_.reserve(claimed.size());
+  tails_.reserve(claimed.size());
+
   void* arena = nullptr;
   if (open_total > 0) {
     if (fraction_allows(open_total)) {
@@ -246,7 +265,6 @@ bool plan_front::ensure_arena() {
     }
     ++arena_reservations_;
   }
-  std::vector<std::size_t> used(claimed.size(), 0);  // per hole: the end of its last slot
   for (std::size_t p = 0; p < plans; ++p) {
     for (std::size_t j = 0; j < where[p].size(); ++j) {
       if (where[p][j] < 0) continue;
@@ -259,7 +277,6 @@ bool plan_front::ensure_arena() {
   memo_.valid = true;
   memo_.open = open_total;
   memo_.holes.clear();
-  std::vector<std::int64_t> memo_index(claimed.size(), -1);
   for (std::size_t h = 0; h < claimed.size(); ++h) {
     if (used[h] == 0) continue;
     memo_index[h] = static_cast<std::int64_t>(memo_.holes.size());

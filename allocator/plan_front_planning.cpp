@@ -149,7 +149,21 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
     outside_floor_ = floor == INT64_MAX ? 0 : static_cast<std::size_t>(std::max<std::int64_t>(floor, 0));
   }
   for (std::size_t j = 0; j < whole.offsets.size(); ++j) slots[item_slot[j]].offset = whole.offsets[j];
-  observed_due_.assign(slots.size(), 0);
+  // Everything the installation below allocates is made first: a host out of memory then leaves
+  // the plan there was (the members below are moved in, which cannot fail).
+  std::vector<std::uint32_t> observed_due(slots.size(), 0);
+  std::vector<std::uint32_t> freed_gen(slots.size(), 0);
+  std::vector<std::uint32_t> taken_gen(slots.size(), 0);
+  iteration_shape requests = explicit_ ? shape_of(lo, hi) : iteration_shape{};
+  // The anchor: the lead stream's last tokens before the boundary (its own order; the other
+  // streams may interleave with it differently from one step to the next).
+  std::vector<std::uint64_t> anchor;
+  for (std::size_t i = hi; !lanes.empty() && i-- > lo && anchor.size() < kAnchorTokens;) {
+    if (token_stream_[i] == lanes.front().stream) anchor.push_back(tokens_[i]);
+  }
+  std::reverse(anchor.begin(), anchor.end());
+
+  observed_due_ = std::move(observed_due);
   later_frees_ = false;
   widening_refused_ = false;
   narrowed_ = false;
@@ -166,9 +180,9 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   plan_item_slot_ = std::move(item_slot);
   plan_ = std::move(whole);
   arena_bytes_ = live_mode_ ? 0 : counterfactual_arena_bytes();
-  freed_gen_.assign(slots_.size(), 0);
-  taken_gen_.assign(slots_.size(), 0);
-  plan_requests_ = explicit_ ? shape_of(lo, hi) : iteration_shape{};
+  freed_gen_ = std::move(freed_gen);
+  taken_gen_ = std::move(taken_gen);
+  plan_requests_ = std::move(requests);
   if (explicit_ && plan_requests_.requests_hash != old_requests && suspend_left_ > 0 &&
       !set_aside_for_shapes_ && (joins_library || shape_changes() < kMinShapeChanges)) {
     // The old plan was set aside for the iterations it lost, which were of this new shape (a
@@ -178,22 +192,13 @@ void plan_front::make_plan(std::size_t lo, std::size_t hi) {
   }
   replan_orders_.clear();
   plan_period_ = hi - lo;
-  // The anchor: the lead stream's last tokens before the boundary (its own order; the other
-  // streams may interleave with it differently from one step to the next).
-  {
-    std::vector<std::uint64_t> last;
-    for (std::size_t i = hi; !lanes_.empty() && i-- > lo && last.size() < kAnchorTokens;) {
-      if (token_stream_[i] == lanes_.front().stream) last.push_back(tokens_[i]);
-    }
-    std::reverse(last.begin(), last.end());
-    anchor_len_ = last.size();
-    anchor_hash_ = window_hash(last.data(), last.size(), 0);
-    lead_seen_ = 0;  // the window fills again from the next lead token on
-  }
+  anchor_len_ = anchor.size();
+  anchor_hash_ = window_hash(anchor.data(), anchor.size(), 0);
+  lead_seen_ = 0;  // the window fills again from the next lead token on
   mode_ = mode::seeking;
   publish_plan_stats();
   stats_.arena_bytes = static_cast<std::int64_t>(live_mode_ ? plan_.arena_bytes : arena_bytes_);
-  stats_.heuristic = heuristic;
+  stats_.heuristic = std::move(heuristic);
   stats_.plan_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   note_totals(last_totals_);

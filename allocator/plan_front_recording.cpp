@@ -73,6 +73,39 @@ void plan_front::reset_recording() {
   for (auto& [addr, e] : live_) e.rec_id = -1;
 }
 
+// Room for `more` elements beyond the size, grown geometrically (reserve alone would grow to
+// the exact size, reallocating at every call). @throws std::bad_alloc, having changed nothing.
+template <class T>
+static void reserve_room(std::vector<T>& v, std::size_t more) {
+  if (v.capacity() - v.size() >= more) return;
+  v.reserve(std::max(v.size() + more, 2 * v.capacity()));
+}
+
+// The recording's arrays grow together: room for one more token (and, with `request`, one more
+// request) in every one of them first, so that a host out of memory leaves them in agreement.
+// Their sizes move in step (a token each, a request each) and their capacities only grow, so
+// the room once made is known without asking each array (this runs on every recorded request).
+void plan_front::reserve_recording(bool request) {
+  if (tokens_.size() < token_room_ && (!request || rec_alloc_pos_.size() < request_room_)) return;
+  reserve_room(tokens_, 1);
+  reserve_room(token_stream_, 1);
+  reserve_room(prefix_hash_, 1);
+  reserve_room(pow_, 1);
+  reserve_room(prefix_bytes_, 1);
+  // The prefix arrays hold one entry more than there are tokens (their sentinel).
+  token_room_ = std::min({tokens_.capacity(), token_stream_.capacity(), prefix_hash_.capacity() - 1,
+                          pow_.capacity() - 1, prefix_bytes_.capacity() - 1});
+  if (!request) return;
+  reserve_room(rec_alloc_pos_, 1);
+  reserve_room(rec_free_pos_, 1);
+  reserve_room(rec_size_, 1);
+  reserve_room(rec_stream_, 1);
+  reserve_room(rec_key_, 1);
+  request_room_ = std::min({rec_alloc_pos_.capacity(), rec_free_pos_.capacity(), rec_size_.capacity(),
+                            rec_stream_.capacity(), rec_key_.capacity()});
+}
+
+// REQUIRES: reserve_recording() made room (the pushes below then cannot fail).
 void plan_front::push_token(std::uint64_t token, std::int64_t delta, std::uintptr_t stream) {
   tokens_.push_back(token);
   token_stream_.push_back(stream);
@@ -246,6 +279,7 @@ bool plan_front::boundary_anchor_matches(std::uint64_t key) const noexcept {
 
 void plan_front::record_request(std::uint64_t key, std::size_t rounded, std::uintptr_t stream) {
   if (tokens_.size() >= kMaxRecordTokens) reset_recording();
+  reserve_recording(/*request=*/true);
   request_rec_ = static_cast<std::int64_t>(rec_alloc_pos_.size());
   rec_alloc_pos_.push_back(static_cast<std::uint32_t>(tokens_.size()));
   rec_free_pos_.push_back(UINT32_MAX);

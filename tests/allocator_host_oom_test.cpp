@@ -7,9 +7,8 @@
 // as it was before the call that failed (no block lost, none handed out twice, the stats equal a
 // recount), and the rest of the workload must run to an empty device.
 //
-// The caching and expandable policies only: the planned policy's bookkeeping (its recording's
-// parallel arrays, a slot taken before its live entry, a plan installed member by member) does
-// not give this guarantee yet (docs/planning.md, "Host out of memory").
+// Every policy: caching, expandable segments, and planned (marked iterations, and iterations its
+// detector finds), whose plan is made, installed and replayed in the workload.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -278,6 +277,73 @@ run_result run_workload(long fail_at, bool expandable) {
   return result;
 }
 
+// The planned policy: a training-like iteration repeated (with marks, or found by the detector),
+// so that a plan is made, installed and replayed, failing the allocation numbered `fail_at` as
+// run_workload does.
+run_result run_planned_workload(long fail_at, bool marked) {
+  device_options o;
+  o.capacity = 1024 * MiB;
+  auto dev = make_device("sim", o);
+  allocator_config cfg;
+  cfg.policy = alloc_policy::planned;
+  cfg.plan_min_period = 16;  // the iteration below is 18 tokens (allocations and frees)
+  cfg.record_trace = true;
+  cfg.trace_max_events = 64;
+  caching_allocator a(*dev, cfg);
+  const auto sizes = std::vector<std::size_t>{3 * MiB, 512, 64 * KiB, 5 * MiB + 100, 3000,
+                                              900 * KiB, 1536 * KiB, 2 * MiB};
+  std::vector<void*> live;
+  live.reserve(64);
+  long budget = fail_at;
+  run_result result;
+  injected = false;
+  const auto attempt = [&](auto&& call) {
+    const counts before = counts_of(a);
+    try {
+      armed guard(budget);
+      call();
+    } catch (const std::bad_alloc&) {
+      EXPECT_TRUE(injected) << "a bad_alloc that was not injected";
+      EXPECT_TRUE(counts_of(a) == before) << "(fail_at " << fail_at << ") a failed call changed "
+                                          << "the allocator's counts";
+      EXPECT_TRUE(invariants_hold(a)) << "fail_at " << fail_at;
+    }
+  };
+  const auto free_last = [&] {
+    attempt([&] {
+      a.deallocate(live.back());
+      live.pop_back();  // only once freed: a failed free leaves the block live
+    });
+  };
+  const int iterations = marked ? 8 : 24;
+  for (int iteration = 0; iteration < iterations && !::testing::Test::HasFailure(); ++iteration) {
+    if (marked) attempt([&] { a.begin_iteration(); });
+    for (std::size_t bytes : sizes) {
+      attempt([&] {
+        void* p = a.allocate(bytes, {}, "activation.of.a.layer.in.the.model");
+        live.push_back(p);
+      });
+    }
+    // Activations freed in reverse, as backward does; then a workspace allocated and freed.
+    while (live.size() > 2) free_last();
+    attempt([&] {
+      void* p = a.allocate(7 * MiB, {}, "workspace.of.the.optimizer.step");
+      live.push_back(p);
+    });
+    while (!live.empty()) free_last();
+    if (marked) attempt([&] { a.end_iteration(); });
+  }
+  EXPECT_TRUE(invariants_hold(a)) << "fail_at " << fail_at;
+  result.trace_events_lost = a.snapshot().trace_events_lost;
+  result.failure_met = injected;
+  EXPECT_GT(a.plan_stats().iterations, 0) << "fail_at " << fail_at << ": no iteration ran under a plan";
+  for (void* p : live) a.deallocate(p);
+  a.empty_cache();
+  EXPECT_TRUE(invariants_hold(a)) << "fail_at " << fail_at;
+  EXPECT_EQ(a.stats().allocated_bytes[0].current, 0) << "fail_at " << fail_at;
+  return result;
+}
+
 template <class Run>
 void sweep(Run&& run) {
   long fail_at = 0;
@@ -303,6 +369,14 @@ TEST(AllocatorHostOom, EveryFailedAllocationInACallLeavesTheAllocatorAsItWas) {
 
 TEST(AllocatorHostOom, EveryFailedAllocationInACallOnExpandableSegmentsLeavesItAsItWas) {
   sweep([](long fail_at) { return run_workload(fail_at, true); });
+}
+
+TEST(AllocatorHostOom, EveryFailedAllocationInACallOfThePlannedPolicyLeavesItAsItWas) {
+  sweep([](long fail_at) { return run_planned_workload(fail_at, true); });
+}
+
+TEST(AllocatorHostOom, EveryFailedAllocationInThePlannedPolicysOwnDetectionLeavesItAsItWas) {
+  sweep([](long fail_at) { return run_planned_workload(fail_at, false); });
 }
 
 }  // namespace
