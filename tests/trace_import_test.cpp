@@ -3,6 +3,7 @@
 // the source trace, refuse malformed input with file and line (or byte), and the restricted
 // unpickler refuses code. The CLI's compare and report run end to end.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -638,6 +639,39 @@ TEST(Pickle, SharedValuesAreHandedOverAtEachUseAndTheMemoIsPythons) {
   // LONG_BINPUT 2^32 - 1, then MEMOIZE: slot 1 (one slot is set), not 2^32.
   const std::string sparse = "\x80\x04(\x8c\x01" "ar\xff\xff\xff\xff\x8c\x01" "b\x94j\xff\xff\xff\xffh\x01l."s;
   EXPECT_EQ(tr::read_pickle(sparse, "sparse.pickle"), (nlohmann::json{"a", "b", "a", "b"}));
+}
+
+// Found in review: a LONG_BINPUT just inside the memo's dense reach (its end + 2^20) grew the
+// table by 2^20 slots, 8 MiB per 5-byte opcode: 4095 of them (20 KB of pickle) asked for 32 GiB.
+// The dense table now grows only in step with the slots set; such indices go to the sparse map.
+TEST(PickleDeathTest, MemoIndicesSpreadApartDoNotGrowTheMemoPastTheInput) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' shadow memory does not run under an address-space limit";
+#else
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  std::string spread = "\x80\x02N"s;  // None, put at ever-farther slots, popped; then {}
+  std::uint32_t slot = 0;
+  for (int k = 0; k < 4095; ++k) {
+    slot += (1u << 20) - 1;
+    spread += 'r';
+    for (int b = 0; b < 4; ++b) spread += static_cast<char>(slot >> (8 * b) & 0xff);
+  }
+  spread += "0}.";
+  const auto read_in_1GiB_of_address_space = [&] {
+    rlimit limit{};
+    limit.rlim_cur = limit.rlim_max = 1ull << 30;
+    if (::setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(3);
+    try {
+      const bool empty_dict = tr::read_pickle(spread, "spread.pickle") == nlohmann::json::object();
+      std::fprintf(stderr, "read\n");
+      std::_Exit(empty_dict ? 0 : 4);
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr, "bad_alloc\n");
+      std::_Exit(1);
+    }
+  };
+  EXPECT_EXIT(read_in_1GiB_of_address_space(), ::testing::ExitedWithCode(0), "read");
+#endif
 }
 
 // A pickle's strings may hold any bytes; the message quoting them shows U+FFFD instead of failing.

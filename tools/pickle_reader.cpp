@@ -266,8 +266,10 @@ class machine {
 
   // Python numbers the memo densely (MEMOIZE, or BINPUT of the memo's length); an index far
   // past the end (a hostile LONG_BINPUT of 2^32 - 1) goes to a map instead of growing the table.
+  // The table's reach follows the slots set, each one opcode: a reach of the table's end plus a
+  // constant let each 5-byte LONG_BINPUT just inside it add that constant again (2^20 slots, 8 MiB).
   void put(std::uint64_t idx, value v) {
-    if (idx < memo_.size() + (std::size_t{1} << 20)) {
+    if (idx < std::max<std::uint64_t>(memo_.size(), 2 * memo_size_ + 1024)) {
       if (idx >= memo_.size()) memo_.resize(idx + 1);
       if (memo_[idx].is(value::unset)) ++memo_size_;
       memo_[idx] = v;
