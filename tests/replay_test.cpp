@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -519,6 +520,32 @@ TEST(Replay, AStopAtTheEndSnapshotsTheEnd) {
     EXPECT_EQ(live_blocks(*r.snapshot_at_stop), std::min<std::size_t>(stop, 2)) << stop;
   }
   EXPECT_FALSE(tr::replay(events).snapshot_at_stop.has_value());
+}
+
+// Found in review: the planned replay looked for its first planned iteration every 64 events
+// only, so the steady state (of every policy, in compare and report) began up to 63 events into
+// it, or iterations later on a trace of short iterations (here event 64, the 6th iteration, when
+// the 3rd was the first planned). A begin mark is now looked past as well: the window starts at
+// the first planned iteration's first event, and every planned iteration is in it.
+TEST(Replay, TheSteadyStateStartsAtTheFirstPlannedIteration) {
+  std::vector<trace_event> events;
+  for (int it = 0; it < 8; ++it) {
+    events.push_back(ev(trace_action::iteration_begin, 0, 0));
+    for (std::uintptr_t k = 0; k < 5; ++k) events.push_back(ev(trace_action::alloc, 0x10000 + k, MiB));
+    for (std::uintptr_t k = 0; k < 5; ++k) events.push_back(ev(trace_action::free_requested, 0x10000 + k, MiB));
+    events.push_back(ev(trace_action::iteration_end, 0, 0));
+  }
+  tr::replay_options opts;
+  opts.config = terrace::parse_alloc_conf("policy:planned");
+  const auto r = tr::replay(events, opts);
+  ASSERT_GT(r.plan.iterations, 0);
+  ASSERT_GT(r.steady_from_event, 0u);
+  ASSERT_LT(r.steady_from_event, events.size());
+  EXPECT_EQ(events[r.steady_from_event - 1].action, trace_action::iteration_begin) << r.steady_from_event;
+  const auto begins_in_window =
+      std::count_if(events.begin() + static_cast<std::ptrdiff_t>(r.steady_from_event - 1), events.end(),
+                    [](const trace_event& e) { return e.action == trace_action::iteration_begin; });
+  EXPECT_EQ(begins_in_window, r.plan.iterations) << r.steady_from_event;
 }
 
 // Each trace stream is a worker thread on sim: a trace of thousands of streams is refused before

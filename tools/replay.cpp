@@ -211,7 +211,12 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < end; ++i) {
     if (!steady) {
-      if (steady_from == SIZE_MAX ? (i % 64 == 0 && alloc.plan_stats().iterations > 0)
+      // plan_stats() takes the planner's lock and copies its figures, hence not every event; but
+      // also just past every begin mark, where a marked iteration starts under a plan, or the
+      // window would begin up to 63 events (on short iterations, iterations) into the first.
+      const bool may_start_planned =
+          i % 64 == 0 || events[i - 1].action == trace_action::iteration_begin;
+      if (steady_from == SIZE_MAX ? (may_start_planned && alloc.plan_stats().iterations > 0)
                                   : i >= steady_from) {
         steady = true;
         r.steady_from_event = i;
