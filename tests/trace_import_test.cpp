@@ -294,7 +294,10 @@ TEST(Import, NegativeFractionalAndOutOfRangeNumbersAreRefused) {
 TEST(Import, FormatsAreDetectedByContentAndAnythingElseIsRefused) {
   const std::string line = R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})";
   const std::string path = temp_path("detect.trace");
-  for (const std::string& text : {line + "\n", line, line + "\n" + line + "\n"}) {
+  // Blank lines before the first event too (a trace piped in, or edited by hand): the JSON-lines
+  // reader skips them, and detection looked at the empty first line (a snapshot, malformed).
+  for (const std::string& text : {line + "\n", line, line + "\n" + line + "\n",
+                                  "\n\n" + line + "\n" + line + "\n", " \r\n" + line + "\n"}) {
     write(path, text);
     const auto t = tr::import_trace(path);
     EXPECT_EQ(t.format, "terrace-jsonl") << text;

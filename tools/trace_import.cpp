@@ -394,7 +394,8 @@ imported_trace import_trace(const std::string& path, std::string_view format) {
     };
     const first_line_facts first = input.first_line();
     if (first.more_lines) {  // one document over several lines, or a JSON-lines trace
-      if (head[0] == '{' && first.names_action) return jsonl();
+      const std::size_t text = head.find_first_not_of(" \t\r\n");  // blank lines may lead
+      if (text != std::string_view::npos && head[text] == '{' && first.names_action) return jsonl();
       return torch_snapshot_json(input.from_start(), path);
     }
     // One line: a snapshot written compactly (whose trace events have actions too) or a

@@ -91,10 +91,17 @@ first_line_facts trace_input::first_line() {
     std::vector<char> chunk(std::size_t{1} << 16);
     std::string tail;  // the first line's last bytes so far, for a name split between chunks
     bool in_first_line = true;
+    bool started = false;  // blank lines before the first text are not the first line
     while (true) {
       in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
       std::string_view bytes(chunk.data(), static_cast<std::size_t>(in.gcount()));
       if (bytes.empty()) return facts;
+      if (!started) {
+        const std::size_t text = bytes.find_first_not_of(" \t\r\n");
+        if (text == std::string_view::npos) continue;
+        bytes.remove_prefix(text);
+        started = true;
+      }
       if (in_first_line) {
         const std::size_t newline = bytes.find('\n');
         const std::string_view part = bytes.substr(0, newline);

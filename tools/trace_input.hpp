@@ -30,7 +30,7 @@ class view_istream : public std::istream {
 
 // What the start of a text trace says about its format.
 struct first_line_facts {
-  bool names_action = false;  // `"action"` appears in the first line
+  bool names_action = false;  // `"action"` appears in the first line (blank lines before it skipped)
   bool more_lines = false;    // something other than white space follows the first line
 };
 
