@@ -391,6 +391,23 @@ TEST(SimDevice, RemappedPagesReadAsZero) {
   dev->release_address_range(r, 2 * g);
 }
 
+TEST(SimDevice, AnAddressRangeAsLargeAsTheAddressSpaceIsOutOfMemory) {
+  // The contract's out_of_memory for an exhausted address space, which the allocator treats as a
+  // miss; null says the same, and cuda-vmm hands the size to cuMemAddressReserve, whose out of
+  // memory it reports as out_of_memory. Before, the one size whose over-reservation by a granule
+  // wrapped was a device_error on sim, while any other size that mmap refused was out_of_memory.
+  auto dev = sim();
+  const std::size_t g = dev->properties().map_granularity;
+  for (const std::size_t bytes : {SIZE_MAX / g * g, (SIZE_MAX / 2 + 1) / g * g}) {
+    try {
+      (void)dev->reserve_address_range(bytes);
+      ADD_FAILURE() << "a range of " << bytes << " bytes was reserved";
+    } catch (const out_of_memory& e) {
+      EXPECT_NE(std::string(e.what()).find("address space exhausted"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(SimDevice, BadOptionsAreRefused) {
   device_options o;
   o.map_granularity = 3 * MiB;  // not a power of two

@@ -507,8 +507,10 @@ class sim_device final : public device_backend {
     vmm_.check_range_size(bytes);
     const std::size_t g = vmm_.granularity();
     if (bytes > SIZE_MAX - g) {
-      throw device_error("terrace: device 'sim': reserve_address_range of " + describe_bytes(bytes) +
-                         " is larger than the address space");
+      // As large as the address space: exhausted, as for any size mmap refuses with ENOMEM below
+      // (a device_error would tell the allocator that the device broke, not that it missed).
+      throw out_of_memory("terrace: device 'sim': reserving an address range of " +
+                          describe_bytes(bytes) + " failed: address space exhausted");
     }
     // Over-reserve by one granule and trim, so that the range starts on a granule boundary (as
     // cuMemAddressReserve's does).
