@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "device_conformance.hpp"
@@ -1099,6 +1100,72 @@ TEST(SimBandwidth, EachStreamIsItsOwnLink) {
   dev->destroy_stream(b);
   dev->release(d1, n);
   dev->release(d2, n);
+}
+
+// ---------------------------------------------------------------- sim in a forked child
+
+// Found in review: a child forked without exec (a DataLoader worker) inherits the sim device but
+// not its stream workers. Destroying the device there joined workers that do not exist, forever
+// (exit() runs the destructors of a global device), and synchronizing a stream whose work had not
+// run at the fork waited for it forever. The child now destroys the device without joining, and
+// such a synchronize is a device_error, as every CUDA call in a forked child is one.
+TEST(SimFork, AForkedChildDestroysTheDeviceAndItsWaitsFailInsteadOfHanging) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "TSan does not follow a fork of a multithreaded process";
+#else
+  auto dev = sim();
+  stream_ref done = dev->create_stream();
+  stream_ref held = dev->create_stream();
+  std::vector<unsigned char> host(4096, 7);
+  void* d = dev->reserve(host.size());
+  dev->copy_async(d, host.data(), host.size(), copy_kind::host_to_device, done);
+  dev->synchronize(done);
+  std::atomic<bool> release{false};
+  enqueue_host_function(*dev, held, [&] {
+    while (!release.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  event_ref e = dev->create_event();
+  dev->record(e, held);
+  std::fflush(nullptr);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(20);  // a hang ends as SIGALRM
+    int code = 0;
+    try {
+      dev->synchronize(done);  // its work ran before the fork: nothing to wait for
+    } catch (...) {
+      code = 3;
+    }
+    for (const auto& wait : std::vector<std::function<void()>>{[&] { dev->synchronize(held); },
+                                                                [&] { dev->synchronize(e); },
+                                                                [&] { dev->synchronize_device(); }}) {
+      try {
+        wait();
+        code = 4;
+      } catch (const device_error&) {
+      } catch (...) {
+        code = 5;
+      }
+    }
+    dev.reset();
+    std::_Exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << (WIFSIGNALED(status) ? "killed by signal " + std::to_string(WTERMSIG(status)) + " (14: hung)"
+                              : "exit " + std::to_string(WEXITSTATUS(status)) +
+                                    " (3: a finished stream refused, 4: a wait returned, 5: not "
+                                    "a device_error)");
+  // The parent's device is untouched: its workers still run.
+  release.store(true);
+  dev->synchronize(e);
+  dev->destroy_event(e);
+  dev->destroy_stream(held);
+  dev->destroy_stream(done);
+  dev->release(d, host.size());
+#endif
 }
 
 // ---------------------------------------------------------------- sim under concurrency

@@ -17,6 +17,10 @@
 //     stream's previous item ended. Deadlines come from a steady clock and chain from one copy to
 //     the next, so a timer's oversleep on one small copy is made up by the next and a run of
 //     small copies keeps the modelled rate. Each stream is its own link.
+//   - A child forked without exec (a DataLoader worker) inherits the streams but not their workers.
+//     There, work finished before the fork is still finished, a wait for any other is a
+//     device_error (as every CUDA call in such a child fails), and destroying a stream or the
+//     device lets go of its worker instead of joining a thread that does not exist.
 #include <pthread.h>
 #include <sys/mman.h>
 
@@ -91,7 +95,13 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   sim_stream(double bandwidth, std::string label)
       : label_(std::move(label)), bandwidth_(bandwidth), worker_([this] { run(); }) {}
 
-  ~sim_stream() { stop_and_join(); }
+  ~sim_stream() {
+    stop_and_join();
+    // In a forked child the condition variables still count the parent's waiters (the worker
+    // waiting for items when the process forked), who never leave there: destroying them would
+    // wait for those forever (glibc's pthread_cond_destroy). Let go of them instead.
+    if (forked_away()) (void)wakeups_.release();
+  }
 
   sim_stream(const sim_stream&) = delete;
   sim_stream& operator=(const sim_stream&) = delete;
@@ -131,6 +141,11 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   /// stream's work up to `ticket` waits for (through events, maybe via more streams).
   bool wait_until(std::uint64_t ticket) {
     if (reached(ticket)) return false;
+    if (forked_away()) {
+      throw device_error("terrace: device 'sim': waiting for work on " + label_ + " that had not run "
+                         "when this process was forked: a child forked without exec has no stream "
+                         "workers (as CUDA, the device is not usable there)");
+    }
     {
       std::lock_guard<std::mutex> lock(m_);
       refuse_waiting_for_itself(ticket);
@@ -164,6 +179,7 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   /// Tells the worker to stop once the queue is empty, without waiting for it; from now on its
   /// copies skip their modelled time. Idempotent.
   void request_stop() noexcept {
+    if (forked_away()) return;  // no worker to tell; m_ may be held by a thread of the parent
     {
       std::lock_guard<std::mutex> lock(m_);
       stopping_ = true;
@@ -182,10 +198,18 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   /// Runs what is queued, then stops the worker. Idempotent.
   void stop_and_join() noexcept {
     request_stop();
-    if (worker_.joinable()) worker_.join();
+    if (!worker_.joinable()) return;
+    // In a forked child the worker does not exist: join() would wait for it forever.
+    if (forked_away()) {
+      worker_.detach();
+    } else {
+      worker_.join();
+    }
   }
 
  private:
+  bool forked_away() const noexcept { return ::getpid() != owner_pid_; }
+
   void run() {
     pthread_setname_np(pthread_self(), "terrace-sim");
     tls_worker_of = this;
@@ -367,8 +391,14 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   const double bandwidth_;
 
   std::mutex m_;
-  std::condition_variable work_cv_;  // the worker waits for items
-  std::condition_variable done_cv_;  // drain() and wait_until() wait for the worker
+  struct condition_variables {
+    std::condition_variable work;  // the worker waits for items
+    std::condition_variable done;  // drain() and wait_until() wait for the worker
+  };
+  // On the heap so that a forked child can leak them (~sim_stream).
+  std::unique_ptr<condition_variables> wakeups_ = std::make_unique<condition_variables>();
+  std::condition_variable& work_cv_ = wakeups_->work;
+  std::condition_variable& done_cv_ = wakeups_->done;
   std::deque<work_item> queue_;
   std::uint64_t pushed_ = 0;
   std::atomic<std::uint64_t> finished_{0};  // written by the worker under m_; read without it
@@ -380,6 +410,8 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
 
   // The worker's own: when the modelled link finished the previous item.
   clock_type::time_point link_free_at_{};
+
+  const pid_t owner_pid_ = ::getpid();  // the process whose thread worker_ is
 
   std::thread worker_;  // last: it starts running in the constructor
 };
