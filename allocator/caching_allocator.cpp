@@ -18,6 +18,7 @@
 
 #include "allocator/block.hpp"
 #include "allocator/node_stash.hpp"
+#include "allocator/reserve_room.hpp"
 #include "allocator/plan_front.hpp"
 #include "allocator/stream_uses.hpp"
 #include "terrace/error.hpp"
@@ -212,14 +213,6 @@ class allocator_impl {
     while (spare_blocks_.size() < 3) spare_blocks_.push_back(new block());
     free_nodes_.ensure(3);
     unmapped_nodes_.ensure(3);
-  }
-
-  // Room for `more` elements beyond the size, grown geometrically (reserve alone grows to the
-  // exact size asked, which would reallocate at every call). @throws std::bad_alloc.
-  template <class T>
-  static void reserve_room(std::vector<T>& v, std::size_t more) {
-    if (v.capacity() - v.size() >= more) return;
-    v.reserve(std::max(v.size() + more, 2 * v.capacity()));
   }
 
   // b's entry in the live table: the one insertion of an allocation that allocates, so it is

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "allocator/plan_front_common.hpp"
+#include "allocator/reserve_room.hpp"
 
 namespace terrace::detail {
 
@@ -71,14 +72,6 @@ void plan_front::reset_recording() {
   // leave the plan, and so restart the recording, between a request and its refusal).
   recorded_pending_ = false;
   for (auto& [addr, e] : live_) e.rec_id = -1;
-}
-
-// Room for `more` elements beyond the size, grown geometrically (reserve alone would grow to
-// the exact size, reallocating at every call). @throws std::bad_alloc, having changed nothing.
-template <class T>
-static void reserve_room(std::vector<T>& v, std::size_t more) {
-  if (v.capacity() - v.size() >= more) return;
-  v.reserve(std::max(v.size() + more, 2 * v.capacity()));
 }
 
 // The recording's arrays grow together: room for one more token (and, with `request`, one more
