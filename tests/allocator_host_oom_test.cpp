@@ -47,8 +47,22 @@ void* counted_allocation(std::size_t n) {
 
 }  // namespace
 
+// Every form that the plain operator delete below may free (std::stable_sort's buffer comes from
+// the nothrow form): a runtime's own form paired with this delete is a mismatch to ASan.
 void* operator new(std::size_t n) { return counted_allocation(n); }
 void* operator new[](std::size_t n) { return counted_allocation(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counted_allocation(n);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  return operator new(n, std::nothrow);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
