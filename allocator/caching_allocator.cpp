@@ -296,7 +296,7 @@ class allocator_impl {
     try {
       seg = new_segment(reinterpret_cast<std::uintptr_t>(p), size, stream, small, false);
     } catch (...) {
-      release_quietly(p, size);
+      device_.release(p, size);  // memory that never entered the books goes back
       throw;
     }
     count_reserved(seg, static_cast<std::int64_t>(size));
@@ -310,15 +310,6 @@ class allocator_impl {
   void insert_free(block* b) noexcept {
     if (b->is_split()) count_inactive_split(b, +1);
     free_nodes_.insert(pool_of(b->seg->small_pool), b);
-  }
-
-  // A segment's memory that never entered the books goes back; a device that fails even that
-  // keeps it (the failure that brought us here is the one to report).
-  void release_quietly(void* p, std::size_t size) noexcept {
-    try {
-      device_.release(p, size);
-    } catch (...) {
-    }
   }
 
   // A segment in segments_, or (std::bad_alloc) nothing changed.
@@ -569,10 +560,7 @@ class allocator_impl {
     try {
       seg = new_segment(reinterpret_cast<std::uintptr_t>(p), range, stream, small, true);
     } catch (...) {
-      try {
-        device_.release_address_range(p, range);
-      } catch (...) {
-      }
+      device_.release_address_range(p, range);
       throw;
     }
     seg->head->mapped = false;  // address space only: kept out of the free set
@@ -671,13 +659,7 @@ class allocator_impl {
         free_nodes_.insert(pool, b);
       }
       if (hi < mid->addr + mid->size) free_nodes_.insert(pool, split_off(mid, hi - mid->addr));
-      try {
-        device_.unmap(reinterpret_cast<void*>(mid->addr), mid->size);
-      } catch (...) {
-        // Still mapped: a free block again, with its pieces, or it would be in no set at all.
-        free_nodes_.insert(pool, merge_free_neighbours(mid));
-        throw;
-      }
+      device_.unmap(reinterpret_cast<void*>(mid->addr), mid->size);
       seg->mapped_bytes -= mid->size;
       count_reserved(seg, -static_cast<std::int64_t>(mid->size));
       ++stats_.num_device_free;

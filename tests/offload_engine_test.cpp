@@ -604,6 +604,13 @@ struct probe_engine {
 
 const std::vector<float> kProbeBatches = {1.0f, -0.5f, 0.75f, -1.0f, 0.25f};
 
+// The losses of `ref`'s next `steps` steps over kProbeBatches: what a faulted run must reproduce.
+std::vector<float> losses_of(probe_engine& ref, std::size_t steps) {
+  std::vector<float> losses;
+  for (std::size_t s = 0; s < steps; ++s) losses.push_back(ref.step(kProbeBatches[s]));
+  return losses;
+}
+
 // Every master weight and the step count, bit for bit.
 void expect_same_state(probe_engine& got, probe_engine& want, const std::string& when) {
   EXPECT_EQ(got.engine->step_count(), want.engine->step_count()) << when;
@@ -689,8 +696,7 @@ TEST(OffloadEngineFaults, AFailedOptimizerPhaseIsFinishedWithItsOwnGradients) {
     SCOPED_TRACE(std::string(sc.reads ? "read" : "write") + " fault, skip " + std::to_string(sc.skip));
     engine_and_reference pair("fault-inplace", kSmallLayers, probe_options({}, 1024));
     probe_engine &ref = pair.ref, &e = pair.e;
-    std::vector<float> want;
-    for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
+    const std::vector<float> want = losses_of(ref, 4);
     const std::vector<float> got = run_with_fault(e, 4, 2, eio_after(sc.reads, sc.skip));
     // Step 2 is finished by step 3's call: steps 1, 3 and 4 report the uninterrupted losses.
     ASSERT_EQ(got.size(), 3u);
@@ -725,8 +731,7 @@ TEST(OffloadEngineFaults, AFailedStagedPhaseUpdatesNoLayerTwice) {
     o.checkpoints = false;
     engine_and_reference pair("staged-fault", layers, o);
     probe_engine &ref = pair.ref, &e = pair.e;
-    std::vector<float> want;
-    for (std::size_t s = 0; s < 3; ++s) want.push_back(ref.step(kProbeBatches[s]));
+    const std::vector<float> want = losses_of(ref, 3);
     const std::vector<float> got = run_with_fault(e, 3, 1, eio_after(sc.reads, sc.skip));
     ASSERT_EQ(got.size(), 2u);
     EXPECT_TRUE(bitwise_equal(got[0], want[1])) << got[0] << " " << want[1];
@@ -784,8 +789,7 @@ TEST(OffloadEngineFaults, AModelThatThrowsLeavesNothingAcquired) {
       o.delayed_update = delayed;
       engine_and_reference pair("model-fault", kSmallLayers, o);
       probe_engine &ref = pair.ref, &e = pair.e;
-      std::vector<float> want;
-      for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
+      const std::vector<float> want = losses_of(ref, 4);
 
       EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[0]), want[0]));
       auto& model = dynamic_cast<probe_model&>(e.engine->model());
@@ -828,8 +832,7 @@ TEST(OffloadEngineFaults, ARefusedPrefetchAfterTheUpdateDoesNotFailTheStep) {
     SCOPED_TRACE(delayed ? "delayed_update" : "in place");
     offload_engine_options o = host_state_options(delayed);
     probe_engine ref(kSmallLayers, o);
-    std::vector<float> want;
-    for (std::size_t s = 0; s < 3; ++s) want.push_back(ref.step(kProbeBatches[s]));
+    const std::vector<float> want = losses_of(ref, 3);
 
     probe_engine e(kSmallLayers, o);
     testing::refusing_device& dev = refuse_under(e, o);
@@ -861,8 +864,7 @@ TEST(OffloadEngineFaults, ADeviceErrorInstallingThePlanAfterTheUpdateDoesNotFail
     offload_engine_options o = host_state_options(delayed);
     o.device_allocator.policy = alloc_policy::planned;
     probe_engine ref(kSmallLayers, o);
-    std::vector<float> want;
-    for (std::size_t s = 0; s < kProbeBatches.size(); ++s) want.push_back(ref.step(kProbeBatches[s]));
+    const std::vector<float> want = losses_of(ref, kProbeBatches.size());
     ASSERT_TRUE(ref.engine->device_memory().plan_stats().active) << "the test does not test: no plan";
 
     probe_engine e(kSmallLayers, o);
@@ -899,8 +901,7 @@ TEST(OffloadEngineFaults, ARefusedReleaseLeavesNothingAcquired) {
     SCOPED_TRACE(delayed ? "delayed_update" : "in place");
     offload_engine_options o = host_state_options(delayed);
     probe_engine ref(kSmallLayers, o);
-    std::vector<float> want;
-    for (std::size_t s = 0; s < 4; ++s) want.push_back(ref.step(kProbeBatches[s]));
+    const std::vector<float> want = losses_of(ref, 4);
 
     probe_engine e(kSmallLayers, o);
     testing::refusing_device& dev = refuse_under(e, o);

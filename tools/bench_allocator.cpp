@@ -137,20 +137,6 @@ void bm_raw_pair(benchmark::State& state, size_mix mix) {
 
 constexpr std::size_t kLiveBlock = 2u << 20;
 
-// ns per free + malloc of one of `live` blocks in turn, through `free_one` and `malloc_one`.
-template <class Free, class Malloc>
-double pair_ns_with_live(std::vector<void*>& blocks, Free&& free_one, Malloc&& malloc_one,
-                         std::size_t pairs) {
-  const auto start = clock_type::now();
-  for (std::size_t i = 0; i < pairs; ++i) {
-    void*& p = blocks[i % blocks.size()];
-    free_one(p);
-    p = malloc_one();
-    benchmark::DoNotOptimize(p);
-  }
-  return elapsed_ns(start) / static_cast<double>(pairs);
-}
-
 void bm_c_abi_with_live(benchmark::State& state) {
   const auto live = static_cast<std::size_t>(state.range(0));
   // The C++ allocator over its own null device, as the yardstick, measured first.
@@ -160,9 +146,15 @@ void bm_c_abi_with_live(benchmark::State& state) {
     terrace::caching_allocator alloc(*device);
     std::vector<void*> blocks(live);
     for (void*& p : blocks) p = alloc.allocate(kLiveBlock);
-    cpp_ns = pair_ns_with_live(
-        blocks, [&](void* p) { alloc.deallocate(p); }, [&] { return alloc.allocate(kLiveBlock); },
-        4 * live);
+    const std::size_t pairs = 4 * live;
+    const auto start = clock_type::now();
+    for (std::size_t i = 0; i < pairs; ++i) {
+      void*& p = blocks[i % live];
+      alloc.deallocate(p);
+      p = alloc.allocate(kLiveBlock);
+      benchmark::DoNotOptimize(p);
+    }
+    cpp_ns = elapsed_ns(start) / static_cast<double>(pairs);
     for (void* p : blocks) alloc.deallocate(p);
   }
   std::vector<void*> blocks(live);
