@@ -1,6 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The pinned host tier (include/terrace/pinned_pool.hpp): large pinned regions from the device
 // backend, each sub-allocated best-fit by its own extent_allocator (offsets within the region).
+//
+// A child forked without exec (a DataLoader worker) does not inherit the regions (MADV_DONTFORK,
+// host_pinning.cpp), but it does inherit the pool's books. There the pool (fork_guard.hpp) refuses
+// to allocate, takes a free of the parent's buffers as done, and at its end forgets the regions
+// instead of releasing them: the child may have mapped something of its own at those addresses
+// since, and a parent's thread may have held the pool's or the device's lock at the fork.
 #include "terrace/pinned_pool.hpp"
 
 #include <algorithm>
@@ -16,6 +22,7 @@
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
 #include "tiers/extent_allocator.hpp"
+#include "tiers/fork_guard.hpp"
 
 namespace terrace {
 namespace {
@@ -53,7 +60,7 @@ std::string pinned_pool_stats::to_json() const {
   return j.dump();
 }
 
-struct pinned_host_pool::impl {
+struct pinned_host_pool::impl : private detail::fork_guard {
   struct region {
     std::uintptr_t base = 0;   // as the backend gave it: page aligned only
     std::size_t size = 0;      // as reserved
@@ -93,7 +100,11 @@ struct pinned_host_pool::impl {
     TERRACE_EXPECTS(options.region_size <= SIZE_MAX - kRegionGranule,
                     "pinned pool region_size " + std::to_string(options.region_size) + " is too large");
     options.region_size = round_up(options.region_size, kRegionGranule);
+    detail::fork_guard::install();
+    register_for_fork();
   }
+
+  using detail::fork_guard::forked_away;
 
   // The smallest region that holds `rounded` bytes at the pool's alignment. The backend promises
   // page alignment only (cudaHostAlloc, mmap), so an alignment above a page may cost up to one
@@ -104,7 +115,21 @@ struct pinned_host_pool::impl {
   }
 
   ~impl() {
+    unregister_for_fork();
+    if (forked_away()) return;
     for (auto& [base, r] : regions) device.release_pinned_host(reinterpret_cast<void*>(base), r->size);
+  }
+
+  // Nothing to close: the regions are already absent from the child, and forked_away() (set by
+  // the handler) is what every later call looks at.
+  void abandon_after_fork() noexcept override {}
+
+  void refuse_in_forked_child() const {
+    if (!forked_away()) return;
+    throw device_error(
+        "terrace: pinned host pool: not usable in a process forked without exec (a DataLoader "
+        "worker): the pinned regions stay with the parent (MADV_DONTFORK); allocate pinned memory "
+        "in the parent, or start the child with exec (multiprocessing's 'spawn')");
   }
 
   std::size_t reserved() const { return static_cast<std::size_t>(counters.reserved_bytes.current); }
@@ -212,6 +237,7 @@ struct pinned_host_pool::impl {
   }
 
   void* allocate(std::size_t bytes) {
+    refuse_in_forked_child();
     if (bytes == 0) return nullptr;
     TERRACE_EXPECTS(bytes <= SIZE_MAX - 4 * kRegionGranule, "pinned allocation of " +
                                                             std::to_string(bytes) + " bytes");
@@ -248,7 +274,9 @@ struct pinned_host_pool::impl {
   }
 
   void deallocate(void* p) {
-    if (p == nullptr) return;
+    // The parent's buffer, freed in the child: its memory is not there, and the books are left as
+    // they are (a parent's thread may have held the lock at the fork).
+    if (p == nullptr || forked_away()) return;
     std::lock_guard lock(mutex);
     const auto addr = reinterpret_cast<std::uintptr_t>(p);
     const auto it = live.find(addr);
@@ -339,6 +367,7 @@ bool pinned_host_pool::owns(const void* p) const {
 }
 
 void pinned_host_pool::empty_cache() {
+  if (impl_->forked_away()) return;  // the regions are not this process's to give back
   std::lock_guard lock(impl_->mutex);
   impl_->release_empty_regions();
 }

@@ -17,7 +17,8 @@
 ///
 /// Thread-safe: one mutex; allocate and deallocate are O(log holes). A new region is reserved with
 /// the mutex released, so requests that fit the regions held do not wait for its pages to be
-/// populated. Regions are not inherited by a child forked without exec.
+/// populated. Regions are not inherited by a child forked without exec; there, allocate throws
+/// device_error, deallocate and empty_cache do nothing, and the destructor forgets the regions.
 #pragma once
 
 #include <cstddef>
