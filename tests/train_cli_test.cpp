@@ -338,6 +338,32 @@ TEST(TrainCli, FreshThatCannotTrainKeepsTheEarlierCheckpoint) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "store.discarded"));
 }
 
+// Found in review: a fresh run that failed after its engine had made the new store (here the log,
+// a link into a folder that does not exist, cannot be opened) had already removed the earlier
+// checkpoint and left the new, untrained store, which the next --resume took for a checkpoint of
+// step 0. The earlier checkpoint is now kept until the run is ready to train, and the new store
+// goes; in a folder that held none, none is left.
+TEST(TrainCli, FreshThatFailsAfterItsStoreWasMadeKeepsTheEarlierCheckpoint) {
+  scratch_dir dir("cli-fresh-late");
+  const std::string d = " --no-report --dir '" + (dir.path() / "run").string() + "' ";
+  const std::filesystem::path log = dir.path() / "steps.log";
+  std::filesystem::create_symlink(dir.path() / "missing" / "steps.log", log);
+  const std::string bad_log = " --log '" + log.string() + "'";
+
+  const run_result first = train("--steps 1" + bad_log + d);
+  EXPECT_EQ(first.exit_code, 2) << first.output;
+  EXPECT_NE(first.output.find("cannot open the log"), std::string::npos) << first.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "run" / "store")) << "an untrained store is left";
+
+  ASSERT_EQ(train("--steps 2" + d).exit_code, 0);
+  const run_result again = train("--fresh --steps 1" + bad_log + d);
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "run" / "store.discarded"));
+  const run_result resumed = train("--resume --steps 3" + d);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("steps           3..3"), std::string::npos) << resumed.output;
+}
+
 // Found in review: the trace was written straight over --save-trace (a failed or killed write
 // left a truncated trace that replays as a shorter run), and a failure did not say why. It is
 // written beside and renamed over, as the report is.

@@ -432,13 +432,27 @@ train_result run_train(const train_options& options) {
 
   std::unique_ptr<device_backend> device;
   std::unique_ptr<offload_engine> engine;
+  // Until the run is ready to train, a failure undoes a fresh run's store (the engine's own
+  // failures already did) and puts the earlier one back: the next --resume must not find an
+  // untrained store where a checkpoint was.
   struct restore_on_failure {
     const fs::path& dir;
+    bool fresh;
+    std::unique_ptr<offload_engine>& engine;
     bool armed = true;
     ~restore_on_failure() {
-      if (armed) restore_store(dir);
+      if (!armed) return;
+      if (fresh && engine != nullptr && engine->store() != nullptr) {
+        engine.reset();  // closes the store's files
+        try {
+          remove_store(dir);
+        } catch (...) {  // refused or failed: left as it is, and the earlier one with it
+          return;
+        }
+      }
+      restore_store(dir);
     }
-  } put_back{o.dir};
+  } put_back{o.dir, !o.resume, engine};
   try {
     device = make_device(o.device, device_options_for(o, resident_device_memory(o.model)));
     const offload_engine_options eo = engine_options_for(o, *device);
@@ -456,10 +470,6 @@ train_result run_train(const train_options& options) {
     throw train_setup_error(e.what());
   } catch (const device_error& e) {  // no GPU for --device cuda, among others
     throw train_setup_error(e.what());
-  }
-  put_back.armed = false;
-  if (std::error_code ec; fs::exists(discarded_store(o.dir), ec)) {
-    remove_store_folder(discarded_store(o.dir));
   }
   if (!o.resume && engine->store() != nullptr) save_run_settings(o.dir, settings);
 
@@ -485,6 +495,11 @@ train_result run_train(const train_options& options) {
       if (f != nullptr) std::fclose(f);
     }
   } close_log{log};
+  // Ready to train: the earlier checkpoint a fresh run set aside goes now.
+  put_back.armed = false;
+  if (std::error_code ec; fs::exists(discarded_store(o.dir), ec)) {
+    remove_store_folder(discarded_store(o.dir));
+  }
 
   std::uint64_t cursor = 0;
   if (const auto& from = engine->resumed_from()) cursor = from->data_cursor;
