@@ -220,6 +220,10 @@ int default_cpu_threads() noexcept {
 
 // ------------------------------------------------------------------------------ factory
 
+int effective_cpu_threads(const char_model_config& config) noexcept {
+  return config.cpu_threads > 0 ? config.cpu_threads : detail::default_cpu_threads();
+}
+
 std::unique_ptr<char_model> make_char_model(const char_model_config& config, device_backend& device,
                                             caching_allocator& activations, stream_ref stream) {
   validate(config);

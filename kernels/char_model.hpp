@@ -58,6 +58,10 @@ struct char_model_config {
 /// layers <= 2^20, cpu_threads >= 0 and every layer and activation fits BLAS's int sizes. Every function below that takes a config calls it.
 void validate(const char_model_config& config);
 
+/// @brief The OpenBLAS threads the cpu implementation uses for `config`: cpu_threads, or for 0
+/// the machine's hardware threads, at most 16.
+int effective_cpu_threads(const char_model_config& config) noexcept;
+
 /// @brief Parameters in all layers (the sum of layers(config)'s elements).
 std::size_t parameter_count(const char_model_config& config);
 

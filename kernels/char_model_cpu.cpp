@@ -39,7 +39,7 @@ class cpu_char_model final : public char_model {
         memory_(activations),
         stream_(stream),
         order_(layer_count(config)),
-        threads_(config.cpu_threads > 0 ? config.cpu_threads : default_cpu_threads()) {}
+        threads_(effective_cpu_threads(config)) {}
 
   ~cpu_char_model() override { release_activations(); }
 

@@ -423,6 +423,18 @@ TEST(TrainCli, ResumeWithOtherRunSettingsIsRefused) {
   const run_result same = train("--resume --steps 3 --clip 1" + d);
   EXPECT_EQ(same.exit_code, 0) << same.output;
   EXPECT_NE(same.output.find("steps           3..3"), std::string::npos) << same.output;
+  EXPECT_EQ(same.output.find("note:"), std::string::npos) << same.output;
+  // Another thread count changes the GEMMs' bits, not what the run computes: it resumes, and says
+  // so once (the next resume with it is the same run again).
+  const run_result threads = train("--resume --steps 4 --threads 2" + d);
+  EXPECT_EQ(threads.exit_code, 0) << threads.output;
+  EXPECT_NE(threads.output.find("note: the checkpoint was trained with --threads 1, this run has 2: "
+                                "its losses are not bitwise those of an uninterrupted run"),
+            std::string::npos)
+      << threads.output;
+  const run_result again = train("--resume --steps 5 --threads 2" + d);
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(again.output.find("note:"), std::string::npos) << again.output;
   const run_result fresh = train("--fresh --steps 1 --batch 4" + d);
   EXPECT_EQ(fresh.exit_code, 0) << fresh.output;
   EXPECT_EQ(train("--resume --steps 2 --batch 4" + d).exit_code, 0);

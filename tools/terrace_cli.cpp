@@ -436,6 +436,7 @@ int run_train(train_args& args) {
   o.progress = args.quiet ? nullptr : stderr;
   try {
     const auto result = terrace::tools::run_train(o);
+    for (const auto& note : result.notes) fmt::print(stderr, "terrace train: note: {}\n", note);
     fmt::print("{}", terrace::tools::format_train_summary(o, result));
     if (!result.output_error.empty()) {
       fmt::print(stderr, "terrace train: error after training (its checkpoint is saved): {}\n",

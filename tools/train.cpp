@@ -151,7 +151,8 @@ void restore_store(const fs::path& dir) {
 // checks): its batches and its update rule. They are kept beside the store's files
 // (<dir>/store/train-run, written when the store is made), so that a resume with other ones is
 // refused rather than continued as a different run under the checkpoint's step numbers.
-// Throughput settings (threads, budgets, the device) are not among them.
+// Throughput settings (budgets, bandwidths) are not among them, nor are the device and the
+// thread count (reproducibility_settings).
 std::vector<std::pair<std::string, std::string>> run_settings(const train_options& o,
                                                               const std::vector<std::uint8_t>& corpus) {
   const auto number = [](double v) {
@@ -175,6 +176,18 @@ std::vector<std::pair<std::string, std::string>> run_settings(const train_option
   return out;
 }
 
+// What changes a run's bits but not what it computes: the GEMMs' summation order (cuBLAS or
+// OpenBLAS, and OpenBLAS's blocking for its thread count). A checkpoint is the same on any of
+// them, so a resume may change them (say onto a GPU); it then says that the continuation is not
+// bitwise the run an uninterrupted one would have been.
+std::vector<std::pair<std::string, std::string>> reproducibility_settings(const train_options& o) {
+  std::vector<std::pair<std::string, std::string>> out = {{"--device", o.device}};
+  if (o.device == "sim") out.emplace_back("--threads", std::to_string(model::effective_cpu_threads(o.model)));
+  return out;
+}
+
+bool is_reproducibility_setting(const std::string& name) { return name == "--device" || name == "--threads"; }
+
 fs::path run_settings_file(const fs::path& dir) { return dir / "store" / "train-run"; }
 
 void save_run_settings(const fs::path& dir, const std::vector<std::pair<std::string, std::string>>& settings) {
@@ -185,8 +198,11 @@ void save_run_settings(const fs::path& dir, const std::vector<std::pair<std::str
   }
 }
 
-// A store from before the settings were kept has none to compare: it resumes as it did.
-void check_run_settings(const fs::path& dir, const std::vector<std::pair<std::string, std::string>>& settings) {
+// A store from before the settings were kept has none to compare: it resumes as it did. Returns
+// the notes for the reproducibility settings that changed.
+std::vector<std::string> check_run_settings(const fs::path& dir,
+                                            const std::vector<std::pair<std::string, std::string>>& settings) {
+  std::vector<std::string> notes;
   std::ifstream in(run_settings_file(dir));
   for (std::string line; std::getline(in, line);) {
     const std::size_t space = line.find(' ');
@@ -195,12 +211,17 @@ void check_run_settings(const fs::path& dir, const std::vector<std::pair<std::st
     const auto it = std::find_if(settings.begin(), settings.end(),
                                  [&](const auto& s) { return s.first == name; });
     const std::string now = it == settings.end() ? "none" : it->second;
-    if (kept != now) {
+    if (kept != now && is_reproducibility_setting(name)) {
+      if (now == "none") continue;  // --threads under cuda: the device's note says it
+      notes.push_back("the checkpoint was trained with " + name + " " + kept + ", this run has " +
+                      now + ": its losses are not bitwise those of an uninterrupted run");
+    } else if (kept != now) {
       throw train_setup_error("--resume: the checkpoint in " + dir.string() + " was trained with " +
                               name + " " + kept + ", not " + now + " (a resumed run continues "
                               "the same run: give its options, or --fresh to start over)");
     }
   }
+  return notes;
 }
 
 void prepare_dir(const train_options& o) {
@@ -427,8 +448,10 @@ train_result run_train(const train_options& options) {
     throw train_setup_error("cannot write the log '" + o.log.string() + "': it is a directory");
   }
   prepare_dir(o);
-  const auto settings = run_settings(o, corpus);
-  if (o.resume) check_run_settings(o.dir, settings);
+  auto settings = run_settings(o, corpus);
+  for (auto& s : reproducibility_settings(o)) settings.push_back(std::move(s));
+  std::vector<std::string> notes;
+  if (o.resume) notes = check_run_settings(o.dir, settings);
 
   std::unique_ptr<device_backend> device;
   std::unique_ptr<offload_engine> engine;
@@ -471,10 +494,13 @@ train_result run_train(const train_options& options) {
   } catch (const device_error& e) {  // no GPU for --device cuda, among others
     throw train_setup_error(e.what());
   }
-  if (!o.resume && engine->store() != nullptr) save_run_settings(o.dir, settings);
+  // After a resume that changed a reproducibility setting, the kept ones are this run's: a later
+  // resume on the same machine continues it without a note.
+  if ((!o.resume || !notes.empty()) && engine->store() != nullptr) save_run_settings(o.dir, settings);
 
   train_result r;
   r.dir = o.dir;
+  r.notes = std::move(notes);
   r.parameters = engine->parameter_count();
   r.state_bytes = engine->state_bytes();
   r.device_memory = device->properties().capacity;

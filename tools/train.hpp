@@ -118,6 +118,8 @@ struct train_result {
   /// Why the trace or the report could not be written after training (empty: both were, or none
   /// was asked for). The training itself and its checkpoint are done.
   std::string output_error;
+  /// Said before the summary: a resume under another device or thread count than its checkpoint's.
+  std::vector<std::string> notes;
 };
 
 /// @brief `<build dir>/train-state` for the running executable (its folder's parent when it lives
