@@ -23,6 +23,7 @@
 #include "terrace/error.hpp"
 #include "terrace/trace.hpp"
 #include "tools/replay.hpp"
+#include "tools/html_report.hpp"
 #include "tools/replay_format.hpp"
 #include "trace_generator.hpp"
 
@@ -444,6 +445,45 @@ TEST(Replay, OutOfMemoryIsCountedAndTheReplayGoesOn) {
     EXPECT_EQ(r.peak_requested_bytes, static_cast<std::int64_t>(40 * MiB)) << device;
     EXPECT_LE(r.peak_reserved_bytes, static_cast<std::int64_t>(64 * MiB)) << device;
   }
+}
+
+// Found in review: a pre-existing block that the device could not hold up front was counted as
+// an OOM of the trace, and its free as the free of a failed allocation, so `ooms` and
+// `failed_alloc_frees` mixed what the job held before the window with its own requests.
+TEST(Replay, APreexistingBlockThatCannotBePlacedIsNotAFailedAllocation) {
+  const std::vector<trace_event> events = {
+      ev(trace_action::alloc, 0x10000000, 1 * MiB),
+      ev(trace_action::free_requested, 0x10000000, 1 * MiB),
+      ev(trace_action::free_requested, 0x40000000, 80 * MiB),  // before the window; > the device
+      ev(trace_action::free_requested, 0x50000000, 8 * MiB),   // before the window; fits
+  };
+  for (const char* device : {"null", "sim"}) {
+    tr::replay_options opts;
+    opts.device = device;
+    opts.config.device_capacity = 64 * MiB;
+    const auto r = tr::replay(events, opts);
+    EXPECT_EQ(r.ooms, 0u) << device;
+    EXPECT_EQ(r.failed_alloc_frees, 0u) << device;
+    EXPECT_EQ(r.preexisting_allocs, 1u) << device;
+    EXPECT_EQ(r.preexisting_unplaced, 1u) << device;
+    EXPECT_EQ(r.preexisting_frees, 2u) << device;
+    EXPECT_EQ(r.frees, 1u) << device;
+    EXPECT_EQ(r.live_at_end, 0u) << device;
+    EXPECT_EQ(r.peak_requested_bytes, static_cast<std::int64_t>(9 * MiB)) << device;
+    const std::string text = tr::format_replay_text(r, {"t.jsonl", false, ""});
+    EXPECT_NE(text.find("1 allocated up front, 1 could not be placed"), std::string::npos) << text;
+    EXPECT_NE(text.find("OOMs                  0\n"), std::string::npos) << text;
+    const auto j = nlohmann::json::parse(tr::format_replay_json(r, {"t.jsonl", false, ""}));
+    EXPECT_EQ(j.at("preexisting_unplaced").get<std::size_t>(), 1u) << device;
+    EXPECT_EQ(j.at("ooms").get<std::size_t>(), 0u) << device;
+  }
+  // The report's summary said "1 OOM (a failed allocation, not in the peaks)" for the same block.
+  tr::replay_options base;
+  base.config.device_capacity = 64 * MiB;
+  const std::string summary = tr::report_summary(tr::make_report_input(events, base, "t", "f"));
+  EXPECT_EQ(summary.find("OOM"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("1 pre-existing block the device could not hold"), std::string::npos)
+      << summary;
 }
 
 TEST(Replay, AnAllocOfALiveAddressIsAnInconsistentTrace) {

@@ -236,6 +236,10 @@ std::string report_summary(const report_input& in) {
       o += fmt::format("  {} OOM{} (a failed allocation{}, not in the peaks)", r.ooms,
                        r.ooms == 1 ? "" : "s", r.ooms == 1 ? "" : "s");
     }
+    if (r.preexisting_unplaced > 0) {
+      o += fmt::format("  {} pre-existing block{} the device could not hold (not in the peaks)",
+                       r.preexisting_unplaced, r.preexisting_unplaced == 1 ? "" : "s");
+    }
     o += "\n";
   }
   if (in.torch_reserved_peak) {

@@ -68,7 +68,9 @@ struct slot {
   void* ptr = nullptr;
   std::size_t event = 0;  // index of the alloc event, for error messages; SIZE_MAX: pre-existing
   std::size_t bytes = 0;
-  bool failed = false;    // its allocation failed with out_of_memory: its free is expected
+  // Its allocation failed with out_of_memory: its free is expected, and counted as what the block
+  // was (a failed alloc of the trace, or a pre-existing block that could not be placed).
+  bool failed = false;
 };
 
 constexpr std::uint32_t no_slot = UINT32_MAX;
@@ -189,7 +191,8 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
       ++r.preexisting_allocs;
       ++held;
     } catch (const out_of_memory&) {
-      ++r.ooms;
+      // Not one of the trace's requests: `ooms` and `failed_alloc_frees` count only those.
+      ++r.preexisting_unplaced;
       b.failed = true;
     }
   }
@@ -260,7 +263,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
       slot& b = t.slots[s];
       ++r.events_replayed;
       if (b.failed) {
-        ++r.failed_alloc_frees;
+        ++(b.event == SIZE_MAX ? r.preexisting_frees : r.failed_alloc_frees);
       } else {
         alloc.deallocate(b.ptr, streams.get(e.stream));
         if (b.ptr != nullptr) live_bytes -= rounded_live_bytes(b.bytes);

@@ -14,15 +14,18 @@
 ///   - A trace is a window into a running job: a free of an address that was not allocated inside
 ///     the window is counted in `preexisting_frees`. With `account_preexisting` (the default) such
 ///     a block is allocated, with the size the free gives, before the first event and freed at its
-///     free, so that the memory it held counts; otherwise the free is skipped.
+///     free, so that the memory it held counts; otherwise the free is skipped. A pre-existing
+///     block the device cannot hold is counted in `preexisting_unplaced` (not in `ooms`), and its
+///     free in `preexisting_frees`.
 ///   - A trace that contradicts itself is refused: an alloc of an address still live, or a free
 ///     of an address already freed with no alloc in between (a double free, which would otherwise
 ///     pass for a pre-existing block and count in every peak).
 ///   - The policy is `config.policy`; event tags are passed to the allocator (the planner uses them).
 ///   - Trace streams map to backend streams created on first use; stream 0 is the default stream.
 ///     A trace naming more than 1024 streams is refused (each is a worker thread on sim).
-///   - An allocation that fails with out_of_memory is counted in `ooms`; the replay goes on and the
-///     matching free is skipped (counted in `failed_alloc_frees`).
+///   - An alloc event that fails with out_of_memory is counted in `ooms`; the replay goes on and
+///     the matching free is skipped (counted in `failed_alloc_frees`). `stats.num_ooms`, the
+///     allocator's own figure, also counts the pre-existing blocks that could not be placed.
 #pragma once
 
 #include <cstddef>
@@ -76,7 +79,7 @@ struct replay_result {
   std::size_t allocs = 0;                ///< alloc events replayed (including those that OOMed)
   std::size_t frees = 0;                 ///< free_requested events that freed a replayed block
   std::size_t preexisting_frees = 0;     ///< frees of addresses allocated before the window
-  std::size_t failed_alloc_frees = 0;    ///< frees of allocations that had failed with OOM
+  std::size_t failed_alloc_frees = 0;    ///< frees of the trace's allocs that had failed with OOM
   std::size_t iteration_marks = 0;       ///< iteration_begin / iteration_end events, passed on
   std::size_t skipped_events = 0;        ///< events of the other actions
   std::size_t streams = 0;               ///< distinct trace streams seen on alloc/free events
@@ -87,11 +90,14 @@ struct replay_result {
   /// 1 - peak allocated / peak reserved (GMLake's figure); 0 when nothing was reserved.
   double fragmentation = 0.0;
   std::int64_t device_allocs = 0;        ///< segments or pages obtained from the backend
-  std::size_t ooms = 0;                  ///< allocations that failed with out_of_memory
+  std::size_t ooms = 0;                  ///< alloc events that failed with out_of_memory
   double seconds = 0.0;                  ///< wall time of the replay loop alone
   double events_per_second = 0.0;        ///< events_replayed / seconds
   allocator_stats stats{};               ///< the allocator's stats after the last event
   std::size_t preexisting_allocs = 0;    ///< blocks allocated up front for pre-existing frees
+  /// Pre-existing blocks whose up-front allocation failed with out_of_memory (the device is too
+  /// small for what the job held before the window): in no peak, and not in `ooms`.
+  std::size_t preexisting_unplaced = 0;
   std::string policy;                    ///< "caching", "expandable" or "planned"
   planner_stats plan{};                  ///< the planner's stats (enabled = false when off)
   std::vector<timeline_point> timeline;  ///< when options.timeline_points > 0

@@ -40,6 +40,14 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
                              r.skipped_events));
   line("pre-existing frees", fmt::format("{} (freed addresses allocated before the window)",
                                          r.preexisting_frees));
+  // Said apart from the OOMs below, which are the trace's own requests: a block the job held
+  // before the window and the device cannot hold is missing from every peak.
+  line("pre-existing blocks",
+       r.preexisting_unplaced == 0
+           ? fmt::format("{} allocated up front", r.preexisting_allocs)
+           : fmt::format("{} allocated up front, {} could not be placed (out of memory; not in the "
+                         "peaks)",
+                         r.preexisting_allocs, r.preexisting_unplaced));
   line("streams", fmt::format("{}", r.streams));
   line("peak live requested", fmt::format("{} ({} B)", format_bytes(r.peak_requested_bytes),
                                           r.peak_requested_bytes));
@@ -113,6 +121,7 @@ std::string format_replay_json(const replay_result& r, const replay_context& c) 
   j["events_per_second"] = r.events_per_second;
   j["policy"] = r.policy;
   j["preexisting_allocs"] = r.preexisting_allocs;
+  j["preexisting_unplaced"] = r.preexisting_unplaced;
   j["planned_hit_rate"] = r.plan.hit_rate();
   j["steady_from_event"] = r.steady_from_event;
   j["steady_peak_live_bytes"] = r.steady_peak_live_bytes;

@@ -267,7 +267,11 @@ int run_compare(const compare_args& args) {
                                             static_cast<double>(r.plan.lower_bound_bytes))
                : std::string("-");
   });
-  row("pre-existing blocks", [](const R& r) { return std::to_string(r.preexisting_allocs); });
+  row("pre-existing blocks", [](const R& r) {
+    return r.preexisting_unplaced == 0
+               ? std::to_string(r.preexisting_allocs)
+               : fmt::format("{} ({} unplaced)", r.preexisting_allocs, r.preexisting_unplaced);
+  });
   row("OOMs", [](const R& r) { return std::to_string(r.ooms); });
   row("events/s", [](const R& r) { return fmt::format("{:.3g}", r.events_per_second); });
   const std::size_t steady_from = runs.back().second.steady_from_event;
