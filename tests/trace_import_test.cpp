@@ -850,14 +850,43 @@ TEST(Report, LargestHoldersIncludeBlocksFromBeforeTheWindow) {
   set(3, trace_action::free_requested, 0x900000, 8 << 20);  // pre-existing, live at the peak
   set(4, trace_action::free_requested, 0x1000, 1 << 20);
   set(5, trace_action::free_requested, 0xa00000, 0);        // no size: not accounted, as in replay
-  const auto h = tr::largest_holders(ev, 2, 10);
+  const auto h = tr::largest_holders(ev, 3, 10);  // just after event 2
   ASSERT_EQ(h.size(), 3u);
   EXPECT_EQ(h[0].addr, 0x900000u);
   EXPECT_EQ(h[0].bytes, 8u << 20);
   EXPECT_EQ(h[0].tag, "pre-existing");
   EXPECT_EQ(h[1].tag, "t1");
   EXPECT_EQ(h[2].tag, "t2");
-  EXPECT_EQ(tr::largest_holders(ev, 4, 10).size(), 1u);  // only 0x200000 is left after event 4
+  EXPECT_EQ(tr::largest_holders(ev, 5, 10).size(), 1u);  // only 0x200000 is left after event 4
+  // Before the first event: the two blocks from before the window with a size.
+  EXPECT_EQ(tr::largest_holders(ev, 0, 10).size(), 2u);
+}
+
+// Found in review: when the pre-existing blocks alone were the peak (live bytes highest before
+// the first event), the report showed the state after event 0 as the state at the peak: here the
+// 40 MiB block freed by event 0 was missing from the holders and free in the segment map.
+TEST(Report, APeakOfPreexistingBlocksAloneIsShownBeforeTheFirstEvent) {
+  constexpr std::uint64_t MiB = 1 << 20;
+  std::vector<trace_event> ev(3);
+  auto set = [&](std::size_t i, trace_action a, std::uintptr_t addr, std::uint64_t size) {
+    ev[i].action = a, ev[i].addr = addr, ev[i].size = ev[i].requested = size, ev[i].tag = "t" + std::to_string(i);
+  };
+  set(0, trace_action::free_requested, 0x40000000, 40 * MiB);  // pre-existing: the peak alone
+  set(1, trace_action::alloc, 0x1000, 1 * MiB);
+  set(2, trace_action::free_requested, 0x1000, 1 * MiB);
+  const auto in = tr::make_report_input(ev, {}, "t.jsonl", "terrace-jsonl");
+  ASSERT_EQ(in.holders.size(), 1u);
+  EXPECT_EQ(in.holders[0].addr, 0x40000000u);
+  EXPECT_EQ(in.holders[0].bytes, 40 * MiB);
+  EXPECT_EQ(in.holders[0].tag, "pre-existing");
+  std::uint64_t live = 0;
+  for (const auto& s : in.segments_at_peak.segments) {
+    for (const auto& b : s.blocks) {
+      if (b.state == "active_allocated") live += b.requested;
+    }
+  }
+  EXPECT_EQ(live, 40 * MiB);
+  EXPECT_NE(tr::render_html_report(in).find("pre-existing"), std::string::npos);
 }
 
 // Found in a user review: the report's summary (the page's and `terrace report`'s output) left

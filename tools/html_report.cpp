@@ -175,22 +175,24 @@ report_input make_report_input(const std::vector<trace_event>& events, const rep
   timelines.timeline_points = 400;
   in.runs = replay_policies(events, timelines);
   const replay_result& caching = in.runs.front().second;
-  // The segment map: the caching policy replayed up to just after its peak-live event.
+  // The segment map: the caching policy replayed up to its peak of live bytes. That may come
+  // before the first event (the pre-existing blocks alone), so the stop is a count of events.
   replay_options at_peak = base;
   at_peak.config = parse_alloc_conf("policy:caching", base.config);
   at_peak.timeline_points = 0;
-  at_peak.stop_after_event = caching.peak_live_event + 1;
+  at_peak.stop_after_event = caching.peak_live_after_events;
   replay_result stopped = replay(events, at_peak);
   if (stopped.snapshot_at_stop) in.segments_at_peak = std::move(*stopped.snapshot_at_stop);
-  in.holders = largest_holders(events, caching.peak_live_event, 20);
+  in.holders = largest_holders(events, caching.peak_live_after_events, 20);
   return in;
 }
 
-std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t event,
+std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t events_done,
                                     std::size_t n) {
   // A free of an address the window has not seen yet is a block from before the window: it was
   // live from the start until that free (the replay allocates it up front, with its free's size),
-  // so it is a holder at `event` when its free comes later. The whole trace is read for those.
+  // so it is a holder once `events_done` events have happened when its free comes later. The
+  // whole trace is read for those.
   std::unordered_map<std::uintptr_t, holder> live;
   std::unordered_set<std::uintptr_t> seen;  // addresses allocated or freed so far
   for (std::size_t i = 0; i < events.size(); ++i) {
@@ -198,11 +200,11 @@ std::vector<holder> largest_holders(const std::vector<trace_event>& events, std:
     const std::uint64_t bytes = e.requested != 0 ? e.requested : e.size;
     if (e.action == trace_action::alloc) {
       seen.insert(e.addr);
-      if (i <= event) live[e.addr] = {e.addr, bytes, e.tag};
+      if (i < events_done) live[e.addr] = {e.addr, bytes, e.tag};
     } else if (e.action == trace_action::free_requested) {
       if (seen.insert(e.addr).second) {
-        if (i > event && bytes != 0) live[e.addr] = {e.addr, bytes, "pre-existing"};
-      } else if (i <= event) {
+        if (i >= events_done && bytes != 0) live[e.addr] = {e.addr, bytes, "pre-existing"};
+      } else if (i < events_done) {
         live.erase(e.addr);
       }
     }

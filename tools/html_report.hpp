@@ -31,10 +31,11 @@ struct report_input {
   std::vector<holder> holders;                              ///< largest live blocks at the peak
 };
 
-/// @brief The blocks live just after event `event` (inclusive), largest first, at most `n`.
+/// @brief The blocks live once the first `events_done` events have happened (0: before the first
+/// event, when only blocks from before the window are live), largest first, at most `n`.
 /// Blocks from before the trace's window (freed in it without an alloc before) are live from
 /// the start to their free, as the replay accounts them, and tagged "pre-existing".
-std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t event,
+std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t events_done,
                                     std::size_t n);
 
 /// @brief Everything the page shows for `events`: replay_policies over `base` with 400-point

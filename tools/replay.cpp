@@ -248,7 +248,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
         if (b.ptr != nullptr) live_bytes += rounded_live_bytes(b.bytes);
         if (live_bytes > peak_live) {
           peak_live = live_bytes;
-          r.peak_live_event = i;
+          r.peak_live_after_events = i + 1;
         }
       } catch (const out_of_memory&) {
         ++r.ooms;

@@ -101,7 +101,10 @@ struct replay_result {
   std::string policy;                    ///< "caching", "expandable" or "planned"
   planner_stats plan{};                  ///< the planner's stats (enabled = false when off)
   std::vector<timeline_point> timeline;  ///< when options.timeline_points > 0
-  std::size_t peak_live_event = 0;       ///< event index where live bytes peaked
+  /// Trace events replayed when live bytes peaked (the first time): the peak is the state just
+  /// after event peak_live_after_events - 1; 0 = before the first event, the pre-existing blocks
+  /// alone (or nothing ever allocated). Pass it as stop_after_event to see that state.
+  std::size_t peak_live_after_events = 0;
   /// From steady_from_event on: peak live bytes (rounded to 512 B), peak bytes held from the
   /// backend, and 1 - the first / the second. When there is none (steady_from_event ==
   /// events_total) or it is 0, the whole trace's peak_allocated_bytes, peak_reserved_bytes and
