@@ -20,6 +20,7 @@
 #include <unordered_set>
 
 #include "run_command.hpp"
+#include "terrace/device.hpp"
 #include "terrace/error.hpp"
 #include "terrace/trace.hpp"
 #include "tools/replay.hpp"
@@ -799,6 +800,33 @@ TEST(Cli, BadInputExitsWithTwoAndSaysWhy) {
   r = run_cli("replay --help");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("--expandable"), std::string::npos) << r.output;
+  std::filesystem::remove(path);
+}
+
+// Found in review: `replay --device cuda` in a build without CUDA, or on a machine without a GPU,
+// exited 1 (a failed run) although the option's value is what cannot be used: bad input, 2, with
+// the device and the reason named. The same for a device named in --conf, and for compare/report.
+TEST(Cli, ACudaDeviceThatIsNotThereIsBadInput) {
+  if (terrace::cuda_device_available()) GTEST_SKIP() << "a GPU is present: --device cuda replays";
+  const std::string path = temp_path("cli-cuda");
+  write_file(path,
+             R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":512,"requested":100,"tag":""})"
+             "\n");
+  const std::string html = temp_path("cli-cuda-report") + ".html";
+  for (const std::string& args :
+       {"replay '" + path + "' --device cuda", "replay '" + path + "' --device cuda-vmm",
+        "replay '" + path + "' --conf device:cuda", "compare '" + path + "' --conf device:cuda-vmm",
+        "report '" + path + "' --conf device:cuda -o '" + html + "'"}) {
+    const auto r = run_cli(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ":\n" << r.output;
+    EXPECT_NE(r.output.find("' requested, but"), std::string::npos) << args << ":\n" << r.output;
+    EXPECT_TRUE(r.output.find("no CUDA support") != std::string::npos ||
+                r.output.find("no usable GPU") != std::string::npos)
+        << args << ":\n" << r.output;
+  }
+  EXPECT_NE(run_cli("replay '" + path + "' --device cuda-vmm").output.find("device 'cuda-vmm'"),
+            std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(html));
   std::filesystem::remove(path);
 }
 #endif

@@ -3,7 +3,7 @@
 // run function that does the work, so that `report` and `compare` slot in beside `replay`.
 //
 // Exit codes: 0 success; 1 a device or runtime failure; 2 bad input (usage, configuration, a
-// malformed or inconsistent trace).
+// device this build or machine does not have, a malformed or inconsistent trace).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "terrace/config.hpp"
+#include "terrace/device.hpp"
 #include "terrace/error.hpp"
 #include "terrace/trace.hpp"
 #include "tools/html_report.hpp"
@@ -67,6 +68,19 @@ terrace::tools::imported_trace import(const char* command, const std::string& pa
                              n, n == 1 ? "" : "s"));
   }
   return imported;
+}
+
+// A CUDA backend that this build or this machine cannot provide makes the --device (or --conf
+// device:) value unusable: bad input, exit 2, said before the trace is read. A device_error from a
+// device that exists stays a failed run (exit 1). make_device is the one place that knows why a
+// backend is missing (no CUDA in this build, or no usable GPU), so its message is passed on.
+void require_available_device(const std::string& name) {
+  if ((name != "cuda" && name != "cuda-vmm") || terrace::cuda_device_available()) return;
+  try {
+    (void)terrace::make_device(name);
+  } catch (const terrace::device_error& e) {
+    throw terrace::logic_error(std::string(terrace::message_without_origin(e)));
+  }
 }
 
 // ------------------------------------------------------------------------------------- replay
@@ -123,6 +137,7 @@ terrace::tools::replay_options compare_options(const std::string& conf) {
   terrace::tools::replay_options o;
   o.config = terrace::parse_alloc_conf(conf);
   o.device = o.config.device == "auto" ? "null" : o.config.device;
+  require_available_device(o.device);
   return o;
 }
 
@@ -135,6 +150,7 @@ int run_replay(replay_args& args) {
   } else {
     options.device = options.config.device;
   }
+  require_available_device(options.device);
   if (args.expandable) {
     // It would be dropped without a word: policy:caching and policy:planned turn it off again.
     if (!args.policy.empty() && args.policy != "expandable") {
@@ -209,8 +225,9 @@ CLI::App* setup_compare(CLI::App& app, compare_args& args) {
 }
 
 int run_compare(const compare_args& args) {
+  const auto options = compare_options(args.conf);
   const auto imported = import("terrace compare", args.trace, args.format);
-  const auto runs = terrace::tools::replay_policies(imported.events, compare_options(args.conf));
+  const auto runs = terrace::tools::replay_policies(imported.events, options);
   using terrace::tools::format_bytes;
   if (args.json) {
     // Built as JSON, not pasted: the path may hold quotes, backslashes or invalid UTF-8.
@@ -298,8 +315,9 @@ CLI::App* setup_report(CLI::App& app, compare_args& args) {
 }
 
 int run_report(const compare_args& args) {
+  const auto options = compare_options(args.conf);
   const auto imported = import("terrace report", args.trace, args.format);
-  const auto in = terrace::tools::make_report_input(imported.events, compare_options(args.conf), args.trace,
+  const auto in = terrace::tools::make_report_input(imported.events, options, args.trace,
                                                     imported.format, imported.torch_reserved_peak);
   std::ofstream out(args.output, std::ios::binary);
   if (!out) throw std::runtime_error("cannot write '" + args.output + "': " + std::strerror(errno));
