@@ -25,6 +25,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -728,6 +729,81 @@ TEST(TensorStore, AnIndexWithGoodChecksumsButImpossibleContentsIsRefused) {
     }
   }
   write_index(good);
+  auto s = tensor_store::open(dir.path(), small(MiB, 64 * KiB));
+  expect_tensor(s, "a", a);
+  expect_tensor(s, "b", b);
+}
+
+// Found in review: the index's own length fields (the entry count, each entry's u32 id length and
+// u32 checksum count) must be bounded by the bytes left before anything is read or allocated for
+// them. Each is corrupted here in the file's bytes, both CRC32Cs then made good, so that only the
+// decoder's bounds stand between the field and the reader: each is refused as a malformed index
+// naming the file and the field, and the store opens as before once the true index is back.
+TEST(TensorStore, AnIndexWhoseLengthFieldsRunPastItsEndIsRefusedNamingTheField) {
+  scratch_dir dir("lengths");
+  const auto a = pattern(100 * KiB + 7, 1), b = pattern(3 * KiB, 2);
+  {
+    auto s = tensor_store::create(dir.path(), small(MiB, 64 * KiB));
+    s.put("a", a.data(), a.size()).wait();
+    s.put("b", b.data(), b.size()).wait();
+    s.checkpoint();
+  }
+  const auto index = dir.path() / "index";
+  std::vector<unsigned char> good(std::filesystem::file_size(index));
+  std::ifstream(index, std::ios::binary)
+      .read(reinterpret_cast<char*>(good.data()), static_cast<std::streamsize>(good.size()));
+  // Payload (version 2) from byte 40: block_size u64 | files u32 | u32 | file_size u64 | identity
+  // 16 | entry_count u64 (40 + 40), then the first entry: id_bytes u32 | id | offset u64 |
+  // size u64 | crc_count u32 | crcs.
+  constexpr std::size_t kHeader = 40, kCount = kHeader + 40, kIdBytes = kCount + 8;
+  std::uint32_t id_bytes = 0;
+  std::memcpy(&id_bytes, good.data() + kIdBytes, 4);
+  ASSERT_EQ(id_bytes, 1u);
+  const std::size_t crc_count = kIdBytes + 4 + id_bytes + 16;
+  const auto seal = [](std::vector<unsigned char> bytes) {
+    const std::uint64_t payload = bytes.size() - kHeader;
+    std::memcpy(bytes.data() + 24, &payload, 8);
+    const std::uint32_t payload_crc = terrace::detail::crc32c(0, bytes.data() + kHeader, payload);
+    std::memcpy(bytes.data() + 32, &payload_crc, 4);
+    const std::uint32_t header_crc = terrace::detail::crc32c(0, bytes.data(), 36);
+    std::memcpy(bytes.data() + 36, &header_crc, 4);
+    return bytes;
+  };
+  ASSERT_EQ(seal(good), good);
+  const auto with = [&](std::size_t at, auto value) {
+    auto bytes = good;
+    std::memcpy(bytes.data() + at, &value, sizeof value);
+    return seal(bytes);
+  };
+  const std::size_t left_after_count = good.size() - kIdBytes;
+  const std::vector<std::tuple<std::string, std::vector<unsigned char>, std::string>> damage{
+      {"an entry count of 2^64 - 1", with(kCount, UINT64_MAX), "entry count"},
+      {"one entry more than it holds", with(kCount, std::uint64_t{3}), "entry"},
+      {"an id length of 2^32 - 1", with(kIdBytes, UINT32_MAX), "id length"},
+      {"an id length one past the end",
+       with(kIdBytes, static_cast<std::uint32_t>(left_after_count - 4 + 1)), "id length"},
+      {"a checksum count of 2^32 - 1", with(crc_count, UINT32_MAX), "checksum count"},
+      {"a checksum count one past the end",
+       with(crc_count, static_cast<std::uint32_t>((good.size() - crc_count - 4) / 4 + 1)),
+       "checksum count"},
+      {"the last entry cut short", seal({good.begin(), good.end() - 2}), "checksum count"},
+  };
+  for (const auto& [what, bytes, field] : damage) {
+    std::ofstream(index, std::ios::binary | std::ios::trunc)
+        .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    try {
+      tensor_store::open(dir.path(), small(MiB, 64 * KiB));
+      ADD_FAILURE() << what << ": opened";
+    } catch (const checksum_error& e) {
+      ADD_FAILURE() << what << ": the CRCs are good, the field is what is wrong: " << e.what();
+    } catch (const io_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find(index.string() + " is malformed"), std::string::npos) << what << ": " << m;
+      EXPECT_NE(m.find(field), std::string::npos) << what << ": " << m;
+    }
+  }
+  std::ofstream(index, std::ios::binary | std::ios::trunc)
+      .write(reinterpret_cast<const char*>(good.data()), static_cast<std::streamsize>(good.size()));
   auto s = tensor_store::open(dir.path(), small(MiB, 64 * KiB));
   expect_tensor(s, "a", a);
   expect_tensor(s, "b", b);

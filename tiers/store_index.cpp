@@ -161,19 +161,41 @@ store_index decode_index(const unsigned char* data, std::size_t size, const std:
     for (auto& b : id) b = r.get<unsigned char>();
     index.identity = id;
   }
+  // The CRCs vouch for the bytes, not for their writer (a bug, an edited file): every length
+  // field is held against the bytes left before anything is read or allocated for it, and a
+  // refusal says which field, so that a damaged index is told from a truncated one.
+  const auto malformed = [&](const std::string& why) {
+    return io_error("terrace: index " + where + " is malformed: " + why);
+  };
+  constexpr std::uint64_t kLeastEntryBytes = 4 + 8 + 8 + 4;  // an empty id, no block checksums
   const auto count = r.get<std::uint64_t>();
+  if (count > r.left() / kLeastEntryBytes) {
+    throw malformed("its entry count is " + std::to_string(count) + ", but the " +
+                    std::to_string(r.left()) + " bytes after it hold at most " +
+                    std::to_string(r.left() / kLeastEntryBytes) + " entries");
+  }
   for (std::uint64_t i = 0; i < count; ++i) {
+    const std::string entry = "entry " + std::to_string(i + 1) + " of " + std::to_string(count);
     index_entry e;
-    e.id = r.bytes(r.get<std::uint32_t>());
+    const auto id_bytes = r.get<std::uint32_t>();
+    if (id_bytes > r.left()) {
+      throw malformed(entry + " has an id length of " + std::to_string(id_bytes) +
+                      " bytes, past the " + std::to_string(r.left()) + " bytes left");
+    }
+    e.id = r.bytes(id_bytes);
     e.offset = r.get<std::uint64_t>();
     e.size = r.get<std::uint64_t>();
     const auto n = r.get<std::uint32_t>();
-    if (n > r.left() / 4) throw io_error("terrace: index " + where + " is malformed: an entry runs past its end");
+    if (n > r.left() / 4) {
+      throw malformed(entry + " has a block checksum count of " + std::to_string(n) + " (" +
+                      std::to_string(std::uint64_t{n} * 4) + " bytes), past the " +
+                      std::to_string(r.left()) + " bytes left");
+    }
     e.crcs.resize(n);
     for (auto& c : e.crcs) c = r.get<std::uint32_t>();
     index.entries.push_back(std::move(e));
   }
-  if (r.left() != 0) throw io_error("terrace: index " + where + " is malformed: bytes after its last entry");
+  if (r.left() != 0) throw malformed("bytes after its last entry");
   return index;
 }
 
