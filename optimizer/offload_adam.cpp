@@ -295,6 +295,11 @@ struct offload_adam::impl {
 
   group_id add(const std::string& name, std::size_t elements, const float* initial) {
     TERRACE_EXPECTS(!name.empty(), "offload_adam: a group needs a name");
+    // Its chunks are "<name>#<k>" in the store: refused here, not at the first put of a step.
+    constexpr std::size_t kChunkSuffix = 1 + 20;  // '#' and a 64-bit k in decimal
+    TERRACE_EXPECTS(name.size() <= tensor_store::max_id_bytes - kChunkSuffix,
+                    "offload_adam: a group name of " + std::to_string(name.size()) + " bytes (at most " +
+                        std::to_string(tensor_store::max_id_bytes - kChunkSuffix) + ")");
     TERRACE_EXPECTS(elements > 0, "offload_adam: group '" + name + "' has 0 elements");
     for (const group& g : groups)
       TERRACE_EXPECTS(g.name != name, "offload_adam: a group named '" + name + "' exists already");

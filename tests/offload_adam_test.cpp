@@ -230,6 +230,19 @@ const std::vector<std::size_t> kOddSizes = {10000, 100, 4096, 8193, 1, 64 * 3 + 
 
 // ------------------------------------------------------------------------ bitwise equality
 
+// A group's chunks are "<name>#<k>" in the store: a name whose chunk ids the store would refuse
+// is refused by add, not at the first put of a step.
+TEST(OffloadAdam, AGroupNameTooLongForItsChunkIdsIsRefusedWhenAdded) {
+  scratch_dir dir("offload_adam_long_name");
+  host_rig host;
+  auto store = tensor_store::create(dir.path(), store_options());
+  offload_adam_options o;
+  offload_adam opt(o, *host.pool, &store);
+  std::vector<float> initial(16, 1.0f);
+  EXPECT_THROW(opt.add(std::string(tensor_store::max_id_bytes, 'g'), 16, initial.data()), logic_error);
+  EXPECT_NO_THROW(opt.add(std::string(tensor_store::max_id_bytes - 21, 'g'), 16, initial.data()));
+}
+
 TEST(OffloadAdam, AllOnTheHostIsBitwiseAdam) {
   config c;
   c.sizes = kOddSizes;

@@ -220,6 +220,34 @@ TEST(TensorStore, ACapacityThatNoSwapFileCanHoldIsRefusedNotWrappedToZero) {
     EXPECT_FALSE(std::filesystem::exists(dir.path() / "swap.0"));
   }
 }
+// Found in review: the index keeps an id's length and a tensor's block count in 32 bits, and the
+// writer truncated larger ones without a word: the checkpoint wrote an index that passed its
+// checksums, read back wrong, and replaced the good one. A store that could hold a tensor of 2^32
+// blocks is now refused at create(), and put() refuses an id longer than max_id_bytes.
+TEST(TensorStore, NothingTheIndexCannotRecordIsAccepted) {
+  scratch_dir dir("index-bounds");
+  const tensor_store_options o = small(std::uint64_t{1} << 44, 4 * KiB);  // 2^32 blocks of 4 KiB
+  try {
+    auto s = tensor_store::create(dir.path(), o);
+    ADD_FAILURE() << "created a store of capacity " << s.capacity();
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("index"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "index"));
+
+  const std::string longest(tensor_store::max_id_bytes, 'n');
+  {
+    auto s = tensor_store::create(dir.path(), small(MiB));
+    auto v = pattern(1000, 7);
+    s.put(longest, v.data(), v.size()).wait();
+    EXPECT_THROW(s.put(longest + "x", v.data(), v.size()), logic_error);
+    s.checkpoint();
+  }
+  auto s = tensor_store::open(dir.path());
+  EXPECT_TRUE(s.contains(longest));
+  EXPECT_FALSE(s.contains(longest + "x"));
+}
+
 TEST(TensorStore, APutNear2To64BytesIsFullAndKeepsTheOldVersion) {
   // The extent size wrapped to 0 bytes: the put reached the engine, failed there with another
   // error, and had already dropped the tensor's old version.

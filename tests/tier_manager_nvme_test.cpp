@@ -160,6 +160,16 @@ TEST(TierManagerNvme, DataSurvivesEvictionToHostAndToNvme) {
   EXPECT_GT(s.host_evictions_ahead, 0);
 }
 
+// A name is the tensor's id in the store: one the store's index cannot keep is refused when the
+// tensor is added, not at its first eviction to NVMe (a put failing in the middle of an acquire).
+TEST(TierManagerNvme, ANameTooLongForTheStoreIsRefusedWhenAdded) {
+  testing::scratch_dir dir("tm-nvme-name");
+  auto store = tensor_store::create(dir.path(), store_options());
+  rig3 r(store);
+  EXPECT_THROW(r.tm->add(std::string(tensor_store::max_id_bytes + 1, 't'), kBytes), logic_error);
+  EXPECT_NO_THROW(r.tm->add(std::string(tensor_store::max_id_bytes, 't'), kBytes));
+}
+
 // Puts that fail, whether started ahead of need (the tensor then stays home, silently) or on the
 // demand path (the acquire that needed the room fails, before anything is pinned), lose no data:
 // every tensor holds its pattern plus one for each acquire that succeeded.

@@ -122,7 +122,10 @@ std::uint64_t largest_capacity(unsigned files, std::uint64_t block_size) {
   const std::uint64_t per_file =
       (static_cast<std::uint64_t>(std::numeric_limits<off_t>::max()) - kSwapTrailerBytes) / block_size * block_size;
   const std::uint64_t per_file_in_64_bits = std::numeric_limits<std::uint64_t>::max() / files / block_size * block_size;
-  return std::min(per_file, per_file_in_64_bits) * files;
+  // The index counts a tensor's block checksums in 32 bits: no tensor, so no store, may have more
+  // blocks (16 TiB at 4 KiB blocks; a larger block_size allows more).
+  const std::uint64_t indexable = std::uint64_t{std::numeric_limits<std::uint32_t>::max()} * block_size;
+  return std::min(std::min(per_file, per_file_in_64_bits) * files, indexable);
 }
 
 // Turns on O_DIRECT, or explains once why not.
@@ -173,8 +176,9 @@ class tensor_store_impl : private fork_guard {
     TERRACE_EXPECTS(!create || opt.capacity > 0, "capacity must be positive");
     TERRACE_EXPECTS(!create || opt.capacity <= largest_capacity(opt.files, opt.block_size),
                     "capacity " + std::to_string(opt.capacity) + " is more than " + std::to_string(opt.files) +
-                        " swap file(s) can hold (" + std::to_string(largest_capacity(opt.files, opt.block_size)) +
-                        " bytes at most)");
+                        " swap file(s) of " + std::to_string(opt.block_size) + "-byte blocks can hold and index (" +
+                        std::to_string(largest_capacity(opt.files, opt.block_size)) +
+                        " bytes at most; a larger block_size indexes more)");
     fork_guard::install();
     dirfd_.fd = open_directory(dir);
     try {
@@ -485,6 +489,9 @@ class tensor_store_impl : private fork_guard {
 
   io_handle put(const std::string& id, const void* data, std::size_t size) {
     TERRACE_EXPECTS(data != nullptr || size == 0, "put of a null buffer");
+    TERRACE_EXPECTS(id.size() <= tensor_store::max_id_bytes,
+                    "put of an id of " + std::to_string(id.size()) + " bytes (at most " +
+                        std::to_string(tensor_store::max_id_bytes) + "): '" + id.substr(0, 64) + "...'");
     std::unique_lock lock(mutex_);
     std::optional<std::uint64_t> offset = alloc_->allocate(size);
     if (!offset) {

@@ -1225,6 +1225,10 @@ tier_manager::~tier_manager() = default;
 
 tensor_id tier_manager::add(std::string name, std::size_t bytes, const void* initial) {
   TERRACE_EXPECTS(bytes > 0, "tier manager: tensor '" + name + "' of 0 bytes");
+  // The name is its id in the store: refused here, not at its first eviction to NVMe.
+  TERRACE_EXPECTS(name.size() <= tensor_store::max_id_bytes,
+                  "tier manager: a tensor name of " + std::to_string(name.size()) + " bytes (at most " +
+                      std::to_string(tensor_store::max_id_bytes) + ")");
   std::lock_guard lock(impl_->mutex);
   impl& m = *impl_;
   TERRACE_EXPECTS(m.tensors.size() < std::numeric_limits<tensor_id>::max(),

@@ -90,7 +90,8 @@ class offload_adam {
   /// it). Master weights from `initial_master`, m = v = 0; an NVMe group's state is written to the
   /// store before add returns. Without `initial_master`, the group's state is taken from the
   /// store's last checkpoint (resume), and the step counter from that checkpoint too.
-  /// @throws logic_error for a duplicate or empty name, 0 elements, a resume without a store, or
+  /// @throws logic_error for a duplicate or empty name, a name longer than
+  ///         tensor_store::max_id_bytes - 21 (its chunks' ids), 0 elements, a resume without a store, or
   ///         a resume that would move a step counter already set (by a step or an earlier resume
   ///         from another checkpoint: resume every group before the first step);
   ///         io_error when resuming and the store has no checkpoint, no such group, or its size

@@ -108,6 +108,10 @@ struct tensor_store_options {
 /// @brief An asynchronous tensor store on NVMe (see the file comment).
 class tensor_store {
  public:
+  /// The longest id put() takes. Ids are names (a tensor's, a chunk's); the index keeps each with
+  /// its length, and a bound keeps a runaway name from growing every checkpoint's index.
+  static constexpr std::size_t max_id_bytes = 4096;
+
   /// @brief Creates a new, empty store in `directory`, which must exist; commits generation 0.
   /// Files are created 0600 with O_EXCL|O_NOFOLLOW; nothing outside the directory (and the
   /// stripe directories) is touched, and no file the store did not write is removed. A create
@@ -140,7 +144,8 @@ class tensor_store {
   /// @throws out_of_memory when the store cannot hold `size` more bytes, even once the transfers
   /// in flight have finished and the puts that failed are dropped (what() gives what is free, the
   /// largest hole, and what holds the rest: live tensors, what only the next checkpoint() will
-  /// release, and any other use); nothing observable changes then.
+  /// release, and any other use); nothing observable changes then. logic_error for an id longer
+  /// than max_id_bytes, before anything changes.
   io_handle put(const std::string& id, const void* data, std::size_t size);
 
   /// @brief Reads tensor `id` into `into` (at least size_of(id) bytes), verifying every block's

@@ -126,8 +126,8 @@ class tier_manager {
   /// that name and size in the attached store is taken as its contents (resuming from a
   /// checkpoint) and stays on NVMe until used; otherwise the contents are undefined until written.
   /// @throws out_of_memory when the host tier cannot hold it, or at once (nothing moved to NVMe)
-  ///         when it is larger than the whole host budget; logic_error for 0 bytes or a name
-  ///         already added.
+  ///         when it is larger than the whole host budget; logic_error for 0 bytes, a name
+  ///         already added, or one longer than tensor_store::max_id_bytes.
   tensor_id add(std::string name, std::size_t bytes, const void* initial = nullptr);
 
   /// @brief The tensor's device copy, valid for work queued on `stream` from now on; pins it.
