@@ -602,9 +602,7 @@ class sim_device final : public device_backend {
     if (std::string why = vmm_.why_not_unmappable(a, bytes); !why.empty()) {
       contract_violation("sim", why);
     }
-    // The books first: a host without memory for their entry (noexcept: fatal) stops here with
-    // the pages still mapped, as the books say.
-    vmm_.mark_unmapped(a, bytes);
+    vmm_.mark_unmapped(a, bytes);  // allocates nothing: map() made its nodes ready
     // Then drop the contents: the physical pages go back to the host and the next map of these
     // addresses reads zeros, as fresh physical memory would.
     ::madvise(p, bytes, MADV_DONTNEED);

@@ -9,6 +9,14 @@
 // the null device reserves ranges as large as its 1 TiB capacity: the books grow with the number
 // of mapped runs, not with the size of the address space.
 //
+// unmap() is noexcept in the device contract, yet unmapping the middle of a run splits it in two,
+// and the upper part needs a node: a host out of memory there would be fatal. So map(), which may
+// throw, makes ready every node that unmaps could need before the next map: a run of L granules
+// can be cut into at most ceil(L/2) runs (every other granule unmapped), and an unmap never
+// raises that sum (a run cut into a head h and a tail t with h + t < L has ceil(h/2) + ceil(t/2)
+// <= ceil(L/2)). The books hold that many nodes, in runs or spare, so unmap only moves nodes
+// between the map and the spares. The price is at most one spare node per two mapped granules.
+//
 // REQUIRES: the owner serializes every call (the backends hold one mutex around it).
 #pragma once
 
@@ -19,6 +27,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
@@ -78,14 +87,22 @@ class vmm_book {
   }
 
   /// REQUIRES: check_map(p, bytes) passed. Joins the run with its mapped neighbours.
-  /// @throws std::bad_alloc, having changed nothing: runs are extended in place or moved by their
-  /// node, and only a run that touches neither neighbour is a new entry.
+  /// @throws std::bad_alloc, having changed nothing: the nodes that this run and later unmaps can
+  /// need are made ready first; runs are then extended in place or moved by their node, and a run
+  /// that touches neither neighbour takes a spare.
   void mark_mapped(std::uintptr_t p, std::size_t bytes) {
     const std::uintptr_t end = p + bytes;
     const auto next = mapped_.lower_bound(end);
     const bool joins_next = next != mapped_.end() && next->first == end;
     const auto prev = next == mapped_.begin() ? mapped_.end() : std::prev(next);
     const bool joins_prev = prev != mapped_.end() && prev->second == p;
+    const std::uintptr_t run_begin = joins_prev ? prev->first : p;
+    const std::uintptr_t run_end = joins_next ? next->second : end;
+    const std::size_t needed = nodes_needed_ + most_runs_after_unmaps(run_begin, run_end) -
+                               (joins_prev ? most_runs_after_unmaps(prev->first, prev->second) : 0) -
+                               (joins_next ? most_runs_after_unmaps(next->first, next->second) : 0);
+    hold_nodes(needed);  // the only allocation; may throw
+    nodes_needed_ = needed;
     if (joins_prev) {
       prev->second = joins_next ? next->second : end;
       if (joins_next) mapped_.erase(next);
@@ -94,7 +111,7 @@ class vmm_book {
       node.key() = p;
       mapped_.insert(std::move(node));
     } else {
-      mapped_.emplace(p, end);
+      insert_run(p, end);
     }
     mapped_bytes_ += bytes;
   }
@@ -110,17 +127,20 @@ class vmm_book {
     return {};
   }
 
-  /// REQUIRES: why_not_unmappable(p, bytes) is empty.
-  /// @throws std::bad_alloc, having changed nothing: only a hole in the middle of a run makes a
-  /// new entry (its upper part), and that comes first.
-  void mark_unmapped(std::uintptr_t p, std::size_t bytes) {
+  /// REQUIRES: why_not_unmappable(p, bytes) is empty. Allocates nothing: a hole in the middle
+  /// of a run takes a spare node for its upper part (mark_mapped made it ready).
+  void mark_unmapped(std::uintptr_t p, std::size_t bytes) noexcept {
     const auto it = std::prev(mapped_.upper_bound(p));
+    const std::uintptr_t begin = it->first;
     const std::uintptr_t end = it->second;
-    const bool keeps_head = it->first < p;
+    const bool keeps_head = begin < p;
     const bool keeps_tail = p + bytes < end;
+    nodes_needed_ = nodes_needed_ - most_runs_after_unmaps(begin, end) +
+                    (keeps_head ? most_runs_after_unmaps(begin, p) : 0) +
+                    (keeps_tail ? most_runs_after_unmaps(p + bytes, end) : 0);
     if (keeps_tail && keeps_head) {
-      mapped_.emplace_hint(std::next(it), p + bytes, end);
       it->second = p;
+      insert_run(p + bytes, end);
     } else if (keeps_tail) {
       auto node = mapped_.extract(it);
       node.key() = p + bytes;
@@ -128,8 +148,10 @@ class vmm_book {
     } else if (keeps_head) {
       it->second = p;
     } else {
-      mapped_.erase(it);
+      spares_.push_back(mapped_.extract(it));  // within the capacity hold_nodes reserved
     }
+    // Nodes beyond what later unmaps can need go back to the host (freeing never fails).
+    while (!spares_.empty() && mapped_.size() + spares_.size() > nodes_needed_) spares_.pop_back();
     mapped_bytes_ -= bytes;
   }
 
@@ -177,11 +199,42 @@ class vmm_book {
     return mapped_.end();
   }
 
+  using run_map = std::map<std::uintptr_t, std::uintptr_t>;
+
+  // How many runs unmaps alone can cut [begin, end) into: every other granule left mapped.
+  std::size_t most_runs_after_unmaps(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+    return ((end - begin) / granularity_ + 1) / 2;
+  }
+
+  // Makes the books hold at least `n` nodes (runs plus spares), with room in spares_ for all of
+  // them. @throws std::bad_alloc; the nodes made before it stay spare, which changes no run.
+  void hold_nodes(std::size_t n) {
+    if (mapped_.size() + spares_.size() >= n) return;
+    spares_.reserve(n);
+    while (mapped_.size() + spares_.size() < n) {
+      scratch_.emplace(0, 0);  // an empty map inserts without comparing
+      spares_.push_back(scratch_.extract(scratch_.begin()));
+    }
+  }
+
+  // REQUIRES: a spare node (hold_nodes counted this run).
+  void insert_run(std::uintptr_t begin, std::uintptr_t end) noexcept {
+    run_map::node_type node = std::move(spares_.back());
+    spares_.pop_back();
+    node.key() = begin;
+    node.mapped() = end;
+    mapped_.insert(std::move(node));
+  }
+
   std::string backend_;
   std::size_t granularity_;
-  std::map<std::uintptr_t, std::size_t> ranges_;     // base -> bytes
-  std::map<std::uintptr_t, std::uintptr_t> mapped_;  // begin -> end, coalesced
+  std::map<std::uintptr_t, std::size_t> ranges_;  // base -> bytes
+  run_map mapped_;                                // begin -> end, coalesced
   std::size_t mapped_bytes_ = 0;
+  // Sum over runs of most_runs_after_unmaps: the nodes that unmaps before the next map can need.
+  std::size_t nodes_needed_ = 0;
+  std::vector<run_map::node_type> spares_;  // capacity >= every node held: push_back never grows it
+  run_map scratch_;                         // always empty: where hold_nodes makes nodes
 };
 
 }  // namespace terrace::detail
