@@ -12,11 +12,16 @@
 //     once that stream has finished that many items. wait() copies the pair into the waiting
 //     stream's queue, so, as in CUDA, it refers to the record before it and a later record (say on
 //     a faster stream) cannot release it early. record() itself queues nothing.
-//   - With a copy bandwidth, a copy occupies its stream for bytes / bandwidth seconds (or for as
-//     long as the memcpy takes, if that is longer), counted from when it was queued or when the
-//     stream's previous item ended. Deadlines come from a steady clock and chain from one copy to
-//     the next, so a timer's oversleep on one small copy is made up by the next and a run of
-//     small copies keeps the modelled rate. Each stream is its own link.
+//   - With a copy bandwidth, the device has one link per direction (host to device, device to
+//     host), shared by all its streams, as a GPU has one copy engine each way
+//     (tiers/sim_copy_link.hpp). A copy books its direction's link for bytes / bandwidth seconds
+//     from when it was queued or its stream's previous item ended, or when the link's previous
+//     booking ends, whichever is latest; its stream is held that long (or as long as the memcpy
+//     takes, if longer). So copies of two streams in one direction take turns, while opposite
+//     directions overlap. Device-to-device and host-to-host copies cross no such link and take
+//     their memcpy's time. Deadlines come from a steady clock and chain from one copy to the
+//     next, so a timer's oversleep on one small copy is made up by the next and a run of small
+//     copies keeps the modelled rate.
 //   - A child forked without exec (a DataLoader worker) inherits the streams but not their workers.
 //     There, work finished before the fork is still finished, a wait for any other is a
 //     device_error (as every CUDA call in such a child fails), and destroying a stream or the
@@ -50,6 +55,7 @@
 #include "terrace/sim_device.hpp"
 #include "tiers/backends.hpp"
 #include "tiers/capacity_meter.hpp"
+#include "tiers/sim_copy_link.hpp"
 #include "tiers/vmm_book.hpp"
 
 namespace terrace {
@@ -84,6 +90,7 @@ struct work_item {
   void* dst = nullptr;
   const void* src = nullptr;
   std::size_t bytes = 0;
+  copy_kind transfer = copy_kind::host_to_host;  // kind::copy: which link, if any, it books
   std::shared_ptr<sim_stream> waits_for;  // kind::wait: run on once it has finished `ticket` items
   std::uint64_t ticket = 0;
   std::function<void()> fn;
@@ -92,8 +99,8 @@ struct work_item {
 
 class sim_stream : public std::enable_shared_from_this<sim_stream> {
  public:
-  sim_stream(double bandwidth, std::string label)
-      : label_(std::move(label)), bandwidth_(bandwidth), worker_([this] { run(); }) {}
+  sim_stream(std::shared_ptr<sim_copy_links> links, std::string label)
+      : label_(std::move(label)), links_(std::move(links)), worker_([this] { run(); }) {}
 
   ~sim_stream() {
     stop_and_join();
@@ -116,7 +123,7 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
         throw logic_error("terrace: device 'sim': work queued on " + label_ +
                           " while it is being destroyed");
       }
-      if (bandwidth_ > 0.0 && item.what == work_item::kind::copy) item.queued_at = clock_type::now();
+      if (links_->modelled() && item.what == work_item::kind::copy) item.queued_at = clock_type::now();
       queue_.push_back(std::move(item));
       ++pushed_;
     }
@@ -228,8 +235,11 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
         if (item.what == work_item::kind::wait) blocked_on_ = {item.waits_for, item.ticket};
         lock.unlock();
         execute(item);
-        // Time spent in anything but a copy (a "kernel", a wait) is no credit for the next copy.
-        if (bandwidth_ > 0.0 && item.what != work_item::kind::copy) link_free_at_ = clock_type::now();
+        // Time spent in anything but a modelled copy (a "kernel", a wait, a device-to-device
+        // copy) is no credit for the next copy.
+        if (links_->modelled() && !(item.what == work_item::kind::copy && links_->of(item.transfer))) {
+          ready_at_ = clock_type::now();
+        }
         // `item` dies here, before the work counts as finished: whoever synchronizes may then
         // destroy what a host function captured.
       }
@@ -263,33 +273,26 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   }
 
   void copy(const work_item& item) {
-    if (bandwidth_ <= 0.0) {
+    sim_copy_link* link = links_->of(item.transfer);
+    if (link == nullptr) {
       std::memcpy(item.dst, item.src, item.bytes);
       return;
     }
-    // The modelled link starts this copy when it was queued or when the previous item ended,
-    // whichever is later -- not when this thread got round to it.
-    const clock_type::time_point start = std::max(link_free_at_, item.queued_at);
+    // The copy is ready when it was queued or when this stream's previous item ended, whichever
+    // is later -- not when this thread got round to it; the shared link may start it later still.
+    const sim_copy_link::booking slot = link->book(std::max(ready_at_, item.queued_at), item.bytes);
     const clock_type::time_point copy_began = clock_type::now();
     std::memcpy(item.dst, item.src, item.bytes);
     const clock_type::duration took = clock_type::now() - copy_began;
-    // Clamped to a century: a bandwidth far below a byte per second would otherwise overflow the
-    // clock's 64-bit nanoseconds and, wrapped, make the slowest link the fastest.
-    constexpr double kLongestCopySeconds = 100.0 * 365 * 24 * 3600;
-    const auto modelled = std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(
-        std::min(static_cast<double>(item.bytes) / bandwidth_, kLongestCopySeconds)));
-    // The copy holds the link for the modelled time, or for as long as the memcpy really took.
-    // The end is reckoned from `start`, not from now, so a late wakeup of this thread (a timer's
-    // oversleep on the previous copy) is made up here.
-    // Saturated: copies queued back to back on a vanishing bandwidth add up centuries, past the
-    // clock's range.
-    const clock_type::duration held = std::max(modelled, took);
-    link_free_at_ = held > clock_type::time_point::max() - start ? clock_type::time_point::max()
-                                                                 : start + held;
+    // The stream is held for the modelled time, or for as long as the memcpy really took (the
+    // host's speed, which holds this stream but not the link). The end is reckoned from the
+    // booking's start, not from now, so a late wakeup of this thread (a timer's oversleep on the
+    // previous copy) is made up here.
+    ready_at_ = sim_copy_link::saturating_add(slot.start, std::max(slot.length, took));
     // The bytes have moved; what is left is modelled time, which destroying the stream cuts short
     // (stop_and_join would otherwise wait out a pathological bandwidth's century).
     std::unique_lock<std::mutex> lock(m_);
-    work_cv_.wait_until(lock, link_free_at_, [&] { return stopping_; });
+    work_cv_.wait_until(lock, ready_at_, [&] { return stopping_; });
   }
 
   // A host function that synchronizes its own stream (synchronize, synchronize_device, or
@@ -388,7 +391,7 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   }
 
   const std::string label_;
-  const double bandwidth_;
+  const std::shared_ptr<sim_copy_links> links_;  // the device's, shared by all its streams
 
   std::mutex m_;
   struct condition_variables {
@@ -408,8 +411,8 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   // What the worker waits for now (a queued wait, or a host function's synchronize); null if none.
   std::pair<std::shared_ptr<sim_stream>, std::uint64_t> blocked_on_;
 
-  // The worker's own: when the modelled link finished the previous item.
-  clock_type::time_point link_free_at_{};
+  // The worker's own: when, in modelled time, the previous item ended.
+  clock_type::time_point ready_at_{};
 
   const pid_t owner_pid_ = ::getpid();  // the process whose thread worker_ is
 
@@ -435,7 +438,7 @@ struct sim_event {
 class sim_device final : public device_backend {
  public:
   explicit sim_device(const device_options& options)
-      : bandwidth_(options.copy_bandwidth),
+      : links_(std::make_shared<sim_copy_links>(options.copy_bandwidth)),
         vmm_("sim", options.map_granularity ? options.map_granularity : kDefaultGranularity),
         meter_("sim", options.capacity ? options.capacity : kDefaultCapacity) {
     properties_.name = "sim";
@@ -642,7 +645,7 @@ class sim_device final : public device_backend {
 
   std::shared_ptr<sim_stream> new_stream(std::string label) {
     try {
-      return std::make_shared<sim_stream>(bandwidth_, std::move(label));
+      return std::make_shared<sim_stream>(links_, std::move(label));
     } catch (const std::system_error& e) {
       throw device_error(std::string("terrace: device 'sim': cannot start a stream worker: ") +
                          e.what());
@@ -788,6 +791,7 @@ class sim_device final : public device_backend {
     item.dst = dst;
     item.src = src;
     item.bytes = bytes;
+    item.transfer = kind;
     stream_of(s)->push(std::move(item));
   }
 
@@ -826,7 +830,7 @@ class sim_device final : public device_backend {
                       "released memory)");
   }
 
-  const double bandwidth_;
+  const std::shared_ptr<sim_copy_links> links_;  // one per direction, shared by every stream
 
   mutable std::mutex memory_mutex_;  // guards segments_, vmm_ and meter_'s counts
   std::map<std::uintptr_t, std::size_t> segments_;  // ordered: a copy's bounds check finds its segment

@@ -58,7 +58,10 @@ struct device_properties {
 /// @brief Options for make_device. Zero means "the backend's default".
 struct device_options {
   std::size_t capacity = 0;          ///< sim / null: bytes available (default 8 GiB sim, 1 TiB null)
-  double copy_bandwidth = 0.0;       ///< sim: bytes per second for async copies; 0 = as fast as memcpy
+  /// sim: bytes per second of each direction of the host link (host to device, device to host),
+  /// shared by all streams; 0 = as fast as memcpy. Device-to-device and host-to-host copies take
+  /// their memcpy's time.
+  double copy_bandwidth = 0.0;
   std::size_t map_granularity = 0;   ///< sim / null: VMM page size (default 2 MiB)
   int device_index = 0;              ///< cuda / cuda-vmm: the CUDA device ordinal
 };
