@@ -1017,10 +1017,10 @@ TEST(SimBandwidth, ALargeCopyTakesBytesOverBandwidth) {
 
 TEST(SimBandwidth, AVanishingBandwidthIsSlowNotInstant) {
   // bytes / bandwidth seconds overflowed the clock's nanoseconds and wrapped: the slowest link
-  // finished first. Destroying the stream cuts the modelled wait short.
+  // finished first.
+  std::vector<unsigned char> host(16 * KiB, 5);  // outlives the device: the copies read it
   auto dev = sim(1e-9);
   void* d = dev->reserve(16 * KiB);
-  std::vector<unsigned char> host(16 * KiB, 5);
   stream_ref s = dev->create_stream();
   event_ref e = dev->create_event();
   dev->copy_async(d, host.data(), host.size(), copy_kind::host_to_device, s);
@@ -1030,9 +1030,8 @@ TEST(SimBandwidth, AVanishingBandwidthIsSlowNotInstant) {
   for (int i = 0; i < 3; ++i) dev->copy_async(d, host.data(), host.size(), copy_kind::host_to_device, s);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_FALSE(dev->query(e)) << "a copy modelled to take 1.6e13 s completed at once";
-  dev->destroy_stream(s);
-  dev->destroy_event(e);
-  dev->release(d, 16 * KiB);
+  // Destroying the stream would wait the copies out, as on a GPU; the device goes with them still
+  // queued, and its destructor cuts them short and takes d back.
 }
 
 // Found in review: the device's destructor stopped its streams one at a time, so a stream waiting
@@ -1168,6 +1167,32 @@ TEST(SimBandwidth, DeviceToDeviceAndHostToHostCopiesTakeNoLinkTime) {
   dev->destroy_stream(s);
   dev->release(d1, n);
   dev->release(d2, n);
+}
+
+// Found in review: destroying a stream cut its queued copies' modelled time short, so an event
+// recorded after them completed at once. The stream is drained as CUDA's would be: the copies
+// still occupy the link for their time.
+TEST(SimBandwidth, ADestroyedStreamsCopiesStillTakeTheirModelledTime) {
+  constexpr double kBandwidth = 1e8;
+  auto dev = sim(kBandwidth);
+  const std::size_t n = 4 * MiB;
+  std::vector<unsigned char> host(n, 8);
+  void* d = dev->reserve(n);
+  std::memset(d, 0, n);
+  stream_ref s = dev->create_stream();
+  event_ref e = dev->create_event();
+  const double expected = static_cast<double>(n) / kBandwidth;  // 41.9 ms
+  const auto t0 = clock_type::now();
+  dev->copy_async(d, host.data(), n, copy_kind::host_to_device, s);
+  dev->record(e, s);
+  std::thread destroyer([&] { dev->destroy_stream(s); });
+  ASSERT_TRUE(eventually([&] { return dev->query(e); }));
+  const double took = seconds_since(t0);
+  destroyer.join();
+  EXPECT_GE(took, expected * 0.98) << "destroying the stream cut its copy's modelled time short";
+  EXPECT_EQ(std::memcmp(d, host.data(), n), 0);
+  dev->destroy_event(e);
+  dev->release(d, n);
 }
 
 // ---------------------------------------------------------------- sim in a forked child

@@ -22,6 +22,9 @@
 //     their memcpy's time. Deadlines come from a steady clock and chain from one copy to the
 //     next, so a timer's oversleep on one small copy is made up by the next and a run of small
 //     copies keeps the modelled rate.
+//   - destroy_stream drains the stream: its queued copies still hold their link for their
+//     modelled time before their completion can be seen, as a destroyed CUDA stream's work
+//     completes as usual. Only the device's destructor cuts modelled time short.
 //   - A child forked without exec (a DataLoader worker) inherits the streams but not their workers.
 //     There, work finished before the fork is still finished, a wait for any other is a
 //     device_error (as every CUDA call in such a child fails), and destroying a stream or the
@@ -183,16 +186,14 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
     return std::exchange(error_, std::string{});
   }
 
-  /// Tells the worker to stop once the queue is empty, without waiting for it; from now on its
-  /// copies skip their modelled time. Idempotent.
-  void request_stop() noexcept {
-    if (forked_away()) return;  // no worker to tell; m_ may be held by a thread of the parent
-    {
-      std::lock_guard<std::mutex> lock(m_);
-      stopping_ = true;
-    }
-    work_cv_.notify_one();
-  }
+  /// Tells the worker to stop once the queue is empty, without waiting for it. Queued copies
+  /// still take their modelled time. Idempotent.
+  void request_stop() noexcept { stop(/*cut_short=*/false); }
+
+  /// request_stop for the device's end: queued work still runs, but copies skip what is left of
+  /// their modelled time, so that the destructor does not sit out a pathological bandwidth's
+  /// century (or a stream waiting on such a copy). Idempotent.
+  void abandon() noexcept { stop(/*cut_short=*/true); }
 
   /// stop_and_join for destroy_stream, which may come from a host function on another stream.
   /// @throws logic_error, stopping nothing, when this stream's queued work waits for work queued
@@ -216,6 +217,16 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
 
  private:
   bool forked_away() const noexcept { return ::getpid() != owner_pid_; }
+
+  void stop(bool cut_short) noexcept {
+    if (forked_away()) return;  // no worker to tell; m_ may be held by a thread of the parent
+    {
+      std::lock_guard<std::mutex> lock(m_);
+      stopping_ = true;
+      cut_short_ = cut_short_ || cut_short;
+    }
+    work_cv_.notify_one();
+  }
 
   void run() {
     pthread_setname_np(pthread_self(), "terrace-sim");
@@ -289,10 +300,10 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
     // booking's start, not from now, so a late wakeup of this thread (a timer's oversleep on the
     // previous copy) is made up here.
     ready_at_ = sim_copy_link::saturating_add(slot.start, std::max(slot.length, took));
-    // The bytes have moved; what is left is modelled time, which destroying the stream cuts short
-    // (stop_and_join would otherwise wait out a pathological bandwidth's century).
+    // The bytes have moved; what is left is modelled time. A destroyed stream's copies sit it out
+    // too (their completion must not be seen early); only the device's end cuts it short.
     std::unique_lock<std::mutex> lock(m_);
-    work_cv_.wait_until(lock, ready_at_, [&] { return stopping_; });
+    work_cv_.wait_until(lock, ready_at_, [&] { return cut_short_; });
   }
 
   // A host function that synchronizes its own stream (synchronize, synchronize_device, or
@@ -406,6 +417,7 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   std::uint64_t pushed_ = 0;
   std::atomic<std::uint64_t> finished_{0};  // written by the worker under m_; read without it
   bool stopping_ = false;
+  bool cut_short_ = false;  // abandon(): copies skip what is left of their modelled time
   std::string error_;
   std::thread::id worker_id_;  // set by the worker before its first item
   // What the worker waits for now (a queued wait, or a host function's synchronize); null if none.
@@ -463,7 +475,7 @@ class sim_device final : public device_backend {
     // Every stream is told first, then joined: a stream draining a wait on another stream's copy
     // would otherwise sit out that copy's modelled time, up to a century, before the other stream
     // heard it should stop.
-    for (auto& s : streams) s->request_stop();
+    for (auto& s : streams) s->abandon();
     for (auto& s : streams) s->stop_and_join();
     // What the owner leaked goes back to the host.
     for (const auto& [p, bytes] : segments_) free_segment(reinterpret_cast<void*>(p), bytes);
