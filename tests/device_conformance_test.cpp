@@ -1030,8 +1030,8 @@ TEST(SimBandwidth, AVanishingBandwidthIsSlowNotInstant) {
   for (int i = 0; i < 3; ++i) dev->copy_async(d, host.data(), host.size(), copy_kind::host_to_device, s);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_FALSE(dev->query(e)) << "a copy modelled to take 1.6e13 s completed at once";
-  // Destroying the stream would wait the copies out, as on a GPU; the device goes with them still
-  // queued, and its destructor cuts them short and takes d back.
+  // Destroying the stream or releasing the segment would wait the copies out, as on a GPU; the
+  // device goes with them still queued, and its destructor cuts them short and takes d back.
 }
 
 // Found in review: the device's destructor stopped its streams one at a time, so a stream waiting
@@ -1193,6 +1193,95 @@ TEST(SimBandwidth, ADestroyedStreamsCopiesStillTakeTheirModelledTime) {
   EXPECT_EQ(std::memcmp(d, host.data(), n), 0);
   dev->destroy_event(e);
   dev->release(d, n);
+}
+
+// ---------------------------------------------------------------- sim: freeing memory that queued copies touch
+
+// Found in review: a release with a copy out of the segment still queued freed the memory under
+// the worker, which read it later. release() is cudaFree, which synchronises: it now waits.
+TEST(SimMemory, ReleaseWaitsForQueuedCopiesThatTouchTheSegment) {
+  auto dev = sim();
+  const std::size_t n = 64 * KiB;  // a heap segment: before the fix the late copy read freed heap
+  void* d = dev->reserve(n);
+  std::memset(d, 9, n);
+  std::vector<unsigned char> back(n, 0);
+  stream_ref s = dev->create_stream();
+  event_ref e = dev->create_event();
+  gate g;
+  enqueue_host_function(*dev, s, g.hold());
+  dev->copy_async(back.data(), d, n, copy_kind::device_to_host, s);
+  dev->record(e, s);
+  std::thread opener([&g] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    g.open();
+  });
+  dev->release(d, n);
+  EXPECT_TRUE(dev->query(e)) << "release returned with a copy out of the segment still queued";
+  opener.join();
+  dev->synchronize(s);
+  EXPECT_EQ(back, std::vector<unsigned char>(n, 9));
+  dev->destroy_event(e);
+  dev->destroy_stream(s);
+}
+
+TEST(SimMemory, ReleaseDoesNotWaitForCopiesElsewhere) {
+  auto dev = sim();
+  const std::size_t n = 64 * KiB;
+  void* d = dev->reserve(n);
+  void* other = dev->reserve(n);
+  std::vector<unsigned char> host(n, 1);
+  stream_ref s = dev->create_stream();
+  gate g;
+  enqueue_host_function(*dev, s, g.hold());
+  dev->copy_async(other, host.data(), n, copy_kind::host_to_device, s);
+  dev->release(d, n);  // would hang here if it waited for the gated copy
+  g.open();
+  dev->synchronize(s);
+  dev->destroy_stream(s);
+  dev->release(other, n);
+}
+
+// cuMemUnmap does not wait for queued work (PyTorch synchronizes before it): unmapping pages that
+// a queued copy touches is a policy bug, which the strict device reports.
+TEST(SimDeathTest, UnmapWhileAQueuedCopyTouchesThePagesAbortsSayingWhy) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        auto dev = sim();
+        const std::size_t g = dev->properties().map_granularity;
+        void* r = dev->reserve_address_range(2 * g);
+        dev->map(r, 2 * g);
+        std::vector<unsigned char> host(4096, 2);
+        stream_ref s = dev->create_stream();
+        gate held;
+        enqueue_host_function(*dev, s, held.hold());
+        dev->copy_async(static_cast<char*>(r) + g, host.data(), host.size(),
+                        copy_kind::host_to_device, s);
+        dev->unmap(r, 2 * g);
+        held.open();  // before the fix: the copy then wrote into unmapped pages
+        dev->synchronize(s);
+      },
+      "unmap.*copy queued on stream 1");
+}
+
+// A host function that releases memory a copy queued behind it touches would wait for itself.
+TEST(SimDeathTest, ReleaseFromAHostFunctionAheadOfACopyIntoTheSegmentAbortsSayingWhy) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      {
+        auto dev = sim();
+        const std::size_t n = 64 * KiB;
+        void* d = dev->reserve(n);
+        std::vector<unsigned char> host(n, 3);
+        stream_ref s = dev->create_stream();
+        gate held;
+        enqueue_host_function(*dev, s, held.hold());
+        enqueue_host_function(*dev, s, [&] { dev->release(d, n); });
+        dev->copy_async(d, host.data(), n, copy_kind::host_to_device, s);
+        held.open();
+        dev->synchronize(s);
+      },
+      "release.*wait for itself");
 }
 
 // ---------------------------------------------------------------- sim in a forked child

@@ -25,6 +25,10 @@
 //   - destroy_stream drains the stream: its queued copies still hold their link for their
 //     modelled time before their completion can be seen, as a destroyed CUDA stream's work
 //     completes as usual. Only the device's destructor cuts modelled time short.
+//   - Freeing memory that a queued (or running) copy still reads or writes follows the CUDA call
+//     it stands for: release() is cudaFree, which synchronises, so it waits for those copies;
+//     unmap() is cuMemUnmap, which does not, so it is refused as a contract violation (the caller
+//     must synchronize first, as PyTorch does before unmapping).
 //   - A child forked without exec (a DataLoader worker) inherits the streams but not their workers.
 //     There, work finished before the fork is still finished, a wait for any other is a
 //     device_error (as every CUDA call in such a child fails), and destroying a stream or the
@@ -180,6 +184,21 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
     return worker_id_ == std::this_thread::get_id();
   }
 
+  /// The ticket of the newest copy queued or running here that reads or writes [begin, end), or
+  /// 0 if none. Allocates nothing (unmap is noexcept). In a forked child always 0: no worker will
+  /// ever run what was queued.
+  std::uint64_t newest_copy_touching(std::uintptr_t begin, std::uintptr_t end) noexcept {
+    if (forked_away()) return 0;  // m_ may be held by a thread of the parent
+    std::lock_guard<std::mutex> lock(m_);
+    std::uint64_t found = running_copy_.touches(begin, end) ? running_copy_.ticket : 0;
+    std::uint64_t ticket = pushed_ - queue_.size();
+    for (const work_item& item : queue_) {
+      ++ticket;
+      if (item.what == work_item::kind::copy && copy_span::of(item, 0).touches(begin, end)) found = ticket;
+    }
+    return found;
+  }
+
   /// Takes the first error a host function raised, if any, without waiting for queued work.
   std::string take_error() {
     std::lock_guard<std::mutex> lock(m_);
@@ -242,8 +261,12 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
       {
         work_item item = std::move(queue_.front());
         queue_.pop_front();
-        // Published with the pop, so that a cycle check never misses this wait between the two.
+        // Published with the pop, so that a cycle check never misses this wait between the two,
+        // and a release or unmap never misses this copy.
         if (item.what == work_item::kind::wait) blocked_on_ = {item.waits_for, item.ticket};
+        if (item.what == work_item::kind::copy) {
+          running_copy_ = copy_span::of(item, finished_.load(std::memory_order_relaxed) + 1);
+        }
         lock.unlock();
         execute(item);
         // Time spent in anything but a modelled copy (a "kernel", a wait, a device-to-device
@@ -256,6 +279,7 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
       }
       lock.lock();
       blocked_on_ = {};
+      running_copy_ = {};
       finished_.store(finished_.load(std::memory_order_relaxed) + 1, std::memory_order_release);
       done_cv_.notify_all();
     }
@@ -420,6 +444,25 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   bool cut_short_ = false;  // abandon(): copies skip what is left of their modelled time
   std::string error_;
   std::thread::id worker_id_;  // set by the worker before its first item
+  // The memory a copy touches, both sides whatever its kind: sim device memory is host memory,
+  // and a freed host buffer is as bad as a freed segment.
+  struct copy_span {
+    std::uint64_t ticket = 0;  // 0: no copy
+    std::uintptr_t dst = 0;
+    std::uintptr_t src = 0;
+    std::size_t bytes = 0;
+
+    static copy_span of(const work_item& item, std::uint64_t ticket) noexcept {
+      return {ticket, reinterpret_cast<std::uintptr_t>(item.dst),
+              reinterpret_cast<std::uintptr_t>(item.src), item.bytes};
+    }
+    bool touches(std::uintptr_t begin, std::uintptr_t end) const noexcept {
+      const auto overlaps = [&](std::uintptr_t p) { return p < end && begin < p + bytes; };
+      return bytes > 0 && (overlaps(dst) || overlaps(src));
+    }
+  };
+  copy_span running_copy_;  // the copy the worker runs now (ticket 0 if none); under m_
+
   // What the worker waits for now (a queued wait, or a host function's synchronize); null if none.
   std::pair<std::shared_ptr<sim_stream>, std::uint64_t> blocked_on_;
 
@@ -523,21 +566,41 @@ class sim_device final : public device_backend {
     return p;
   }
 
+  // release() stands for cudaFree, which synchronises: copies still queued that touch the
+  // segment are waited for, so the worker never reads or writes freed memory. Only those: cudaFree
+  // waits for the whole device, but what keeps the memory safe is these copies, and a policy that
+  // counts on a release to order unrelated work has a bug this device should not hide.
   void do_release(void* p, std::size_t bytes) noexcept override {
-    std::lock_guard<std::mutex> lock(memory_mutex_);
-    const auto it = segments_.find(reinterpret_cast<std::uintptr_t>(p));
-    if (it == segments_.end()) {
-      contract_violation("sim", "release(" + hex_address(reinterpret_cast<std::uintptr_t>(p)) +
-                                    "): not a segment from reserve()");
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    std::unique_lock<std::mutex> lock(memory_mutex_);
+    for (;;) {  // checked again after each wait: the books may have changed meanwhile
+      const auto it = segments_.find(a);
+      if (it == segments_.end()) {
+        contract_violation("sim", "release(" + hex_address(a) + "): not a segment from reserve()");
+      }
+      if (it->second != bytes) {
+        contract_violation("sim", "release(" + hex_address(it->first) + ", " +
+                                      std::to_string(bytes) + "): the segment was reserved with " +
+                                      std::to_string(it->second) + " bytes");
+      }
+      const auto [stream, ticket] = queued_copy_touching(a, a + bytes);
+      if (!stream) {
+        segments_.erase(it);
+        free_segment(p, bytes);
+        meter_.uncharge(bytes);
+        return;
+      }
+      lock.unlock();
+      try {
+        stream->wait_until(ticket);
+      } catch (const std::exception& e) {
+        // A host function releasing memory that a copy queued behind it touches, say.
+        contract_violation("sim", "release(" + hex_address(a) + ") must wait for a copy on " +
+                                      stream->label() + " that touches the segment, and cannot: " +
+                                      e.what());
+      }
+      lock.lock();
     }
-    if (it->second != bytes) {
-      contract_violation("sim", "release(" + hex_address(it->first) + ", " + std::to_string(bytes) +
-                                    "): the segment was reserved with " +
-                                    std::to_string(it->second) + " bytes");
-    }
-    segments_.erase(it);
-    free_segment(p, bytes);
-    meter_.uncharge(bytes);
   }
 
   static void free_segment(void* p, std::size_t bytes) noexcept {
@@ -616,6 +679,14 @@ class sim_device final : public device_backend {
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     if (std::string why = vmm_.why_not_unmappable(a, bytes); !why.empty()) {
       contract_violation("sim", why);
+    }
+    // unmap() stands for cuMemUnmap, which, unlike cudaFree, does not wait for queued work: on a
+    // GPU the copy would fault or corrupt whatever is mapped there next. A policy bug, reported.
+    if (const auto [stream, ticket] = queued_copy_touching(a, a + bytes); stream) {
+      contract_violation("sim", "unmap(" + hex_address(a) + ", " + describe_bytes(bytes) +
+                                    "): a copy queued on " + stream->label() +
+                                    " still touches these pages (cuMemUnmap does not wait for "
+                                    "queued work: synchronize first)");
     }
     vmm_.mark_unmapped(a, bytes);  // allocates nothing: map() made its nodes ready
     // Then drop the contents: the physical pages go back to the host and the next map of these
@@ -797,6 +868,10 @@ class sim_device final : public device_backend {
   void do_copy_async(void* dst, const void* src, std::size_t bytes, copy_kind kind,
                      stream_ref s) override {
     TERRACE_EXPECTS(dst != nullptr && src != nullptr, "copy_async with a null pointer on device 'sim'");
+    const auto stream = stream_of(s);
+    // Checked and queued under one lock: a release or unmap either finds the copy queued or has
+    // already taken the memory, which the check then refuses.
+    std::lock_guard<std::mutex> lock(memory_mutex_);
     check_copy(dst, src, bytes, kind);
     work_item item;
     item.what = work_item::kind::copy;
@@ -804,13 +879,33 @@ class sim_device final : public device_backend {
     item.src = src;
     item.bytes = bytes;
     item.transfer = kind;
-    stream_of(s)->push(std::move(item));
+    stream->push(std::move(item));
+  }
+
+  // The newest copy, queued or running on any stream (destroyed ones still draining included),
+  // that touches [begin, end); {null, 0} if none. Allocates nothing (unmap is noexcept).
+  // REQUIRES: memory_mutex_ held, so that no copy_async queues one meanwhile.
+  std::pair<std::shared_ptr<sim_stream>, std::uint64_t> queued_copy_touching(std::uintptr_t begin,
+                                                                             std::uintptr_t end) {
+    std::lock_guard<std::mutex> lock(handles_mutex_);
+    const auto in = [&](const std::shared_ptr<sim_stream>& s) -> std::uint64_t {
+      return s ? s->newest_copy_touching(begin, end) : 0;
+    };
+    if (const std::uint64_t t = in(default_stream_)) return {default_stream_, t};
+    for (const auto& [key, s] : streams_) {
+      if (const std::uint64_t t = in(s)) return {s, t};
+    }
+    for (const auto& s : draining_) {
+      if (const std::uint64_t t = in(s)) return {s, t};
+    }
+    return {};
   }
 
   /// The strict device refuses at the call what a GPU would turn into corruption or a fault
   /// later, on a worker thread: device bytes outside every live segment and mapped page (past a
   /// segment's end, a released segment), and overlapping ranges (memcpy's, and CUDA's, undefined
   /// case). Host pointers are the caller's to vouch for.
+  /// REQUIRES: memory_mutex_ held.
   void check_copy(const void* dst, const void* src, std::size_t bytes, copy_kind kind) const {
     const auto d = reinterpret_cast<std::uintptr_t>(dst);
     const auto s = reinterpret_cast<std::uintptr_t>(src);
@@ -822,7 +917,6 @@ class sim_device final : public device_backend {
     }
     const bool dst_on_device = kind == copy_kind::host_to_device || kind == copy_kind::device_to_device;
     const bool src_on_device = kind == copy_kind::device_to_host || kind == copy_kind::device_to_device;
-    std::lock_guard<std::mutex> lock(memory_mutex_);
     if (dst_on_device) check_device_bytes("destination", d, bytes);
     if (src_on_device) check_device_bytes("source", s, bytes);
   }
@@ -844,7 +938,9 @@ class sim_device final : public device_backend {
 
   const std::shared_ptr<sim_copy_links> links_;  // one per direction, shared by every stream
 
-  mutable std::mutex memory_mutex_;  // guards segments_, vmm_ and meter_'s counts
+  // Guards segments_, vmm_ and meter_'s counts. Lock order: memory_mutex_, then handles_mutex_,
+  // then a stream's own.
+  mutable std::mutex memory_mutex_;
   std::map<std::uintptr_t, std::size_t> segments_;  // ordered: a copy's bounds check finds its segment
   vmm_book vmm_;
   capacity_meter meter_;  // charged and uncharged under memory_mutex_
