@@ -31,14 +31,9 @@ namespace {
 // failing them would test the device, not the allocator.
 thread_local long allocations_until_failure = -1;  // -1: never fail
 thread_local bool injected = false;  // in this run, wherever the failure was caught
-// Set inside the device's noexcept calls that may still allocate (release, destroy_stream): a
-// host out of memory there is fatal by their contract, so no failure is injected into them. unmap
-// is not among them: the books make its nodes ready at map() (tiers/vmm_book.hpp), so it is
-// injected into like every other call.
-thread_local bool injection_suspended = false;
 
 void* counted_allocation(std::size_t n) {
-  if (!injection_suspended && allocations_until_failure >= 0 && allocations_until_failure-- == 0) {
+  if (allocations_until_failure >= 0 && allocations_until_failure-- == 0) {
     injected = true;
     throw std::bad_alloc();
   }
@@ -103,20 +98,10 @@ counts counts_of(const caching_allocator& a) {
   return {s.allocation[0].current, s.allocated_bytes[0].current, s.requested_bytes[0].current};
 }
 
-// While it lives, no failure is injected on this thread.
-class no_injection {
- public:
-  no_injection() : was_(injection_suspended) { injection_suspended = true; }
-  ~no_injection() { injection_suspended = was_; }
-  no_injection(const no_injection&) = delete;
-  no_injection& operator=(const no_injection&) = delete;
-
- private:
-  bool was_;
-};
-
 // The sim device, except that the host waiting for the device (a stream, an event, all of it)
-// first calls `on_host_wait`, and that its noexcept calls but unmap get no injected failure. Work gated until the test opens it would otherwise never finish
+// first calls `on_host_wait`. Its noexcept calls (release, unmap, destroy_stream, ...) are injected
+// into like every other: the sim device makes what they need ready beforehand
+// (tests/device_host_oom_test.cpp). Work gated until the test opens it would otherwise never finish
 // when the allocator waits for it (the OOM path, empty_cache, a free whose event could not be
 // recorded): the gate opens then, as a kernel would finish.
 class waited_device final : public device_backend {
@@ -130,14 +115,12 @@ class waited_device final : public device_backend {
  private:
   void* do_reserve(std::size_t bytes) override { return inner_->reserve(bytes); }
   void do_release(void* p, std::size_t bytes) noexcept override {
-    no_injection quiet;
     inner_->release(p, bytes);
   }
   void* do_reserve_address_range(std::size_t bytes) override {
     return inner_->reserve_address_range(bytes);
   }
   void do_release_address_range(void* p, std::size_t bytes) noexcept override {
-    no_injection quiet;
     inner_->release_address_range(p, bytes);
   }
   void do_map(void* p, std::size_t bytes) override { inner_->map(p, bytes); }
@@ -145,7 +128,6 @@ class waited_device final : public device_backend {
   std::size_t do_used_bytes() const noexcept override { return inner_->used_bytes(); }
   stream_ref do_create_stream() override { return inner_->create_stream(); }
   void do_destroy_stream(stream_ref s) noexcept override {
-    no_injection quiet;
     inner_->destroy_stream(s);
   }
   void do_synchronize_stream(stream_ref s) override {
@@ -158,7 +140,6 @@ class waited_device final : public device_backend {
   }
   event_ref do_create_event() override { return inner_->create_event(); }
   void do_destroy_event(event_ref e) noexcept override {
-    no_injection quiet;
     inner_->destroy_event(e);
   }
   void do_record(event_ref e, stream_ref s) override { inner_->record(e, s); }

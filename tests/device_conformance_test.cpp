@@ -1235,6 +1235,36 @@ TEST(SimMemory, ReleaseWaitsForQueuedCopiesThatTouchTheSegment) {
   dev->destroy_stream(s);
 }
 
+// Found in review: release_pinned_host (cudaFreeHost, which synchronises too) unmapped a pinned
+// region under a copy still queued out of it; the worker's memcpy then faulted.
+TEST(SimMemory, ReleasePinnedHostWaitsForQueuedCopiesThatTouchTheRegion) {
+  auto dev = sim();
+  const std::size_t n = 2 * MiB;
+  void* pinned = dev->reserve_pinned_host(n);
+  std::memset(pinned, 7, n);
+  void* d = dev->reserve(n);
+  stream_ref s = dev->create_stream();
+  event_ref e = dev->create_event();
+  gate g;
+  enqueue_host_function(*dev, s, g.hold());
+  dev->copy_async(d, pinned, n, copy_kind::host_to_device, s);
+  dev->record(e, s);
+  std::thread opener([&g] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    g.open();
+  });
+  dev->release_pinned_host(pinned, n);
+  EXPECT_TRUE(dev->query(e)) << "release_pinned_host returned with a copy out of it still queued";
+  opener.join();
+  dev->synchronize(s);
+  std::vector<unsigned char> back(n);
+  std::memcpy(back.data(), d, n);
+  EXPECT_EQ(back, std::vector<unsigned char>(n, 7));
+  dev->destroy_event(e);
+  dev->destroy_stream(s);
+  dev->release(d, n);
+}
+
 TEST(SimMemory, ReleaseDoesNotWaitForCopiesElsewhere) {
   auto dev = sim();
   const std::size_t n = 64 * KiB;

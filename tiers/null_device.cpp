@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
@@ -34,40 +35,60 @@ constexpr std::uintptr_t kSpaceEnd = std::uintptr_t{1} << 53;
 // Free fake address space as coalesced [begin, end) intervals. The last interval is the untouched
 // tail; taking from it first makes the common case a bump allocation in O(log n), and a release at
 // the tail's edge moves it back down. Holes are searched (first fit) only when the tail is short.
+//
+// give() runs in noexcept calls (release, release_address_range), yet a range that touches no
+// free neighbour is a new interval, whose node a full host could not provide. Free intervals are
+// separated by taken ranges, so there are at most taken + 1 of them: take() (which may throw)
+// makes the books hold that many nodes, in intervals or spare, before it changes anything, and
+// give() and carve() only move nodes between the two.
 // REQUIRES: the owner serializes calls.
 class fake_address_space {
  public:
   fake_address_space() { free_.emplace(kSpaceBegin, kSpaceEnd); }
 
   // 0 when no free interval can hold `bytes` at `align` (a power of two).
+  // @throws std::bad_alloc, having changed nothing.
   std::uintptr_t take(std::size_t bytes, std::size_t align) {
-    if (free_.empty()) return 0;
-    if (auto it = std::prev(free_.end()); fits(it, bytes, align)) return carve(it, bytes, align);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (fits(it, bytes, align)) return carve(it, bytes, align);
-    }
-    return 0;
+    auto it = find(bytes, align);
+    if (it == free_.end()) return 0;
+    hold_nodes(taken_ + 2);  // the ranges after this take, plus one
+    ++taken_;
+    return carve(it, bytes, align);
   }
 
-  void give(std::uintptr_t begin, std::size_t bytes) {
+  // REQUIRES: [begin, begin + bytes) was taken. Allocates nothing.
+  void give(std::uintptr_t begin, std::size_t bytes) noexcept {
+    --taken_;
     std::uintptr_t end = begin + bytes;
     auto next = free_.lower_bound(end);
     if (next != free_.end() && next->first == end) {
       end = next->second;
-      next = free_.erase(next);
+      auto after = std::next(next);
+      spares_.push_back(free_.extract(next));  // within the capacity hold_nodes reserved
+      next = after;
     }
     if (next != free_.begin()) {
       auto prev = std::prev(next);
       if (prev->second == begin) {
-        begin = prev->first;
-        free_.erase(prev);
+        prev->second = end;  // joined in place
+        return;
       }
     }
-    free_.emplace(begin, end);
+    insert(begin, end);
   }
 
  private:
-  using iterator = std::map<std::uintptr_t, std::uintptr_t>::iterator;
+  using interval_map = std::map<std::uintptr_t, std::uintptr_t>;
+  using iterator = interval_map::iterator;
+
+  iterator find(std::size_t bytes, std::size_t align) {
+    if (free_.empty()) return free_.end();
+    if (auto it = std::prev(free_.end()); fits(it, bytes, align)) return it;
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (fits(it, bytes, align)) return it;
+    }
+    return free_.end();
+  }
 
   static std::uintptr_t aligned_start(iterator it, std::size_t align) {
     return (it->first + align - 1) & ~static_cast<std::uintptr_t>(align - 1);
@@ -78,17 +99,44 @@ class fake_address_space {
     return start < it->second && it->second - start >= bytes;
   }
 
-  std::uintptr_t carve(iterator it, std::size_t bytes, std::size_t align) {
+  // Allocates nothing: the interval keeps its node for its head, and its tail takes a spare.
+  std::uintptr_t carve(iterator it, std::size_t bytes, std::size_t align) noexcept {
     const std::uintptr_t begin = it->first;
     const std::uintptr_t end = it->second;
     const std::uintptr_t start = aligned_start(it, align);
-    free_.erase(it);
-    if (begin < start) free_.emplace(begin, start);
-    if (start + bytes < end) free_.emplace(start + bytes, end);
+    if (begin < start) {
+      it->second = start;
+    } else {
+      spares_.push_back(free_.extract(it));
+    }
+    if (start + bytes < end) insert(start + bytes, end);
     return start;
   }
 
-  std::map<std::uintptr_t, std::uintptr_t> free_;
+  // REQUIRES: a spare node (hold_nodes counted this interval).
+  void insert(std::uintptr_t begin, std::uintptr_t end) noexcept {
+    interval_map::node_type node = std::move(spares_.back());
+    spares_.pop_back();
+    node.key() = begin;
+    node.mapped() = end;
+    free_.insert(std::move(node));
+  }
+
+  // Makes the books hold at least `n` nodes (intervals plus spares), with room in spares_ for all
+  // of them. @throws std::bad_alloc; nodes made before it stay spare, which changes no interval.
+  void hold_nodes(std::size_t n) {
+    if (free_.size() + spares_.size() >= n) return;
+    spares_.reserve(n);
+    while (free_.size() + spares_.size() < n) {
+      scratch_.emplace(0, 0);
+      spares_.push_back(scratch_.extract(scratch_.begin()));
+    }
+  }
+
+  interval_map free_;
+  std::vector<interval_map::node_type> spares_;
+  interval_map scratch_;     // where spare nodes are made
+  std::size_t taken_ = 0;    // ranges handed out and not given back
 };
 
 std::size_t round_up(std::size_t n, std::size_t align) { return (n + align - 1) / align * align; }
@@ -113,17 +161,16 @@ class null_device final : public device_backend {
   void* do_reserve(std::size_t bytes) override {
     std::lock_guard<std::mutex> lock(mutex_);
     meter_.charge(bytes, "reserve");
-    const std::uintptr_t p =
-        bytes > SIZE_MAX - kAlignment ? 0 : space_.take(round_up(bytes, kAlignment), kAlignment);
-    if (p == 0) {
-      meter_.uncharge(bytes);
-      throw out_of_memory("terrace: out of memory on device 'null': its fake address space has no "
-                          "room for " + describe_bytes(bytes));
-    }
+    std::uintptr_t p = 0;
     try {
+      p = bytes > SIZE_MAX - kAlignment ? 0 : space_.take(round_up(bytes, kAlignment), kAlignment);
+      if (p == 0) {
+        throw out_of_memory("terrace: out of memory on device 'null': its fake address space has "
+                            "no room for " + describe_bytes(bytes));
+      }
       segments_.emplace(p, bytes);
-    } catch (...) {  // bad_alloc of the book's node: the range and its charge go back
-      space_.give(p, round_up(bytes, kAlignment));
+    } catch (...) {  // bad_alloc of a book's node, or no room: the range and its charge go back
+      if (p != 0) space_.give(p, round_up(bytes, kAlignment));
       meter_.uncharge(bytes);
       throw;
     }
@@ -157,7 +204,12 @@ class null_device final : public device_backend {
       throw out_of_memory("terrace: device 'null': address space exhausted: no room for a range of " +
                           describe_bytes(bytes));
     }
-    vmm_.add_range(p, bytes);
+    try {
+      vmm_.add_range(p, bytes);
+    } catch (...) {  // bad_alloc of the book's node: the range goes back
+      space_.give(p, bytes);
+      throw;
+    }
     return reinterpret_cast<void*>(p);
   }
 

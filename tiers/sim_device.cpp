@@ -573,30 +573,46 @@ class sim_device final : public device_backend {
   void do_release(void* p, std::size_t bytes) noexcept override {
     const auto a = reinterpret_cast<std::uintptr_t>(p);
     std::unique_lock<std::mutex> lock(memory_mutex_);
-    for (;;) {  // checked again after each wait: the books may have changed meanwhile
-      const auto it = segments_.find(a);
-      if (it == segments_.end()) {
-        contract_violation("sim", "release(" + hex_address(a) + "): not a segment from reserve()");
-      }
-      if (it->second != bytes) {
-        contract_violation("sim", "release(" + hex_address(it->first) + ", " +
-                                      std::to_string(bytes) + "): the segment was reserved with " +
-                                      std::to_string(it->second) + " bytes");
-      }
+    wait_for_copies_touching(lock, a, bytes, "release");
+    const auto it = segments_.find(a);
+    if (it == segments_.end()) {
+      contract_violation("sim", "release(" + hex_address(a) + "): not a segment from reserve()");
+    }
+    if (it->second != bytes) {
+      contract_violation("sim", "release(" + hex_address(it->first) + ", " + std::to_string(bytes) +
+                                    "): the segment was reserved with " +
+                                    std::to_string(it->second) + " bytes");
+    }
+    segments_.erase(it);
+    free_segment(p, bytes);
+    meter_.uncharge(bytes);
+  }
+
+  // release_pinned_host() stands for cudaFreeHost, which synchronises as cudaFree does: the
+  // region is unmapped only once no queued copy reads or writes it.
+  void do_release_pinned_host(void* p, std::size_t bytes) noexcept override {
+    {
+      std::unique_lock<std::mutex> lock(memory_mutex_);
+      wait_for_copies_touching(lock, reinterpret_cast<std::uintptr_t>(p), bytes, "release_pinned_host");
+    }
+    device_backend::do_release_pinned_host(p, bytes);
+  }
+
+  // Waits until no copy queued or running on any stream touches [a, a + bytes), with `lock` (on
+  // memory_mutex_) released while it waits; returns with it held, so that no copy_async can
+  // queue one before the caller frees the memory.
+  void wait_for_copies_touching(std::unique_lock<std::mutex>& lock, std::uintptr_t a,
+                                std::size_t bytes, const char* call) noexcept {
+    for (;;) {
       const auto [stream, ticket] = queued_copy_touching(a, a + bytes);
-      if (!stream) {
-        segments_.erase(it);
-        free_segment(p, bytes);
-        meter_.uncharge(bytes);
-        return;
-      }
+      if (!stream) return;
       lock.unlock();
       try {
         stream->wait_until(ticket);
       } catch (const std::exception& e) {
-        // A host function releasing memory that a copy queued behind it touches, say.
-        contract_violation("sim", "release(" + hex_address(a) + ") must wait for a copy on " +
-                                      stream->label() + " that touches the segment, and cannot: " +
+        // A host function freeing memory that a copy queued behind it touches, say.
+        contract_violation("sim", std::string(call) + "(" + hex_address(a) + ") must wait for a copy on " +
+                                      stream->label() + " that touches the memory, and cannot: " +
                                       e.what());
       }
       lock.lock();
@@ -741,6 +757,8 @@ class sim_device final : public device_backend {
     auto s = new_stream("stream " + std::to_string(++streams_created_));
     void* key = s.get();
     std::lock_guard<std::mutex> lock(handles_mutex_);
+    // Room for every stream to be draining at once: destroy_stream, noexcept, must not allocate.
+    draining_.reserve(streams_.size() + draining_.size() + 1);
     streams_.emplace(key, std::move(s));
     return stream_ref{key};
   }
@@ -763,6 +781,7 @@ class sim_device final : public device_backend {
       stream = std::move(it->second);
       streams_.erase(it);
       // Unknown to every call from now on, but synchronize_device() still waits for its work.
+      // The room was made when it was created.
       draining_.push_back(stream);
     }
     try {

@@ -163,6 +163,11 @@ class device_backend {
  protected:
   device_properties properties_;
 
+  // Default: mmap + MADV_HUGEPAGE + mlock (tiers/host_pinning.cpp); the CUDA backends override,
+  // and a backend may call these from its own (sim waits for queued copies first).
+  virtual void* do_reserve_pinned_host(std::size_t bytes);
+  virtual void do_release_pinned_host(void* p, std::size_t bytes) noexcept;
+
  private:
   void throw_if_injected(std::size_t bytes, const char* what);
 
@@ -173,9 +178,6 @@ class device_backend {
   virtual void do_map(void* p, std::size_t bytes);
   virtual void do_unmap(void* p, std::size_t bytes) noexcept;
   virtual std::size_t do_used_bytes() const noexcept = 0;
-  // Default: mmap + MADV_HUGEPAGE + mlock (tiers/host_pinning.cpp); the CUDA backends override.
-  virtual void* do_reserve_pinned_host(std::size_t bytes);
-  virtual void do_release_pinned_host(void* p, std::size_t bytes) noexcept;
 
   virtual stream_ref do_create_stream() = 0;
   virtual void do_destroy_stream(stream_ref s) noexcept = 0;

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// The virtual-memory books of the host-side backends (tiers/vmm_book.hpp) when the host is out of
-// memory during an unmap. unmap() is noexcept in the device contract, so a host allocation there
-// is fatal; unmapping the middle of a mapped run splits it in two, and that second run's node must
-// already be in hand. This executable replaces the global operator new (every form the plain
-// operator delete frees) with one that fails every allocation on the test thread while a
-// host_out_of_memory lives.
+// The host-side backends' noexcept calls (unmap, release, destroy_stream, destroy_event) when the
+// host is out of memory: a host allocation there is fatal by their contract, so what they need
+// must already be in hand. Unmapping the middle of a mapped run splits it in two, and the
+// virtual-memory books (tiers/vmm_book.hpp) must hold that second run's node; destroying a stream
+// parks it in the device's draining list. This executable replaces the global operator new (every
+// form the plain operator delete frees) with one that fails every allocation on the test thread
+// while a host_out_of_memory lives.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -142,6 +143,57 @@ TEST(VmmBookHostOom, SimAndNullUnmapTheMiddleOfAMappedRunWithAFullHost) {
     }
     dev->unmap(r, 3 * g);
     dev->release_address_range(r, 3 * g);
+  }
+}
+
+// Found in review: destroy_stream parked the stream in the sim device's draining list with a
+// push_back, which allocates; with the host out of memory the noexcept call terminated. The list
+// has room for every stream from their creation.
+TEST(DeviceHostOom, SimAndNullReleaseAndDestroyWithAFullHost) {
+  for (const char* name : {"sim", "null"}) {
+    SCOPED_TRACE(name);
+    device_options o;
+    o.capacity = 64 * (std::size_t{1} << 20);
+    auto dev = make_device(name, o);
+    std::vector<stream_ref> streams;
+    std::vector<event_ref> events;
+    std::vector<void*> segments;
+    for (int i = 0; i < 5; ++i) {
+      streams.push_back(dev->create_stream());
+      events.push_back(dev->create_event());
+      segments.push_back(dev->reserve(64 * 1024));
+      dev->record(events.back(), streams.back());
+    }
+    dev->synchronize_device();
+    {
+      host_out_of_memory full;
+      for (event_ref e : events) dev->destroy_event(e);
+      for (stream_ref s : streams) dev->destroy_stream(s);
+      for (void* p : segments) dev->release(p, 64 * 1024);
+    }
+    EXPECT_EQ(dev->used_bytes(), 0u);
+  }
+}
+
+// A reserve the host has no memory for fails having changed nothing: no capacity stays charged and
+// no address range is lost (the null device's charge and range leaked when its books threw).
+TEST(DeviceHostOom, AReserveTheHostCannotBookChangesNothing) {
+  for (const char* name : {"sim", "null"}) {
+    SCOPED_TRACE(name);
+    device_options o;
+    o.capacity = 8 * (std::size_t{1} << 20);
+    auto dev = make_device(name, o);
+    void* held = dev->reserve(64 * 1024);  // the first range is not the only one
+    for (int i = 0; i < 3; ++i) {
+      host_out_of_memory full;
+      EXPECT_ANY_THROW(dev->reserve(64 * 1024));
+      EXPECT_ANY_THROW(dev->reserve_address_range(dev->properties().map_granularity));
+    }
+    EXPECT_EQ(dev->used_bytes(), 64 * 1024u);
+    void* all = dev->reserve(o.capacity - 64 * 1024);
+    dev->release(all, o.capacity - 64 * 1024);
+    dev->release(held, 64 * 1024);
+    EXPECT_EQ(dev->used_bytes(), 0u);
   }
 }
 
