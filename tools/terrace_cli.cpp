@@ -382,7 +382,7 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
   cmd->add_option("--device-memory", args.device_memory, "sim: the device's capacity (more than 0)")
       ->capture_default_str();
   cmd->add_option("--bandwidth", args.bandwidth_gbs,
-                  "sim: host<->device copy bandwidth in GB/s (0: as fast as memcpy)")
+                  "sim: copy bandwidth of each direction, host to device and device to host, in GB/s (0: as fast as memcpy)")
       ->capture_default_str();
   cmd->add_option("--device-budget", args.device_budget,
                   "device bytes the engine may use (0: the whole device)")
