@@ -161,6 +161,24 @@ TEST(PinnedPool, CapacityAndHostRefusalGiveAnOomThatSaysWhy) {
   pool.check_invariants();
 }
 
+// Found in review: a request within 8 MiB of SIZE_MAX was a logic_error, while one 16 MiB below
+// it was the out_of_memory that allocate documents. Neither can ever be served: both are OOMs.
+TEST(PinnedPool, ARequestNoRegionCouldHoldIsAnOutOfMemory) {
+  auto dev = sim();
+  pinned_host_pool pool(*dev);
+  for (const std::size_t bytes : {SIZE_MAX, SIZE_MAX - 4096}) {
+    try {
+      (void)pool.allocate(bytes);
+      FAIL() << "a request of " << bytes << " bytes was served";
+    } catch (const out_of_memory& e) {
+      EXPECT_NE(std::string(e.what()).find("cannot allocate"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(pool.stats().num_ooms, 2);
+  EXPECT_EQ(pool.stats().segment.current, 0);
+  pool.check_invariants();
+}
+
 // A capacity that is no multiple of 2 MiB is the caller's number, not rounded down to one: the
 // last region is then whole pages instead of whole huge pages (found in review: a capacity of
 // 1 MiB refused even 4 KiB as "capacity would be exceeded").

@@ -239,9 +239,14 @@ struct pinned_host_pool::impl : private detail::fork_guard {
   void* allocate(std::size_t bytes) {
     refuse_in_forked_child();
     if (bytes == 0) return nullptr;
-    TERRACE_EXPECTS(bytes <= SIZE_MAX - 4 * kRegionGranule, "pinned allocation of " +
-                                                            std::to_string(bytes) + " bytes");
     std::unique_lock lock(mutex);
+    if (bytes > SIZE_MAX - 4 * kRegionGranule) {
+      // No region can be that large (its size would wrap): the request can never be served,
+      // as one the host refuses, not a caller's mistake.
+      ++counters.num_ooms;
+      throw out_of_memory("terrace: pinned host pool: cannot allocate " +
+                          detail::describe_bytes(bytes) + ": no pinned region can be that large");
+    }
     const std::size_t rounded = round_up(bytes, options.alignment);
     if (void* p = carve(bytes, rounded)) return p;
     try {

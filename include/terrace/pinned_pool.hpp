@@ -72,7 +72,9 @@ class pinned_host_pool {
 
   /// @brief A pinned buffer of at least `bytes`, aligned to options().alignment; nullptr for 0.
   /// @throws terrace::out_of_memory, after releasing free regions and retrying once, with a message
-  ///         that states what was asked, what is held and free, and why the host refused.
+  ///         that states what was asked, what is held and free, and why the host refused (at
+  ///         once for a request no region could hold); terrace::device_error when the device
+  ///         fails otherwise, or in a child forked without exec.
   void* allocate(std::size_t bytes);
   /// @brief Returns a buffer. nullptr is ignored.
   /// @throws terrace::logic_error for a pointer this pool did not hand out or already took back.
