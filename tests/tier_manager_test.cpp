@@ -1093,5 +1093,19 @@ TEST(TierManager, ACopyUpWhoseBlockEventRecordFailsLeavesNoDeviceCopyWithoutTheD
   EXPECT_TRUE(seen == pattern(kBytes, 3)) << "the kernel read a's block before its copy up";
 }
 
+// Found in review: read_home into a null buffer wrote through it (a crash) instead of refusing.
+TEST(TierManager, ReadHomeIntoANullBufferIsALogicError) {
+  rig r(64 * MiB);
+  const tensor_id never_written = r.tm->add("a", 4096);
+  const std::vector<std::byte> data(4096, std::byte{7});
+  const tensor_id written = r.tm->add("b", 4096, data.data());
+  EXPECT_THROW(r.tm->read_home(never_written, nullptr), logic_error);
+  EXPECT_THROW(r.tm->read_home(written, nullptr), logic_error);
+  std::vector<std::byte> out(4096);
+  r.tm->read_home(written, out.data());
+  EXPECT_TRUE(out == data);
+  r.tm->check_invariants();
+}
+
 }  // namespace
 }  // namespace terrace

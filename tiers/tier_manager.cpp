@@ -1044,6 +1044,7 @@ struct tier_manager::impl {
   void read_home(tensor_id id, void* out) {
     std::lock_guard lock(mutex);
     tensor& t = at(id, "read_home");
+    TERRACE_EXPECTS(out != nullptr, "tier manager: read_home of '" + t.name + "' into a null buffer");
     if (t.pins == 0 && t.host == nullptr && !(t.dev != nullptr && t.dev_newer) && t.nvme_current) {
       // Only on NVMe: read it straight into `out`. A home buffer would need room in the host
       // budget, which the training thread's tensors may be holding (the caller runs beside it);

@@ -172,7 +172,8 @@ class tier_manager {
   /// for the read); one that holds no data yet (never written) reads as zeros, taking no buffer
   /// either. For an optimizer that runs beside the training thread (offload_engine's
   /// delayed_update).
-  /// @throws as host_data(id); io_error or checksum_error from the NVMe read.
+  /// @throws as host_data(id); io_error or checksum_error from the NVMe read; logic_error for a
+  ///         null `out`.
   void read_home(tensor_id id, void* out);
   /// @brief Starts copying a device copy that is newer than the home copy down to it, on the copy
   /// stream after the work queued so far on the stream the tensor was last released on, without
