@@ -112,7 +112,8 @@ class tier_manager {
  public:
   /// `device_memory` must allocate from `device`; both, `host` and `nvme` (optional: without it
   /// every home copy stays in pinned memory) must outlive the manager.
-  /// @throws logic_error for a budget larger than the device, or a host budget without a store;
+  /// @throws logic_error for a budget larger than the device, or a host budget without a store or
+  ///         above the pinned pool's capacity;
   ///         device_error if no copy stream can be created.
   tier_manager(device_backend& device, caching_allocator& device_memory, pinned_host_pool& host,
                tier_manager_options options = {}, tensor_store* nvme = nullptr);
@@ -139,7 +140,8 @@ class tier_manager {
   /// Acquiring a pinned tensor again pins it again.
   /// @throws logic_error for an unknown id; out_of_memory when the tensor is larger than the
   ///         device budget, when acquired tensors leave no room in it, or their homes none in the
-  ///         host budget; io_error from NVMe.
+  ///         host budget; io_error from NVMe; device_error when the device refuses a copy or
+  ///         an event (this tensor's, or a prefetch's: the tensor is then not acquired).
   void* acquire(tensor_id id, stream_ref stream, access mode = access::read);
   /// @brief Unpins; the device copy may be evicted once the work queued on `stream` so far is done.
   /// @throws logic_error for an unknown id or a tensor that is not acquired; device_error when
@@ -150,7 +152,9 @@ class tier_manager {
   /// a newer device copy down first. For the CPU optimizer and for checkpoints. Same as
   /// host_data(id, access::update).
   /// @throws logic_error for an unknown id or a tensor that is acquired (its device copy may be
-  ///         changing).
+  ///         changing); out_of_memory when the home copy was on NVMe and the host budget has no
+  ///         room for it; io_error or checksum_error from the NVMe read; device_error when the
+  ///         device refuses the copy down.
   void* host_data(tensor_id id);
   /// @brief host_data with what the caller will do: access::read and access::update make the home
   /// copy current as host_data(id) does (after an update, call host_modified). access::write
@@ -162,8 +166,7 @@ class tier_manager {
   /// is done, so that a copy taken mid-write is dropped. (Under a host budget such a thread may
   /// even move the home copy to NVMe, invalidating the pointer: see read_home. The engine writes
   /// from the thread that acquires, where no prefetch runs meanwhile.)
-  /// @throws logic_error as host_data(id); out_of_memory when the home copy was on NVMe and the
-  ///         host budget has no room for it.
+  /// @throws as host_data(id).
   void* host_data(tensor_id id, access mode);
   /// @brief Copies the home copy, made current as host_data(id) makes it, into `out` (size(id)
   /// bytes), all under the manager's lock. A host_data() pointer may be invalidated by another
@@ -172,15 +175,15 @@ class tier_manager {
   /// for the read); one that holds no data yet (never written) reads as zeros, taking no buffer
   /// either. For an optimizer that runs beside the training thread (offload_engine's
   /// delayed_update).
-  /// @throws as host_data(id); io_error or checksum_error from the NVMe read; logic_error for a
-  ///         null `out`.
+  /// @throws as host_data(id), and logic_error for a null `out`.
   void read_home(tensor_id id, void* out);
   /// @brief Starts copying a device copy that is newer than the home copy down to it, on the copy
   /// stream after the work queued so far on the stream the tensor was last released on, without
   /// blocking the host; a later host_data() waits for that copy. The device copy stays (and stays
   /// usable). No-op when the home copy is current or the tensor is not on the device. For
   /// gradients, offloaded as backward produces them.
-  /// @throws logic_error for an unknown id or a tensor that is acquired.
+  /// @throws logic_error for an unknown id or a tensor that is acquired; device_error when the
+  ///         device refuses the copy down.
   void flush(tensor_id id);
   /// @brief flush(), then gives the device block back at once (its memory is handed out again only
   /// after the copy down has read it): the tensor lives at home until acquired again. For
@@ -188,9 +191,11 @@ class tier_manager {
   /// cached, it would hold device memory until an eviction, often in the next iteration, where a
   /// planned device allocator sees a block that outlives its step. Not counted as an eviction.
   /// No-op when the tensor is not on the device.
-  /// @throws logic_error for an unknown id or a tensor that is acquired.
+  /// @throws as flush(); after a device_error the device block is kept.
   void offload(tensor_id id);
   /// @brief Says the home copy was changed on the host: the device copy is dropped.
+  /// @throws logic_error for an unknown id, a tensor that is acquired, or one whose home copy is
+  ///         on NVMe (call host_data first).
   void host_modified(tensor_id id);
 
   /// @brief Marks the start of a training iteration. The acquires between the first and second
@@ -216,6 +221,7 @@ class tier_manager {
   ///         is acquired; io_error from the store.
   std::uint64_t checkpoint();
 
+  /// Each of on_device, on_host, size and name: @throws logic_error for an unknown id.
   bool on_device(tensor_id id) const;
   /// @brief Whether the home copy is in pinned memory (else only on NVMe).
   bool on_host(tensor_id id) const;
