@@ -78,8 +78,8 @@ class offload_adam {
  public:
   /// `staging` provides the pipeline's buffers (and host-resident state); `nvme` is optional.
   /// Both must outlive this object.
-  /// @throws logic_error for bad options (see adam_optimizer, chunk_elements 0, depth < 3, a
-  ///         host budget without a store).
+  /// @throws logic_error for bad options (see adam_optimizer, chunk_elements 0 or not a multiple
+  ///         of 64, depth < 3, a host budget without a store, adam_mode::lion).
   offload_adam(const offload_adam_options& options, pinned_host_pool& staging,
                tensor_store* nvme = nullptr);
   ~offload_adam();
@@ -101,6 +101,7 @@ class offload_adam {
   group_id add(const std::string& name, std::size_t elements, const float* initial_master = nullptr);
 
   /// @brief Global L2 norm and finiteness of the gradients (only `grad` is read).
+  /// @throws logic_error for an unknown group, and as adam_optimizer::grad_norm.
   grad_norm_result grad_norm(std::span<const offload_group_step> groups, dtype grad_dtype,
                              float grad_scale = 1.0f);
   /// @brief One Adam step of every listed group (each at most once), pipelined over chunks.
@@ -141,6 +142,8 @@ class offload_adam {
   void finish_step();
 
   /// @brief Copies the group's current fp32 master weights into `out` (elements floats).
+  /// @throws logic_error for an unknown group or a null `out`; io_error / checksum_error from the
+  ///         store, out_of_memory when the pinned pool has no staging buffer (NVMe groups).
   void read_master(group_id group, float* out);
 
   /// @brief Writes all state (host-resident groups too) and the step counter to the store and
@@ -155,6 +158,7 @@ class offload_adam {
   void set_step_count(std::int64_t step);
   /// @throws logic_error while a step is unfinished (see checkpoint()), or unless lr > 0.
   void set_lr(double lr);
+  /// @throws logic_error for an unknown group (elements and on_nvme).
   std::size_t elements(group_id group) const;
   bool on_nvme(group_id group) const;
   offload_adam_stats stats() const;

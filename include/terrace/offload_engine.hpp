@@ -205,9 +205,9 @@ class offload_engine {
  public:
   /// @brief Sets up the tiers, the model (through `make_model`) and the optimizer, placing every
   /// layer's params, gradient and optimizer state (or resuming them from the store).
-  /// @throws logic_error for bad options (a host budget or an optimizer host budget below the
-  ///         state without an NVMe dir, a resume without a dir, a checkpoint whose seed or layers
-  ///         differ); out_of_memory, before any step, when the device budget cannot hold one
+  /// @throws logic_error for bad options (a host budget without an NVMe dir, a device budget
+  ///         above the device's capacity, a resume without a dir, a checkpoint whose seed or
+  ///         layers differ); out_of_memory, before any step, when the device budget cannot hold one
   ///         layer's params + gradient + activations, when the host budget cannot hold one layer's
   ///         params + gradient, when the store is smaller than the state needs, or when pinned
   ///         memory is refused; io_error when the store cannot be created or opened (a full disk).
