@@ -135,7 +135,7 @@ class adam_optimizer {
   /// @brief Checks the options and starts the threads.
   /// @throws terrace::logic_error if lr <= 0, a beta is outside [0, 1), eps <= 0, weight_decay < 0
   /// (or any is not finite), state_dtype is f16, or the requested isa is unknown or not supported
-  /// here.
+  /// here; terrace::out_of_memory when the threads cannot be started.
   explicit adam_optimizer(const adam_options& options);
   ~adam_optimizer();
   adam_optimizer(const adam_optimizer&) = delete;

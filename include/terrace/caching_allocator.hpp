@@ -56,7 +56,8 @@ class caching_allocator {
   /// @brief Returns a block. nullptr is ignored. `stream` is informational (the block belongs to the
   /// stream it was allocated on, as in PyTorch).
   /// @throws terrace::logic_error for a pointer this allocator did not hand out or already freed;
-  /// nothing is changed then.
+  /// terrace::device_error when record_stream() named other streams and the device can neither
+  /// record an event on them nor be synchronized. Nothing is changed then (the block stays live).
   void deallocate(void* p, stream_ref stream = {});
 
   /// @brief Marks `p` as used on `stream` too: its reuse waits for the work queued there until free.

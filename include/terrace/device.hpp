@@ -204,8 +204,10 @@ bool cuda_device_available() noexcept;
 
 /// @brief Creates a backend by name: "sim", "null", "cuda", "cuda-vmm", or "auto" (cuda when a
 /// GPU is present, else sim).
-/// @throws terrace::logic_error for an unknown name; device_error when a CUDA backend is asked for
-/// and no GPU (or no CUDA support in this build) is present.
+/// @throws terrace::logic_error for an unknown name, or for sim / null a map_granularity that is
+/// not a power of two of at least a page (sim) or 512 B (null), or (sim) a copy_bandwidth that is
+/// negative or not finite; device_error when a CUDA backend is asked for and no GPU (or no CUDA
+/// support in this build) is present.
 std::unique_ptr<device_backend> make_device(std::string_view name, const device_options& options = {});
 
 }  // namespace terrace

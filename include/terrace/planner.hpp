@@ -56,6 +56,7 @@ placement_plan plan_placement(const std::vector<plan_interval>& items,
                               const std::vector<std::size_t>& holes, std::size_t alignment = 512);
 
 /// @brief The lower bound: the largest sum of (aligned) sizes live at one logical time.
+/// @throws terrace::logic_error as plan_placement.
 std::size_t max_live_bytes(const std::vector<plan_interval>& items, std::size_t alignment = 512);
 
 /// @brief Checks that no two intervals overlapping in time overlap in the arena and that every block
