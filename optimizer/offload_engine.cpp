@@ -1014,6 +1014,10 @@ offload_engine::offload_engine(device_backend& device, const layered_model_facto
                                const offload_engine_options& options)
     : impl_(std::make_unique<impl>(device, options)) {
   TERRACE_EXPECTS(static_cast<bool>(make_model), "offload engine: no model factory");
+  // Refused, not read as "no clipping": a typo would otherwise train unclipped without a word.
+  TERRACE_EXPECTS(std::isfinite(options.clip_norm) && options.clip_norm >= 0,
+                  "offload engine: clip_norm must be a finite number >= 0 (0: no clipping), got " +
+                      std::to_string(options.clip_norm));
   impl_->setup(make_model);
 }
 

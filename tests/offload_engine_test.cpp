@@ -15,6 +15,7 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <limits>
 #include <vector>
 
 #include "refusing_device.hpp"
@@ -351,6 +352,21 @@ TEST(OffloadEngineBadInput, HostBudgetBelowOneLayer) {
   offload_engine_options no_dir;
   no_dir.host_budget = 64u << 20;
   EXPECT_THROW(f.make(no_dir), logic_error);
+}
+
+// Found in review: a negative or NaN clip_norm was taken as "no clipping" without a word, so a
+// typo trained unclipped.
+TEST(OffloadEngineBadInput, ANegativeOrNanClipNormIsRefused) {
+  engine_fixture f(64u << 20);
+  for (const double clip : {-1.0, std::numeric_limits<double>::quiet_NaN(),
+                            std::numeric_limits<double>::infinity()}) {
+    offload_engine_options o;
+    o.clip_norm = clip;
+    EXPECT_THROW(f.make(o), logic_error) << clip;
+  }
+  offload_engine_options o;
+  o.clip_norm = 1.0;
+  EXPECT_NO_THROW(f.make(o));
 }
 
 TEST(OffloadEngineBadInput, DiskSmallerThanTheState) {

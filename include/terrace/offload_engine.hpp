@@ -124,6 +124,7 @@ struct offload_engine_options {
   // ---- the optimizer
   offload_adam_options optimizer{};
   /// Clip the global gradient L2 norm to this (torch.nn.utils.clip_grad_norm_); 0: no clipping.
+  /// Finite and >= 0 (the constructor refuses anything else).
   double clip_norm = 0.0;
   /// Skip a step whose gradients hold an inf or NaN (nothing is updated).
   bool skip_nonfinite = true;
@@ -206,11 +207,12 @@ class offload_engine {
   /// @brief Sets up the tiers, the model (through `make_model`) and the optimizer, placing every
   /// layer's params, gradient and optimizer state (or resuming them from the store).
   /// @throws logic_error for bad options (a host budget without an NVMe dir, a device budget
-  ///         above the device's capacity, a resume without a dir, a checkpoint whose seed or
-  ///         layers differ); out_of_memory, before any step, when the device budget cannot hold one
-  ///         layer's params + gradient + activations, when the host budget cannot hold one layer's
-  ///         params + gradient, when the store is smaller than the state needs, or when pinned
-  ///         memory is refused; io_error when the store cannot be created or opened (a full disk).
+  ///         above the device's capacity, a clip_norm that is negative or not finite, a resume
+  ///         without a dir, a checkpoint whose seed or layers differ); out_of_memory, before any
+  ///         step, when the device budget cannot hold one layer's params + gradient +
+  ///         activations, when the host budget cannot hold one layer's params + gradient, when
+  ///         the store is smaller than the state needs, or when pinned memory is refused;
+  ///         io_error when the store cannot be created or opened (a full disk).
   offload_engine(device_backend& device, const layered_model_factory& make_model,
                  const offload_engine_options& options);
   ~offload_engine();
