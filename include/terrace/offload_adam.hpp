@@ -154,7 +154,8 @@ class offload_adam {
   std::uint64_t checkpoint();
 
   std::int64_t step_count() const noexcept;
-  /// @throws logic_error while a step is unfinished (see checkpoint()).
+  /// @throws logic_error while a step is unfinished (see checkpoint()), or unless
+  ///         0 <= step < INT64_MAX (as adam_optimizer::set_step_count).
   void set_step_count(std::int64_t step);
   /// @throws logic_error while a step is unfinished (see checkpoint()), or unless lr > 0.
   void set_lr(double lr);
