@@ -80,6 +80,13 @@ class allocator_impl {
     TERRACE_EXPECTS(divisions <= 64 && (divisions & (divisions - 1)) == 0,
                     "roundup_power2_divisions must be 0 (off) or a power of two from 1 to 64, got " +
                         std::to_string(divisions));
+    // The bounds TERRACE_ALLOC_CONF holds these keys to (config.cpp), for a config made in code.
+    const double gc = config_.garbage_collection_threshold;
+    TERRACE_EXPECTS(gc >= 0.0 && gc < 1.0,  // false for NaN too
+                    "garbage_collection_threshold must be in [0, 1) (0 = off), got " + std::to_string(gc));
+    TERRACE_EXPECTS(config_.plan_min_period >= 16 && config_.plan_min_period <= (std::size_t{1} << 30),
+                    "plan_min_period must be in [16, 2^30], got " + std::to_string(config_.plan_min_period));
+    TERRACE_EXPECTS(config_.trace_max_events >= 1, "trace_max_events must be >= 1");
     granularity_ = std::max<std::size_t>(props.map_granularity, kMinBlockSize);
     tracing_ = config_.record_trace;
     memory_fraction_ = config_.memory_fraction;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <iterator>
@@ -915,6 +916,21 @@ TEST(CachingAllocator, InconsistentConfigIsRejected) {
   allocator_config bad_segments;
   bad_segments.small_segment_size = 512 * KiB;  // below small_size (1 MiB)
   EXPECT_THROW(caching_allocator(*dev, bad_segments), logic_error);
+  // Found in review: these were bounded only when they came from TERRACE_ALLOC_CONF.
+  for (const double gc : {-0.5, 1.0, 2.0, std::nan("")}) {
+    allocator_config cfg;
+    cfg.garbage_collection_threshold = gc;
+    EXPECT_THROW(caching_allocator(*dev, cfg), logic_error) << gc;
+  }
+  for (const std::size_t period : {std::size_t{0}, std::size_t{15}, (std::size_t{1} << 30) + 1}) {
+    allocator_config cfg;
+    cfg.plan_min_period = period;
+    cfg.policy = alloc_policy::planned;
+    EXPECT_THROW(caching_allocator(*dev, cfg), logic_error) << period;
+  }
+  allocator_config no_ring;
+  no_ring.trace_max_events = 0;
+  EXPECT_THROW(caching_allocator(*dev, no_ring), logic_error);
 }
 
 // Found in review: TERRACE_ALLOC_CONF refuses a roundup_power2_divisions that is not a power of
