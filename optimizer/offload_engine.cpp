@@ -1018,6 +1018,9 @@ offload_engine::offload_engine(device_backend& device, const layered_model_facto
   TERRACE_EXPECTS(std::isfinite(options.clip_norm) && options.clip_norm >= 0,
                   "offload engine: clip_norm must be a finite number >= 0 (0: no clipping), got " +
                       std::to_string(options.clip_norm));
+  TERRACE_EXPECTS(options.delayed_update_after >= 0,
+                  "offload engine: delayed_update_after must be >= 0 (steps before the update is "
+                  "delayed), got " + std::to_string(options.delayed_update_after));
   impl_->setup(make_model);
 }
 

@@ -369,6 +369,17 @@ TEST(OffloadEngineBadInput, ANegativeOrNanClipNormIsRefused) {
   EXPECT_NO_THROW(f.make(o));
 }
 
+// Found in review: a negative count of steps before the update is delayed was taken as 0.
+TEST(OffloadEngineBadInput, ANegativeDelayedUpdateAfterIsRefused) {
+  engine_fixture f(64u << 20);
+  offload_engine_options o;
+  o.delayed_update = true;
+  o.delayed_update_after = -1;
+  EXPECT_THROW(f.make(o), logic_error);
+  o.delayed_update_after = 0;
+  EXPECT_NO_THROW(f.make(o));
+}
+
 TEST(OffloadEngineBadInput, DiskSmallerThanTheState) {
   testing::scratch_dir dir("engine-disk");
   engine_fixture f(16u << 20);

@@ -141,7 +141,7 @@ struct offload_engine_options {
   /// delayed_update: the optimizer steps taken undelayed first. Adam's first updates are close to
   /// sign steps of size lr, and one step stale they overshoot (the demo's loss went 4.17, 13.79,
   /// 9.44 over steps 3-5 at lr 3e-4); ZeRO-Offload likewise delays only after its first steps.
-  /// A resumed run past it delays from its first step.
+  /// A resumed run past it delays from its first step. At least 0 (the constructor refuses less).
   std::int64_t delayed_update_after = 0;
   /// Recorded in checkpoints; a resume with another seed is refused.
   std::uint64_t seed = 0;
