@@ -101,7 +101,7 @@ counts counts_of(const caching_allocator& a) {
 // The sim device, except that the host waiting for the device (a stream, an event, all of it)
 // first calls `on_host_wait`. Its noexcept calls (release, unmap, destroy_stream, ...) are injected
 // into like every other: the sim device makes what they need ready beforehand
-// (tests/device_host_oom_test.cpp). Work gated until the test opens it would otherwise never finish
+// (tests/tiers_host_oom_test.cpp). Work gated until the test opens it would otherwise never finish
 // when the allocator waits for it (the OOM path, empty_cache, a free whose event could not be
 // recorded): the gate opens then, as a kernel would finish.
 class waited_device final : public device_backend {

@@ -1,21 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
-// The host-side backends' noexcept calls (unmap, release, destroy_stream, destroy_event) when the
-// host is out of memory: a host allocation there is fatal by their contract, so what they need
-// must already be in hand. Unmapping the middle of a mapped run splits it in two, and the
-// virtual-memory books (tiers/vmm_book.hpp) must hold that second run's node; destroying a stream
-// parks it in the device's draining list. This executable replaces the global operator new (every
-// form the plain operator delete frees) with one that fails every allocation on the test thread
-// while a host_out_of_memory lives.
+// The tiers' books when the host is out of memory. The host-side backends' noexcept calls (unmap,
+// release, destroy_stream, destroy_event) may not allocate at all: unmapping the middle of a
+// mapped run splits it in two, and the virtual-memory books (tiers/vmm_book.hpp) must hold that
+// second run's node; destroying a stream parks it in the device's draining list. The extent
+// allocator (the pinned pool's and the NVMe store's free space) and the pinned pool must fail a
+// call having changed nothing. This executable replaces the global operator new (every form the
+// plain operator delete frees) with one that fails every allocation on the test thread while a
+// host_out_of_memory lives.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "terrace/device.hpp"
+#include "terrace/pinned_pool.hpp"
+#include "tiers/extent_allocator.hpp"
 #include "tiers/vmm_book.hpp"
 
 namespace {
@@ -195,6 +199,103 @@ TEST(DeviceHostOom, AReserveTheHostCannotBookChangesNothing) {
     dev->release(held, 64 * 1024);
     EXPECT_EQ(dev->used_bytes(), 0u);
   }
+}
+
+// Found in review: the extent allocator erased a hole before it inserted what was left of it, so a
+// host out of memory in an allocate lost the rest of the hole (free space that no call would ever
+// hand out again), and one between a release's two insertions left its two indexes disagreeing.
+// Now allocate and a release beside a hole allocate nothing, and the calls that need a new hole
+// fail having changed nothing.
+TEST(ExtentAllocatorHostOom, AFullHostNeverCostsFreeSpace) {
+  constexpr std::uint64_t kUnit = 4096;
+  extent_allocator ea(64 * kUnit, kUnit);
+  std::mt19937_64 rng(7);
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> live;  // offset, bytes
+  std::uint64_t used = 0;
+  for (int i = 0; i < 4000; ++i) {
+    const bool full_host = rng() % 2 == 0;
+    const std::uint64_t free_before = ea.free_bytes();
+    if (live.empty() || rng() % 2 == 0) {
+      const std::uint64_t bytes = (1 + rng() % 4) * kUnit - rng() % 100;
+      std::optional<std::uint64_t> at;
+      {
+        std::optional<host_out_of_memory> full;
+        if (full_host) full.emplace();
+        at = ea.allocate(bytes);  // never allocates: no throw even with a full host
+      }
+      if (at) {
+        live.emplace_back(*at, bytes);
+        used += ea.extent_size(bytes);
+      }
+    } else {
+      const std::size_t k = rng() % live.size();
+      const auto [offset, bytes] = live[k];
+      bool released = true;
+      try {
+        std::optional<host_out_of_memory> full;
+        if (full_host) full.emplace();
+        ea.release(offset, bytes);
+      } catch (const std::bad_alloc&) {
+        released = false;  // between two extents, with no memory for a new hole
+        EXPECT_EQ(ea.free_bytes(), free_before);
+      }
+      if (released) {
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+        used -= ea.extent_size(bytes);
+      }
+    }
+    ASSERT_TRUE(ea.consistent()) << "operation " << i;
+    ASSERT_EQ(ea.free_bytes() + used, ea.capacity()) << "operation " << i;
+  }
+}
+
+TEST(ExtentAllocatorHostOom, AReserveThatFailsChangesNothing) {
+  constexpr std::uint64_t kUnit = 4096;
+  extent_allocator ea(16 * kUnit, kUnit);
+  {
+    host_out_of_memory full;
+    EXPECT_THROW(ea.reserve(4 * kUnit, kUnit), std::bad_alloc);  // the middle: two holes needed
+  }
+  EXPECT_TRUE(ea.consistent());
+  EXPECT_EQ(ea.free_bytes(), 16 * kUnit);
+  {
+    host_out_of_memory full;
+    EXPECT_TRUE(ea.reserve(0, kUnit));  // the head: the hole's nodes carry the rest
+    EXPECT_TRUE(ea.reserve(15 * kUnit, kUnit));  // the tail
+  }
+  EXPECT_TRUE(ea.reserve(4 * kUnit, kUnit));
+  EXPECT_TRUE(ea.consistent());
+  EXPECT_EQ(ea.free_bytes(), 13 * kUnit);
+}
+
+// The pinned pool took the extent before the live table's entry; with the host out of memory for
+// the entry the extent was lost, and a free whose hole could not be made dropped the buffer.
+TEST(PinnedPoolHostOom, AllocateAndFreeWithAFullHostChangeNothingOrSucceed) {
+  device_options o;
+  o.capacity = 64 * (std::size_t{1} << 20);
+  auto dev = make_device("sim", o);
+  pinned_pool_options po;
+  po.region_size = 4 * (std::size_t{1} << 20);
+  pinned_host_pool pool(*dev, po);
+  std::vector<void*> held;
+  for (int i = 0; i < 8; ++i) held.push_back(pool.allocate(64 * 1024));
+  const auto before = pool.stats();
+  for (int i = 0; i < 4; ++i) {
+    host_out_of_memory full;
+    EXPECT_THROW(pool.allocate(64 * 1024), std::bad_alloc);
+  }
+  pool.check_invariants();
+  EXPECT_EQ(pool.stats().allocation.current, before.allocation.current);
+  // Freeing a buffer between two live ones needs a new hole: refused, the buffer still live.
+  {
+    host_out_of_memory full;
+    EXPECT_THROW(pool.deallocate(held[3]), std::bad_alloc);
+  }
+  pool.check_invariants();
+  EXPECT_EQ(pool.allocation_size(held[3]), 64 * 1024u);
+  for (void* p : held) pool.deallocate(p);
+  pool.check_invariants();
+  EXPECT_EQ(pool.stats().allocated_bytes.current, 0);
 }
 
 }  // namespace

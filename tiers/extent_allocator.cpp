@@ -23,15 +23,35 @@ std::uint64_t extent_allocator::extent_size(std::uint64_t bytes) const {
 }
 
 void extent_allocator::insert_hole(std::uint64_t offset, std::uint64_t size) {
-  by_offset_.emplace(offset, size);
-  by_size_.emplace(size, offset);
+  const auto it = by_offset_.emplace(offset, size).first;
+  try {
+    by_size_.emplace(size, offset);
+  } catch (...) {
+    by_offset_.erase(it);
+    throw;
+  }
   free_ += size;
 }
 
-void extent_allocator::erase_hole(std::map<std::uint64_t, std::uint64_t>::iterator it) {
+void extent_allocator::erase_hole(hole_iterator it) noexcept {
   by_size_.erase({it->second, it->first});
   free_ -= it->second;
   by_offset_.erase(it);
+}
+
+void extent_allocator::move_hole(hole_iterator it, std::uint64_t offset, std::uint64_t size) noexcept {
+  auto by_size = by_size_.extract({it->second, it->first});
+  by_size.value() = {size, offset};
+  by_size_.insert(std::move(by_size));
+  free_ = free_ - it->second + size;
+  if (it->first == offset) {
+    it->second = size;
+    return;
+  }
+  auto by_offset = by_offset_.extract(it);
+  by_offset.key() = offset;
+  by_offset.mapped() = size;
+  by_offset_.insert(std::move(by_offset));
 }
 
 std::optional<std::uint64_t> extent_allocator::allocate(std::uint64_t bytes) {
@@ -39,13 +59,17 @@ std::optional<std::uint64_t> extent_allocator::allocate(std::uint64_t bytes) {
   auto fit = by_size_.lower_bound({size, 0});
   if (fit == by_size_.end()) return std::nullopt;
   const auto [hole_size, offset] = *fit;
-  erase_hole(by_offset_.find(offset));
-  if (hole_size > size) insert_hole(offset + size, hole_size - size);
+  const auto hole = by_offset_.find(offset);
+  if (hole_size > size) {
+    move_hole(hole, offset + size, hole_size - size);
+  } else {
+    erase_hole(hole);
+  }
   return offset;
 }
 
 void extent_allocator::release(std::uint64_t offset, std::uint64_t bytes) {
-  std::uint64_t size = extent_size(bytes);
+  const std::uint64_t size = extent_size(bytes);
   // A double or foreign release would otherwise put free space in the books twice, and the next
   // allocations would hand the same bytes (on disk: the same blocks) to two tensors.
   if (offset % unit_ != 0 || offset > capacity_ || size > capacity_ - offset) {
@@ -59,22 +83,20 @@ void extent_allocator::release(std::uint64_t offset, std::uint64_t bytes) {
                       std::to_string(hole->first) + ", +" + std::to_string(hole->second) +
                       "): released twice?");
   }
-  // Coalesce with the hole after, then the hole before.
-  auto next = by_offset_.lower_bound(offset);
-  if (next != by_offset_.end() && next->first == offset + size) {
-    size += next->second;
-    erase_hole(next);
+  // Coalesced with the holes on either side; a neighbouring hole's nodes carry the result.
+  const auto next = by_offset_.lower_bound(offset);
+  const bool joins_next = next != by_offset_.end() && next->first == offset + size;
+  const auto prev = next == by_offset_.begin() ? by_offset_.end() : std::prev(next);
+  const bool joins_prev = prev != by_offset_.end() && prev->first + prev->second == offset;
+  if (joins_prev) {
+    const std::uint64_t end = joins_next ? next->first + next->second : offset + size;
+    if (joins_next) erase_hole(next);
+    move_hole(prev, prev->first, end - prev->first);
+  } else if (joins_next) {
+    move_hole(next, offset, next->first + next->second - offset);
+  } else {
+    insert_hole(offset, size);
   }
-  auto after = by_offset_.lower_bound(offset);
-  if (after != by_offset_.begin()) {
-    auto prev = std::prev(after);
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      size += prev->second;
-      erase_hole(prev);
-    }
-  }
-  insert_hole(offset, size);
 }
 
 std::map<std::uint64_t, std::uint64_t>::const_iterator extent_allocator::hole_overlapping(
@@ -96,9 +118,17 @@ bool extent_allocator::reserve(std::uint64_t offset, std::uint64_t bytes) {
   --it;
   const auto [hole, hole_size] = *it;
   if (offset + size > hole + hole_size) return false;
-  erase_hole(it);
-  if (offset > hole) insert_hole(hole, offset - hole);
-  if (hole + hole_size > offset + size) insert_hole(offset + size, hole + hole_size - offset - size);
+  const bool keeps_head = offset > hole;
+  const bool keeps_tail = hole + hole_size > offset + size;
+  // Only a reserve in the middle of the hole needs a second one: the tail, made first.
+  if (keeps_head && keeps_tail) insert_hole(offset + size, hole + hole_size - offset - size);
+  if (keeps_head) {
+    move_hole(it, hole, offset - hole);
+  } else if (keeps_tail) {
+    move_hole(it, offset + size, hole + hole_size - offset - size);
+  } else {
+    erase_hole(it);
+  }
   return true;
 }
 

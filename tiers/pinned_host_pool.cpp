@@ -84,7 +84,9 @@ struct pinned_host_pool::impl : private detail::fork_guard {
   pinned_pool_options options;
   mutable std::mutex mutex;
   std::map<std::uintptr_t, std::unique_ptr<region>> regions;  // by base address
-  std::unordered_map<std::uintptr_t, buffer> live;
+  using live_map = std::unordered_map<std::uintptr_t, buffer>;
+  live_map live;
+  live_map entry_maker;  // where prepare_entry makes live-table nodes
   pinned_pool_stats counters;
   // Bytes of regions being reserved with the mutex released (grow): they count
   // against the capacity before they exist.
@@ -135,19 +137,32 @@ struct pinned_host_pool::impl : private detail::fork_guard {
   std::size_t reserved() const { return static_cast<std::size_t>(counters.reserved_bytes.current); }
 
   // Best fit inside the first region (in address order) that can hold it.
-  void* carve(std::size_t bytes, std::size_t rounded) {
+  void* carve(std::size_t bytes, std::size_t rounded, live_map::node_type& entry) {
     for (auto& [base, r] : regions) {
       if (r->extents.largest_hole() < rounded) continue;
       const auto offset = r->extents.allocate(rounded);
       if (!offset) continue;
-      return hand_out(*r, *offset, bytes, rounded);
+      return hand_out(*r, *offset, bytes, rounded, entry);
     }
     return nullptr;
   }
 
-  void* hand_out(region& r, std::uint64_t offset, std::size_t bytes, std::size_t rounded) {
+  // The live-table entry of the buffer allocate() is about to hand out, made before any extent is
+  // taken: a host out of memory then fails the call having changed nothing, and hand_out
+  // allocates nothing. @throws std::bad_alloc.
+  live_map::node_type prepare_entry() {
+    live.reserve(live.size() + 1);  // the insertion then never rehashes
+    entry_maker.emplace(0, buffer{});
+    return entry_maker.extract(entry_maker.begin());
+  }
+
+  // Takes the extent at `offset` (just allocated) into the live table, in `entry`.
+  void* hand_out(region& r, std::uint64_t offset, std::size_t bytes, std::size_t rounded,
+                 live_map::node_type& entry) noexcept {
     const std::uintptr_t addr = r.first() + offset;
-    live.emplace(addr, buffer{&r, rounded, bytes});
+    entry.key() = addr;
+    entry.mapped() = buffer{&r, rounded, bytes};
+    live.insert(std::move(entry));
     ++r.live;
     counters.allocation.increase(1);
     counters.allocated_bytes.increase(static_cast<std::int64_t>(rounded));
@@ -248,15 +263,18 @@ struct pinned_host_pool::impl : private detail::fork_guard {
                           detail::describe_bytes(bytes) + ": no pinned region can be that large");
     }
     const std::size_t rounded = round_up(bytes, options.alignment);
-    if (void* p = carve(bytes, rounded)) return p;
+    live_map::node_type entry = prepare_entry();
+    if (void* p = carve(bytes, rounded, entry)) return p;
     try {
       region& r = grow(lock, rounded);
-      return hand_out(r, *r.extents.allocate(rounded), bytes, rounded);
+      live.reserve(live.size() + 1);  // other threads may have used the room while grow waited
+      return hand_out(r, *r.extents.allocate(rounded), bytes, rounded, entry);
     } catch (const out_of_memory&) {
       // fall through to the retry
     }
     // Other threads freed buffers or added regions while this one waited for the host.
-    if (void* p = carve(bytes, rounded)) return p;
+    live.reserve(live.size() + 1);
+    if (void* p = carve(bytes, rounded, entry)) return p;
     // Free regions may be the wrong shape (too small): give them back and ask once more, for no
     // more than this request needs, since a whole default region may be what the host refused
     // (a locked-memory limit of a few MiB is common).
@@ -264,7 +282,8 @@ struct pinned_host_pool::impl : private detail::fork_guard {
     release_empty_regions();
     try {
       region& r = grow(lock, rounded, /*tight_only=*/true);
-      return hand_out(r, *r.extents.allocate(rounded), bytes, rounded);
+      live.reserve(live.size() + 1);  // other threads may have used the room while grow waited
+      return hand_out(r, *r.extents.allocate(rounded), bytes, rounded, entry);
     } catch (const out_of_memory& e) {
       ++counters.num_ooms;
       throw out_of_memory(
@@ -287,8 +306,10 @@ struct pinned_host_pool::impl : private detail::fork_guard {
     const auto it = live.find(addr);
     if (it == live.end()) throw logic_error(describe_bad(addr, "deallocate"));
     const buffer b = it->second;
-    live.erase(it);
+    // The extent first: with the host out of memory for its hole it throws, and the buffer stays
+    // live, to be freed again.
     b.owner->extents.release(addr - b.owner->first(), b.size);
+    live.erase(it);
     --b.owner->live;
     counters.allocation.decrease(1);
     counters.allocated_bytes.decrease(static_cast<std::int64_t>(b.size));
