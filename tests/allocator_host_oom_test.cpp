@@ -24,48 +24,13 @@
 #include "terrace/caching_allocator.hpp"
 #include "terrace/error.hpp"
 #include "terrace/sim_device.hpp"
-
-namespace {
-
-// Only the test thread's allocations count: the sim device's stream workers allocate too, and
-// failing them would test the device, not the allocator.
-thread_local long allocations_until_failure = -1;  // -1: never fail
-thread_local bool injected = false;  // in this run, wherever the failure was caught
-
-void* counted_allocation(std::size_t n) {
-  if (allocations_until_failure >= 0 && allocations_until_failure-- == 0) {
-    injected = true;
-    throw std::bad_alloc();
-  }
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-
-}  // namespace
-
-// Every form that the plain operator delete below may free (std::stable_sort's buffer comes from
-// the nothrow form): a runtime's own form paired with this delete is a mismatch to ASan.
-void* operator new(std::size_t n) { return counted_allocation(n); }
-void* operator new[](std::size_t n) { return counted_allocation(n); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return counted_allocation(n);
-  } catch (const std::bad_alloc&) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-  return operator new(n, std::nothrow);
-}
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+#include "failing_operator_new.hpp"
 
 namespace terrace {
 namespace {
+
+using testing::allocations_until_failure;
+using testing::injected;
 
 constexpr std::size_t KiB = 1024;
 constexpr std::size_t MiB = 1024 * KiB;

@@ -21,50 +21,12 @@
 #include "terrace/pinned_pool.hpp"
 #include "tiers/extent_allocator.hpp"
 #include "tiers/vmm_book.hpp"
-
-namespace {
-
-// Only the test thread's allocations fail: the sim device's stream workers allocate too.
-thread_local bool host_full = false;
-
-void* counted_allocation(std::size_t n) {
-  if (host_full) throw std::bad_alloc();
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-
-}  // namespace
-
-void* operator new(std::size_t n) { return counted_allocation(n); }
-void* operator new[](std::size_t n) { return counted_allocation(n); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return counted_allocation(n);
-  } catch (const std::bad_alloc&) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
-  return operator new(n, std::nothrow);
-}
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+#include "failing_operator_new.hpp"
 
 namespace terrace::detail {
 namespace {
 
-// While it lives, every allocation on this thread fails.
-class host_out_of_memory {
- public:
-  host_out_of_memory() { host_full = true; }
-  ~host_out_of_memory() { host_full = false; }
-  host_out_of_memory(const host_out_of_memory&) = delete;
-  host_out_of_memory& operator=(const host_out_of_memory&) = delete;
-};
+using testing::host_out_of_memory;
 
 constexpr std::size_t kPage = 4096;
 constexpr std::uintptr_t kBase = std::uintptr_t{1} << 30;
