@@ -478,7 +478,26 @@ struct offload_engine::impl {
     resumed = offload_engine_record{r.step, r.data_cursor, r.seed};
   }
 
+  // Option values the engine itself cannot work with, refused before anything is made or
+  // written (offload_adam checks the rest of its own options when it is made; a fresh store is
+  // removed again then). chunk_elements 0 would hang sizing the store (compute_store_bytes), and
+  // a clip_norm or delayed_update_after out of range would train silently as if it were 0.
+  void check_options() const {
+    TERRACE_EXPECTS(options.optimizer.chunk_elements > 0,
+                    "offload engine: optimizer.chunk_elements must be positive");
+    TERRACE_EXPECTS(std::isfinite(options.clip_norm) && options.clip_norm >= 0,
+                    "offload engine: clip_norm must be finite and >= 0 (0: no clipping), got " +
+                        std::to_string(options.clip_norm));
+    TERRACE_EXPECTS(options.delayed_update_after >= 0,
+                    "offload engine: delayed_update_after must be >= 0, got " +
+                        std::to_string(options.delayed_update_after));
+    TERRACE_EXPECTS(std::isfinite(options.copy_bandwidth) && options.copy_bandwidth >= 0,
+                    "offload engine: copy_bandwidth must be finite and >= 0 (0: unknown), got " +
+                        std::to_string(options.copy_bandwidth));
+  }
+
   void setup(const layered_model_factory& make_model) {
+    check_options();
     compute = device.create_stream();
     model = make_model(memory, compute);
     TERRACE_EXPECTS(model != nullptr && model->layer_count() > 0,
@@ -1014,14 +1033,7 @@ offload_engine::offload_engine(device_backend& device, const layered_model_facto
                                const offload_engine_options& options)
     : impl_(std::make_unique<impl>(device, options)) {
   TERRACE_EXPECTS(static_cast<bool>(make_model), "offload engine: no model factory");
-  // Refused, not read as "no clipping": a typo would otherwise train unclipped without a word.
-  TERRACE_EXPECTS(std::isfinite(options.clip_norm) && options.clip_norm >= 0,
-                  "offload engine: clip_norm must be a finite number >= 0 (0: no clipping), got " +
-                      std::to_string(options.clip_norm));
-  TERRACE_EXPECTS(options.delayed_update_after >= 0,
-                  "offload engine: delayed_update_after must be >= 0 (steps before the update is "
-                  "delayed), got " + std::to_string(options.delayed_update_after));
-  impl_->setup(make_model);
+  impl_->setup(make_model);  // check_options() first
 }
 
 offload_engine::~offload_engine() = default;

@@ -206,8 +206,10 @@ class offload_engine {
  public:
   /// @brief Sets up the tiers, the model (through `make_model`) and the optimizer, placing every
   /// layer's params, gradient and optimizer state (or resuming them from the store).
-  /// @throws logic_error for bad options (a host budget without an NVMe dir, a device budget
-  ///         above the device's capacity, a clip_norm that is negative or not finite, a resume
+  /// @throws logic_error for bad options, before anything is written (a host budget without an
+  ///         NVMe dir (an optimizer host budget is ignored then), a device budget above the
+  ///         device's capacity, a clip_norm or copy_bandwidth that is negative or not finite, a
+  ///         negative delayed_update_after, optimizer options offload_adam refuses, a resume
   ///         without a dir, a checkpoint whose seed or layers differ); out_of_memory, before any
   ///         step, when the device budget cannot hold one layer's params + gradient +
   ///         activations, when the host budget cannot hold one layer's params + gradient, when
