@@ -348,10 +348,12 @@ struct offload_engine::impl {
     return in_store;
   }
 
-  std::uint64_t compute_store_bytes() const {
+  std::uint64_t compute_store_bytes() const { return compute_store_bytes(options.checkpoints); }
+
+  std::uint64_t compute_store_bytes(bool checkpoints) const {
     if (options.nvme_dir.empty()) return 0;
     // A checkpoint writes the host-resident optimizer state too.
-    std::uint64_t state = optimizer_store_bytes(options.checkpoints) + kRecordBytes;
+    std::uint64_t state = optimizer_store_bytes(checkpoints) + kRecordBytes;
     std::uint64_t largest = kRecordBytes;
     if (options.host_budget != 0) {
       // Any param or gradient may be moved to NVMe to make room in the host budget.
@@ -370,7 +372,7 @@ struct offload_engine::impl {
     // out with 13 MiB free in holes of at most 3 MiB, for a 6 MiB chunk). The optimizer's
     // step-counter record and the store's bookkeeping: 1 MiB covers them.
     const std::uint64_t room = 2 * largest + kMiB;
-    return options.checkpoints ? 2 * state + state / 8 + room : state + room;
+    return checkpoints ? 2 * state + state / 8 + room : state + room;
   }
 
   // ---------------------------------------------------------------- setup
@@ -1012,6 +1014,18 @@ struct offload_engine::impl {
 
   std::uint64_t checkpoint(std::uint64_t data_cursor) {
     TERRACE_EXPECTS(nvme.has_value(), "offload engine: checkpoint without an NVMe dir");
+    // A committed checkpoint keeps its extents until the next commit, so every step after it
+    // needs room for the state twice. A store made without that room (checkpoints = false) would
+    // commit, and then the next optimizer phase would run out of space part way, failing every
+    // retry: refused here, before anything is written, and training goes on.
+    const std::uint64_t needed = compute_store_bytes(/*checkpoints=*/true);
+    if (nvme->capacity() < needed) {
+      throw logic_error("terrace: offload engine: checkpoint() on a store made without room for "
+                        "checkpoints (checkpoints = false): it holds " +
+                        human_bytes(nvme->capacity()) + " and checkpoints need " +
+                        human_bytes(needed) + "; nothing was committed (make the engine with "
+                        "checkpoints = true, or a store_capacity of at least that)");
+    }
     // A running update, or a failed optimizer phase (finished here with its own gradients, or
     // this throws and commits nothing): the state committed is every step's, whole, and a resume
     // continues from it.

@@ -1042,6 +1042,30 @@ TEST(OffloadEngineBadInput, OptionsThatCannotWorkAreRefusedBeforeAnythingIsWritt
   }
 }
 
+// A store made without room for checkpoints (checkpoints = false) cannot keep a committed copy
+// beside the state the next steps rewrite. Found in review: checkpoint() committed anyway, and the
+// next step's optimizer phase ran out of store space part way; every retry failed the same way
+// and the run was wedged. Now checkpoint() refuses before writing anything, and training goes on.
+TEST(OffloadEngineFaults, ACheckpointWithoutRoomForItIsRefusedAndTrainingGoesOn) {
+  const std::vector<std::size_t> layers = {1u << 19, 1u << 19};  // 12 MiB of optimizer state
+  testing::scratch_dir ref_dir("no-ckpt-ref"), dir("no-ckpt");
+  offload_engine_options o = probe_options(ref_dir.path(), 1u << 16);
+  o.checkpoints = false;
+  probe_engine ref(layers, o);
+  const std::vector<float> want = losses_of(ref, 3);
+  o.nvme_dir = dir.path();
+  probe_engine e(layers, o);
+  EXPECT_TRUE(bitwise_equal(e.step(kProbeBatches[0]), want[0]));
+  EXPECT_THROW(e.engine->checkpoint(1), logic_error);
+  EXPECT_FALSE(e.engine->update_failed());
+  for (std::size_t s = 1; s < 3; ++s) {
+    float loss = 0;
+    ASSERT_NO_THROW(loss = e.step(kProbeBatches[s])) << "step " << s + 1;
+    EXPECT_TRUE(bitwise_equal(loss, want[s])) << "step " << s + 1;
+  }
+  expect_same_state(e, ref, "after step 3");
+}
+
 // Overlap, asserted by what makes it possible rather than by a stopwatch: once the first step has
 // recorded the schedule, every parameter a step acquires was already on its way up (a prefetch
 // hit), so no copy is started at the moment compute needs it. That the copy stream then runs while

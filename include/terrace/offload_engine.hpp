@@ -117,6 +117,7 @@ struct offload_engine_options {
   std::uint64_t store_capacity = 0;
   /// Leave room for checkpoints: a tensor rewritten after a checkpoint takes new space while the
   /// committed copy is kept until the next checkpoint commits, so the store needs twice the state.
+  /// false: checkpoint() refuses (logic_error) unless store_capacity left that room anyway.
   bool checkpoints = true;
   /// Resume from the store's last checkpoint instead of initialising the model.
   bool resume = false;
@@ -252,7 +253,9 @@ class offload_engine {
   /// the NVMe store, atomically (one store checkpoint), after finish_update(): a failed optimizer
   /// phase is finished first, so what is committed is whole steps, never part of one.
   /// @returns the store's generation.
-  /// @throws logic_error without an NVMe dir; what finish_update() throws (nothing is then
+  /// @throws logic_error without an NVMe dir, or when the store has no room for checkpoints
+  ///         (offload_engine_options::checkpoints), before anything is written; what
+  ///         finish_update() throws (nothing is then
   ///         committed); io_error from the store.
   std::uint64_t checkpoint(std::uint64_t data_cursor);
 
