@@ -1066,6 +1066,51 @@ TEST(OffloadEngineFaults, ACheckpointWithoutRoomForItIsRefusedAndTrainingGoesOn)
   expect_same_state(e, ref, "after step 3");
 }
 
+// Killed twice: a run checkpointed at step 2, killed after step 3, resumed, checkpointed at
+// step 4, killed after step 5 and resumed again ends bitwise where the uninterrupted run with
+// the same checkpoints does (losses, masters, step count, data cursor), in place and with
+// delayed_update (which starts delaying at step 3, between the two checkpoints).
+TEST(OffloadEngine, AResumedRunCheckpointsAndResumesAgainBitwise) {
+  for (bool delayed : {false, true}) {
+    SCOPED_TRACE(delayed ? "delayed_update" : "in place");
+    testing::scratch_dir ref_dir("resume-twice-ref"), dir("resume-twice");
+    offload_engine_options o = probe_options(ref_dir.path(), 1024);
+    o.delayed_update = delayed;
+    o.delayed_update_after = 3;
+    probe_engine ref(kSmallLayers, o);
+    std::vector<float> want;
+    for (std::size_t s = 0; s < 5; ++s) {
+      want.push_back(ref.step(kProbeBatches[s]));
+      if (s == 1 || s == 3) ref.engine->checkpoint(s + 1);
+    }
+
+    o.nvme_dir = dir.path();
+    probe_engine e(kSmallLayers, o);
+    std::vector<float> got;
+    got.push_back(e.step(kProbeBatches[0]));
+    got.push_back(e.step(kProbeBatches[1]));
+    e.engine->checkpoint(2);
+    e.step(kProbeBatches[2]);  // lost with the kill
+    offload_engine_options resume = o;
+    resume.resume = true;
+    e.make(kSmallLayers, resume);
+    ASSERT_EQ(e.engine->resumed_from()->data_cursor, 2u);
+    got.push_back(e.step(kProbeBatches[2]));
+    got.push_back(e.step(kProbeBatches[3]));
+    e.engine->checkpoint(4);
+    e.step(kProbeBatches[4]);  // lost with the kill
+    e.make(kSmallLayers, resume);
+    ASSERT_EQ(e.engine->resumed_from()->data_cursor, 4u);
+    ASSERT_EQ(e.engine->resumed_from()->step, 4);
+    got.push_back(e.step(kProbeBatches[4]));
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t s = 0; s < want.size(); ++s) {
+      EXPECT_TRUE(bitwise_equal(got[s], want[s])) << "step " << s + 1 << ": " << got[s] << " " << want[s];
+    }
+    expect_same_state(e, ref, "after step 5");
+  }
+}
+
 // Overlap, asserted by what makes it possible rather than by a stopwatch: once the first step has
 // recorded the schedule, every parameter a step acquires was already on its way up (a prefetch
 // hit), so no copy is started at the moment compute needs it. That the copy stream then runs while
