@@ -494,9 +494,7 @@ train_result run_train(const train_options& options) {
   } catch (const device_error& e) {  // no GPU for --device cuda, among others
     throw train_setup_error(e.what());
   }
-  // After a resume that changed a reproducibility setting, the kept ones are this run's: a later
-  // resume on the same machine continues it without a note.
-  if ((!o.resume || !notes.empty()) && engine->store() != nullptr) save_run_settings(o.dir, settings);
+  if (!o.resume && engine->store() != nullptr) save_run_settings(o.dir, settings);
 
   train_result r;
   r.dir = o.dir;
@@ -526,6 +524,9 @@ train_result run_train(const train_options& options) {
   if (std::error_code ec; fs::exists(discarded_store(o.dir), ec)) {
     remove_store_folder(discarded_store(o.dir));
   }
+  // After a resume that changed a reproducibility setting, the kept ones are this run's, from
+  // when it trains: a later resume on the same machine continues it without a note.
+  if (o.resume && !r.notes.empty() && engine->store() != nullptr) save_run_settings(o.dir, settings);
 
   std::uint64_t cursor = 0;
   if (const auto& from = engine->resumed_from()) cursor = from->data_cursor;
