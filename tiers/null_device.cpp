@@ -21,6 +21,7 @@
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
 #include "tiers/capacity_meter.hpp"
+#include "tiers/interval_nodes.hpp"
 #include "tiers/vmm_book.hpp"
 
 namespace terrace::detail {
@@ -51,7 +52,7 @@ class fake_address_space {
   std::uintptr_t take(std::size_t bytes, std::size_t align) {
     auto it = find(bytes, align);
     if (it == free_.end()) return 0;
-    hold_nodes(taken_ + 2);  // the ranges after this take, plus one
+    nodes_.hold(free_, taken_ + 2);  // the ranges after this take, plus one
     ++taken_;
     return carve(it, bytes, align);
   }
@@ -64,7 +65,7 @@ class fake_address_space {
     if (next != free_.end() && next->first == end) {
       end = next->second;
       auto after = std::next(next);
-      spares_.push_back(free_.extract(next));  // within the capacity hold_nodes reserved
+      nodes_.keep(free_, next);
       next = after;
     }
     if (next != free_.begin()) {
@@ -74,11 +75,11 @@ class fake_address_space {
         return;
       }
     }
-    insert(begin, end);
+    nodes_.insert(free_, begin, end);
   }
 
  private:
-  using interval_map = std::map<std::uintptr_t, std::uintptr_t>;
+  using interval_map = interval_nodes::interval_map;
   using iterator = interval_map::iterator;
 
   iterator find(std::size_t bytes, std::size_t align) {
@@ -107,35 +108,14 @@ class fake_address_space {
     if (begin < start) {
       it->second = start;
     } else {
-      spares_.push_back(free_.extract(it));
+      nodes_.keep(free_, it);
     }
-    if (start + bytes < end) insert(start + bytes, end);
+    if (start + bytes < end) nodes_.insert(free_, start + bytes, end);
     return start;
   }
 
-  // REQUIRES: a spare node (hold_nodes counted this interval).
-  void insert(std::uintptr_t begin, std::uintptr_t end) noexcept {
-    interval_map::node_type node = std::move(spares_.back());
-    spares_.pop_back();
-    node.key() = begin;
-    node.mapped() = end;
-    free_.insert(std::move(node));
-  }
-
-  // Makes the books hold at least `n` nodes (intervals plus spares), with room in spares_ for all
-  // of them. @throws std::bad_alloc; nodes made before it stay spare, which changes no interval.
-  void hold_nodes(std::size_t n) {
-    if (free_.size() + spares_.size() >= n) return;
-    spares_.reserve(n);
-    while (free_.size() + spares_.size() < n) {
-      scratch_.emplace(0, 0);
-      spares_.push_back(scratch_.extract(scratch_.begin()));
-    }
-  }
-
   interval_map free_;
-  std::vector<interval_map::node_type> spares_;
-  interval_map scratch_;     // where spare nodes are made
+  interval_nodes nodes_;     // at least taken_ + 1 of them, in free_ or spare
   std::size_t taken_ = 0;    // ranges handed out and not given back
 };
 

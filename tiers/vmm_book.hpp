@@ -27,10 +27,10 @@
 #include <map>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "terrace/error.hpp"
 #include "tiers/backends.hpp"
+#include "tiers/interval_nodes.hpp"
 
 namespace terrace::detail {
 
@@ -101,7 +101,7 @@ class vmm_book {
     const std::size_t needed = nodes_needed_ + most_runs_after_unmaps(run_begin, run_end) -
                                (joins_prev ? most_runs_after_unmaps(prev->first, prev->second) : 0) -
                                (joins_next ? most_runs_after_unmaps(next->first, next->second) : 0);
-    hold_nodes(needed);  // the only allocation; may throw
+    nodes_.hold(mapped_, needed);  // the only allocation; may throw
     nodes_needed_ = needed;
     if (joins_prev) {
       prev->second = joins_next ? next->second : end;
@@ -111,7 +111,7 @@ class vmm_book {
       node.key() = p;
       mapped_.insert(std::move(node));
     } else {
-      insert_run(p, end);
+      nodes_.insert(mapped_, p, end);
     }
     mapped_bytes_ += bytes;
   }
@@ -140,7 +140,7 @@ class vmm_book {
                     (keeps_tail ? most_runs_after_unmaps(p + bytes, end) : 0);
     if (keeps_tail && keeps_head) {
       it->second = p;
-      insert_run(p + bytes, end);
+      nodes_.insert(mapped_, p + bytes, end);
     } else if (keeps_tail) {
       auto node = mapped_.extract(it);
       node.key() = p + bytes;
@@ -148,10 +148,10 @@ class vmm_book {
     } else if (keeps_head) {
       it->second = p;
     } else {
-      spares_.push_back(mapped_.extract(it));  // within the capacity hold_nodes reserved
+      nodes_.keep(mapped_, it);
     }
     // Nodes beyond what later unmaps can need go back to the host (freeing never fails).
-    while (!spares_.empty() && mapped_.size() + spares_.size() > nodes_needed_) spares_.pop_back();
+    nodes_.trim(mapped_, nodes_needed_);
     mapped_bytes_ -= bytes;
   }
 
@@ -199,31 +199,11 @@ class vmm_book {
     return mapped_.end();
   }
 
-  using run_map = std::map<std::uintptr_t, std::uintptr_t>;
+  using run_map = interval_nodes::interval_map;
 
   // How many runs unmaps alone can cut [begin, end) into: every other granule left mapped.
   std::size_t most_runs_after_unmaps(std::uintptr_t begin, std::uintptr_t end) const noexcept {
     return ((end - begin) / granularity_ + 1) / 2;
-  }
-
-  // Makes the books hold at least `n` nodes (runs plus spares), with room in spares_ for all of
-  // them. @throws std::bad_alloc; the nodes made before it stay spare, which changes no run.
-  void hold_nodes(std::size_t n) {
-    if (mapped_.size() + spares_.size() >= n) return;
-    spares_.reserve(n);
-    while (mapped_.size() + spares_.size() < n) {
-      scratch_.emplace(0, 0);  // an empty map inserts without comparing
-      spares_.push_back(scratch_.extract(scratch_.begin()));
-    }
-  }
-
-  // REQUIRES: a spare node (hold_nodes counted this run).
-  void insert_run(std::uintptr_t begin, std::uintptr_t end) noexcept {
-    run_map::node_type node = std::move(spares_.back());
-    spares_.pop_back();
-    node.key() = begin;
-    node.mapped() = end;
-    mapped_.insert(std::move(node));
   }
 
   std::string backend_;
@@ -233,8 +213,7 @@ class vmm_book {
   std::size_t mapped_bytes_ = 0;
   // Sum over runs of most_runs_after_unmaps: the nodes that unmaps before the next map can need.
   std::size_t nodes_needed_ = 0;
-  std::vector<run_map::node_type> spares_;  // capacity >= every node held: push_back never grows it
-  run_map scratch_;                         // always empty: where hold_nodes makes nodes
+  interval_nodes nodes_;  // nodes_needed_ of them, in mapped_ or spare
 };
 
 }  // namespace terrace::detail
