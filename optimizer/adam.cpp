@@ -83,7 +83,7 @@ void check_buffer(const void* p, dtype t, std::size_t index, const char* name) {
                                               std::string(to_string(t)) + ")");
 }
 
-void check_options(const adam_options& o) {
+void check_adam_options(const adam_options& o) {
   TERRACE_EXPECTS(std::isfinite(o.lr) && o.lr > 0, "adam: lr must be > 0, got " + std::to_string(o.lr));
   TERRACE_EXPECTS(std::isfinite(o.beta1) && o.beta1 >= 0 && o.beta1 < 1,
                   "adam: beta1 must be in [0, 1), got " + std::to_string(o.beta1));
@@ -243,6 +243,8 @@ struct adam_optimizer::impl {
   std::mutex mutex;  // one step or norm at a time; the pool and the counter are shared
   std::atomic<std::int64_t> steps{0};
 };
+
+void adam_optimizer::check_options(const adam_options& options) { check_adam_options(options); }
 
 adam_optimizer::adam_optimizer(const adam_options& options) {
   check_options(options);

@@ -176,20 +176,6 @@ struct offload_adam::impl {
 
   impl(const offload_adam_options& o, pinned_host_pool& p, tensor_store* s)
       : options(o), adam(o.adam), pool(p), store(s) {
-    TERRACE_EXPECTS(o.chunk_elements > 0 && o.chunk_elements % kChunkAlign == 0,
-                    "offload_adam: chunk_elements must be a positive multiple of 64 (chunks must "
-                    "start where adam_optimizer's own thread cuts may, for bitwise-equal results), got " +
-                        std::to_string(o.chunk_elements));
-    TERRACE_EXPECTS(o.pipeline_depth >= 3,
-                    "offload_adam: pipeline_depth must be >= 3 (one buffer reading, one stepping, "
-                    "one writing), got " + std::to_string(o.pipeline_depth));
-    TERRACE_EXPECTS(o.host_state_budget == 0 || store != nullptr,
-                    "offload_adam: a host_state_budget needs a tensor store for the groups beyond it");
-    // Its layout (master, m, v per element, on the host and on NVMe) is Adam's; Lion would carry
-    // a v it never reads.
-    TERRACE_EXPECTS(o.adam.mode != adam_mode::lion,
-                    "offload_adam: Lion is not supported here (its state layout is Adam's: master, "
-                    "m and v); use adam_optimizer directly");
     state_size = size_of(adam.options().state_dtype);
     element_bytes = 4 + 2 * state_size;
     slots.resize(o.pipeline_depth);
@@ -937,8 +923,28 @@ struct offload_adam::impl {
 
 // ============================================================================ the public calls
 
-offload_adam::offload_adam(const offload_adam_options& options, pinned_host_pool& staging, tensor_store* nvme)
-    : impl_(std::make_unique<impl>(options, staging, nvme)) {}
+void offload_adam::check_options(const offload_adam_options& o, bool with_store) {
+  adam_optimizer::check_options(o.adam);
+  TERRACE_EXPECTS(o.chunk_elements > 0 && o.chunk_elements % kChunkAlign == 0,
+                  "offload_adam: chunk_elements must be a positive multiple of 64 (chunks must "
+                  "start where adam_optimizer's own thread cuts may, for bitwise-equal results), got " +
+                      std::to_string(o.chunk_elements));
+  TERRACE_EXPECTS(o.pipeline_depth >= 3,
+                  "offload_adam: pipeline_depth must be >= 3 (one buffer reading, one stepping, "
+                  "one writing), got " + std::to_string(o.pipeline_depth));
+  TERRACE_EXPECTS(o.host_state_budget == 0 || with_store,
+                  "offload_adam: a host_state_budget needs a tensor store for the groups beyond it");
+  // Its layout (master, m, v per element, on the host and on NVMe) is Adam's; Lion would carry
+  // a v it never reads.
+  TERRACE_EXPECTS(o.adam.mode != adam_mode::lion,
+                  "offload_adam: Lion is not supported here (its state layout is Adam's: master, "
+                  "m and v); use adam_optimizer directly");
+}
+
+offload_adam::offload_adam(const offload_adam_options& options, pinned_host_pool& staging, tensor_store* nvme) {
+  check_options(options, nvme != nullptr);
+  impl_ = std::make_unique<impl>(options, staging, nvme);
+}
 
 offload_adam::~offload_adam() = default;
 

@@ -480,13 +480,12 @@ struct offload_engine::impl {
     resumed = offload_engine_record{r.step, r.data_cursor, r.seed};
   }
 
-  // Option values the engine itself cannot work with, refused before anything is made or
-  // written (offload_adam checks the rest of its own options when it is made; a fresh store is
-  // removed again then). chunk_elements 0 would hang sizing the store (compute_store_bytes), and
-  // a clip_norm or delayed_update_after out of range would train silently as if it were 0.
+  // Bad option values, refused before anything is made or written: the optimizer's as its
+  // constructor would (a fresh store would otherwise be created first, only to be removed), and
+  // the engine's own: a clip_norm or delayed_update_after out of range would train silently as
+  // if it were 0.
   void check_options() const {
-    TERRACE_EXPECTS(options.optimizer.chunk_elements > 0,
-                    "offload engine: optimizer.chunk_elements must be positive");
+    offload_adam::check_options(optimizer_options(), !options.nvme_dir.empty());
     TERRACE_EXPECTS(std::isfinite(options.clip_norm) && options.clip_norm >= 0,
                     "offload engine: clip_norm must be finite and >= 0 (0: no clipping), got " +
                         std::to_string(options.clip_norm));
@@ -496,6 +495,13 @@ struct offload_engine::impl {
     TERRACE_EXPECTS(std::isfinite(options.copy_bandwidth) && options.copy_bandwidth >= 0,
                     "offload engine: copy_bandwidth must be finite and >= 0 (0: unknown), got " +
                         std::to_string(options.copy_bandwidth));
+  }
+
+  // The optimizer's options as the engine makes it: a host budget only with a store.
+  offload_adam_options optimizer_options() const {
+    offload_adam_options ao = options.optimizer;
+    ao.host_state_budget = options.nvme_dir.empty() ? 0 : options.optimizer_host_budget;
+    return ao;
   }
 
   void setup(const layered_model_factory& make_model) {
@@ -580,9 +586,7 @@ struct offload_engine::impl {
     to.prefetch_across_iterations = false;
     tm = std::make_unique<tier_manager>(device, memory, *pinned, to, nvme ? &*nvme : nullptr);
 
-    offload_adam_options ao = options.optimizer;
-    ao.host_state_budget = nvme ? options.optimizer_host_budget : 0;
-    adam = std::make_unique<offload_adam>(ao, *pinned, nvme ? &*nvme : nullptr);
+    adam = std::make_unique<offload_adam>(optimizer_options(), *pinned, nvme ? &*nvme : nullptr);
 
     if (options.resume) read_record();
 

@@ -1008,7 +1008,9 @@ TEST(OffloadEngineFaults, ACheckpointAfterAFailedStepCommitsOnlyWholeSteps) {
 // ----------------------------------------------------------------------------- review/engine
 
 // Options that cannot work are refused with a logic_error that names them, before the store is
-// created: nothing is left in the directory. Found in review: chunk_elements 0 hung the
+// created: nothing is left in the directory. The optimizer's own options (lr, betas,
+// pipeline_depth, Lion) were refused only once the store had been created (then removed again).
+// Found in review: chunk_elements 0 hung the
 // constructor (sizing the store stepped through each layer by 0 elements); a NaN or negative
 // clip_norm, or a negative delayed_update_after or copy_bandwidth, went on silently as if they
 // were 0.
@@ -1025,12 +1027,18 @@ TEST(OffloadEngineBadInput, OptionsThatCannotWorkAreRefusedBeforeAnythingIsWritt
       {"delayed_update_after", [](offload_engine_options& o) { o.delayed_update_after = -1; }},
       {"copy_bandwidth", [](offload_engine_options& o) { o.copy_bandwidth = -1.0; }},
       {"lr", [](offload_engine_options& o) { o.optimizer.adam.lr = std::nan(""); }},
+      {"beta2", [](offload_engine_options& o) { o.optimizer.adam.beta2 = 1.0f; }},
+      {"pipeline_depth", [](offload_engine_options& o) { o.optimizer.pipeline_depth = 2; }},
+      {"Lion", [](offload_engine_options& o) { o.optimizer.adam.mode = adam_mode::lion; }},
   };
   for (const bad& c : cases) {
     SCOPED_TRACE(c.what);
     testing::scratch_dir dir("bad-option");
     offload_engine_options o = probe_options(dir.path(), 1024);
     c.set(o);
+    // A store cannot be made in a folder that does not exist: an option refused only after the
+    // engine tried to make one comes out as that io_error instead.
+    o.nvme_dir = dir.path() / "missing";
     std::string message = "(no logic_error)";
     try {
       probe_engine e(kSmallLayers, o);

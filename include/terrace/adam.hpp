@@ -137,6 +137,10 @@ class adam_optimizer {
   /// (or any is not finite), state_dtype is f16, or the requested isa is unknown or not supported
   /// here; terrace::out_of_memory when the threads cannot be started.
   explicit adam_optimizer(const adam_options& options);
+  /// @brief The constructor's checks of `options`, without starting anything: for a caller that
+  /// makes other things (files, a store) before the optimizer and wants bad options refused first.
+  /// @throws terrace::logic_error as the constructor.
+  static void check_options(const adam_options& options);
   ~adam_optimizer();
   adam_optimizer(const adam_optimizer&) = delete;
   adam_optimizer& operator=(const adam_optimizer&) = delete;

@@ -82,6 +82,11 @@ class offload_adam {
   ///         of 64, depth < 3, a host budget without a store, adam_mode::lion).
   offload_adam(const offload_adam_options& options, pinned_host_pool& staging,
                tensor_store* nvme = nullptr);
+  /// @brief The constructor's checks of `options` (adam_optimizer's included), for a store made
+  /// (`with_store`) or not, without making anything: a caller that creates the store first can
+  /// refuse bad options before it writes a file.
+  /// @throws logic_error as the constructor.
+  static void check_options(const offload_adam_options& options, bool with_store);
   ~offload_adam();
   offload_adam(const offload_adam&) = delete;
   offload_adam& operator=(const offload_adam&) = delete;
