@@ -205,6 +205,24 @@ TEST(PinnedPool, ACapacityThatIsNoMultipleOfTwoMiBIsUsedToTheLastPage) {
   five.check_invariants();
 }
 
+// A capacity below the region size is taken as one region of what is left, not as a region per
+// request rounded to 2 MiB each. Found with `terrace train --pinned-limit 24MiB`: buffers of
+// 3.01 MiB each got a 4 MiB region, and the seventh was refused with 6.5 MiB of the 24 free in
+// pieces.
+TEST(PinnedPool, ACapacityBelowTheRegionSizeIsOneRegionNotOnePerRequest) {
+  auto dev = sim();
+  pinned_pool_options o;
+  o.region_size = 64 * MiB;
+  o.capacity = 24 * MiB;
+  pinned_host_pool pool(*dev, o);
+  std::vector<void*> held;
+  for (int i = 0; i < 7; ++i) held.push_back(pool.allocate(3 * MiB + 4096));
+  EXPECT_EQ(pool.stats().segment.current, 1);
+  EXPECT_EQ(pool.stats().reserved_bytes.current, static_cast<std::int64_t>(24 * MiB));
+  for (void* p : held) pool.deallocate(p);
+  pool.check_invariants();
+}
+
 TEST(PinnedPool, ADeviceErrorPropagatesAndLeavesThePoolUsable) {
   auto dev = sim();
   pinned_host_pool pool(*dev, small_regions());

@@ -179,10 +179,12 @@ struct pinned_host_pool::impl : private detail::fork_guard {
     const std::size_t committed = reserved() + reserving;
     const std::size_t left = options.capacity - std::min(committed, options.capacity);
     if (options.capacity == 0 || size <= left) return size;
-    // A smaller region that still fits the request may be within the cap: whole huge pages if
-    // they fit, else whole pages. The cap is the caller's number; rounded down to 2 MiB, a
+    // A smaller region that still fits the request may be within the cap: all that is left in
+    // whole huge pages if the request fits there, else whole pages. All, not just the request's
+    // own: one region per request, each rounded up to 2 MiB, left a cap of 24 MiB 6.5 MiB
+    // short for 3 MiB buffers. The cap is the caller's number; rounded down to 2 MiB, a
     // capacity of 1 MiB served nothing and one of 5 MiB held 4.
-    if (tight <= left) return tight;
+    if (tight <= left) return left / kRegionGranule * kRegionGranule;
     const std::size_t pages = tight_region(rounded, kMinPage);
     if (pages > left) {
       throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
