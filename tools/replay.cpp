@@ -199,8 +199,19 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   std::int64_t peak_live = live_bytes;
   const std::size_t stride =
       options.timeline_points > 0 ? std::max<std::size_t>(1, events.size() / options.timeline_points) : 0;
+  // Each sample is the most live and the most reserved since the one before: the state at every
+  // stride-th event alone would miss a peak between two samples, and the report's chart would
+  // then disagree with the peak its summary gives.
+  std::int64_t window_live = 0, window_reserved = 0;
+  auto observe = [&] {
+    window_live = std::max(window_live, live_bytes);
+    window_reserved = std::max(window_reserved, static_cast<std::int64_t>(device->used_bytes()));
+  };
   auto sample = [&](std::size_t i) {
-    r.timeline.push_back({i, live_bytes, static_cast<std::int64_t>(device->used_bytes())});
+    observe();
+    r.timeline.push_back({i, window_live, window_reserved});
+    window_live = live_bytes;
+    window_reserved = static_cast<std::int64_t>(device->used_bytes());
   };
   if (stride != 0) sample(0);
 
@@ -236,7 +247,13 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
       break;
     }
     const trace_event& e = events[i];
-    if (stride != 0 && i % stride == 0 && i != 0) sample(i);
+    if (stride != 0) {
+      if (i % stride == 0 && i != 0) {
+        sample(i);
+      } else {
+        observe();
+      }
+    }
     if (e.action == trace_action::alloc) {
       slot& b = t.slots[t.slot_of_event[i]];
       b.bytes = e.requested != 0 ? e.requested : e.size;

@@ -65,7 +65,8 @@ struct replay_options {
   std::size_t steady_from_event = SIZE_MAX;
 };
 
-/// @brief One sample of the replay's memory over time.
+/// @brief One sample of the replay's memory over time: the most at any event since the sample
+/// before (so that no peak falls between two samples).
 struct timeline_point {
   std::size_t event = 0;          ///< index of the trace event just replayed
   std::int64_t live_bytes = 0;    ///< live blocks, rounded to 512 B (the allocator's view)
