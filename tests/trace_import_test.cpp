@@ -932,6 +932,24 @@ TEST(Report, TheTimelineKeepsAPeakBetweenSamples) {
   }
 }
 
+// Found in review: an allocation the replay could not make (out of memory) was listed among the
+// largest holders at the peak, above the peak live bytes the summary gives.
+TEST(Report, HoldersLeaveOutAllocationsTheReplayCouldNotMake) {
+  constexpr std::uint64_t MiB = 1 << 20;
+  std::vector<trace_event> ev(4);
+  auto set = [&](std::size_t i, trace_action a, std::uintptr_t addr, std::uint64_t size) {
+    ev[i].action = a, ev[i].addr = addr, ev[i].size = ev[i].requested = size, ev[i].tag = "t" + std::to_string(i);
+  };
+  set(0, trace_action::alloc, 0x1000, MiB);
+  set(1, trace_action::alloc, 0x200000, std::uint64_t{2} << 40);  // 2 TiB: more than the device
+  set(2, trace_action::alloc, 0x400000, 2 * MiB);                  // the peak
+  set(3, trace_action::free_requested, 0x40000000, std::uint64_t{3} << 40);  // pre-existing, unplaced
+  const auto in = tr::make_report_input(ev, {}, "t.jsonl", "terrace-jsonl");
+  ASSERT_EQ(in.holders.size(), 2u);
+  EXPECT_EQ(in.holders[0].addr, 0x400000u);
+  EXPECT_EQ(in.holders[1].addr, 0x1000u);
+}
+
 #ifdef TERRACE_CLI_PATH
 using terrace::testing::run_result;
 

@@ -183,27 +183,31 @@ report_input make_report_input(const std::vector<trace_event>& events, const rep
   at_peak.stop_after_event = caching.peak_live_after_events;
   replay_result stopped = replay(events, at_peak);
   if (stopped.snapshot_at_stop) in.segments_at_peak = std::move(*stopped.snapshot_at_stop);
-  in.holders = largest_holders(events, caching.peak_live_after_events, 20);
+  in.holders = largest_holders(events, caching.peak_live_after_events, 20, caching.unplaced_events);
   return in;
 }
 
 std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t events_done,
-                                    std::size_t n) {
+                                    std::size_t n, const std::vector<std::size_t>& unplaced) {
   // A free of an address the window has not seen yet is a block from before the window: it was
   // live from the start until that free (the replay allocates it up front, with its free's size),
   // so it is a holder once `events_done` events have happened when its free comes later. The
   // whole trace is read for those.
   std::unordered_map<std::uintptr_t, holder> live;
   std::unordered_set<std::uintptr_t> seen;  // addresses allocated or freed so far
+  // A block the replay could not place (out of memory) was never live: it is in no peak.
+  const std::unordered_set<std::size_t> never_held(unplaced.begin(), unplaced.end());
   for (std::size_t i = 0; i < events.size(); ++i) {
     const trace_event& e = events[i];
     const std::uint64_t bytes = e.requested != 0 ? e.requested : e.size;
     if (e.action == trace_action::alloc) {
       seen.insert(e.addr);
-      if (i < events_done) live[e.addr] = {e.addr, bytes, e.tag};
+      if (i < events_done && never_held.count(i) == 0) live[e.addr] = {e.addr, bytes, e.tag};
     } else if (e.action == trace_action::free_requested) {
       if (seen.insert(e.addr).second) {
-        if (i >= events_done && bytes != 0) live[e.addr] = {e.addr, bytes, "pre-existing"};
+        if (i >= events_done && bytes != 0 && never_held.count(i) == 0) {
+          live[e.addr] = {e.addr, bytes, "pre-existing"};
+        }
       } else if (i < events_done) {
         live.erase(e.addr);
       }

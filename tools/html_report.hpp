@@ -34,9 +34,10 @@ struct report_input {
 /// @brief The blocks live once the first `events_done` events have happened (0: before the first
 /// event, when only blocks from before the window are live), largest first, at most `n`.
 /// Blocks from before the trace's window (freed in it without an alloc before) are live from
-/// the start to their free, as the replay accounts them, and tagged "pre-existing".
+/// the start to their free, as the replay accounts them, and tagged "pre-existing". Blocks of
+/// `unplaced` events (replay_result::unplaced_events: the replay never held them) are left out.
 std::vector<holder> largest_holders(const std::vector<trace_event>& events, std::size_t events_done,
-                                    std::size_t n);
+                                    std::size_t n, const std::vector<std::size_t>& unplaced = {});
 
 /// @brief Everything the page shows for `events`: replay_policies over `base` with 400-point
 /// timelines, the caching policy's segments just after its peak of live bytes, and the 20

@@ -193,6 +193,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
     } catch (const out_of_memory&) {
       // Not one of the trace's requests: `ooms` and `failed_alloc_frees` count only those.
       ++r.preexisting_unplaced;
+      r.unplaced_events.push_back(i);
       b.failed = true;
     }
   }
@@ -269,6 +270,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
         }
       } catch (const out_of_memory&) {
         ++r.ooms;
+        r.unplaced_events.push_back(i);
         b.failed = true;
       }
     } else if (e.action == trace_action::free_requested) {

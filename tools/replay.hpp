@@ -99,6 +99,9 @@ struct replay_result {
   /// Pre-existing blocks whose up-front allocation failed with out_of_memory (the device is too
   /// small for what the job held before the window): in no peak, and not in `ooms`.
   std::size_t preexisting_unplaced = 0;
+  /// The events whose block the replay never held: allocs that failed with out_of_memory, and
+  /// the frees of the pre-existing blocks it could not place. Oldest first within each kind.
+  std::vector<std::size_t> unplaced_events;
   std::string policy;                    ///< "caching", "expandable" or "planned"
   planner_stats plan{};                  ///< the planner's stats (enabled = false when off)
   std::vector<timeline_point> timeline;  ///< when options.timeline_points > 0
