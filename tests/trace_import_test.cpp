@@ -950,6 +950,35 @@ TEST(Report, HoldersLeaveOutAllocationsTheReplayCouldNotMake) {
   EXPECT_EQ(in.holders[1].addr, 0x1000u);
 }
 
+// Found in review: the segment map drew one rectangle per block wherever neighbours differ in
+// state, so a segment of small blocks alternately live and free (a fragmented small pool) put a
+// rectangle per 512 B block on the page: 20 MB of HTML for a 300,000-event trace.
+TEST(Report, TheSegmentMapIsBoundedByPixelsNotBlocks) {
+  constexpr std::size_t n = 40000;
+  std::vector<trace_event> ev;
+  for (std::size_t i = 0; i < n; ++i) {
+    trace_event e;
+    e.action = trace_action::alloc, e.addr = 0x1000 + i * 512, e.size = e.requested = 512;
+    ev.push_back(e);
+  }
+  for (std::size_t i = 0; i < n; i += 2) {
+    trace_event e = ev[i];
+    e.action = trace_action::free_requested;
+    ev.push_back(e);
+  }
+  trace_event big;  // the peak, after the frees: the small segments are then half free
+  big.action = trace_action::alloc, big.addr = std::uintptr_t{1} << 40, big.size = big.requested = 40 << 20;
+  ev.push_back(big);
+  const auto in = tr::make_report_input(ev, {}, "t.jsonl", "terrace-jsonl");
+  ASSERT_EQ(in.runs.front().second.peak_live_after_events, ev.size());
+  const std::string page = tr::render_html_report(in);
+  std::size_t rects = 0;
+  for (std::size_t at = page.find("<rect"); at != std::string::npos; at = page.find("<rect", at + 1)) ++rects;
+  // At most a rectangle or two per pixel of the 740 a row has, and far fewer here.
+  EXPECT_LT(rects, 2000u);
+  EXPECT_LT(page.size(), 1u << 20);
+}
+
 #ifdef TERRACE_CLI_PATH
 using terrace::testing::run_result;
 

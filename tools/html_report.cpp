@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <fmt/format.h>
+#include <string_view>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -115,22 +116,28 @@ std::string segment_map(const memory_snapshot& snap) {
     o += fmt::format("<text x=\"0\" y=\"{:.0f}\" class=\"tick\">{}{}</text>", y + 11,
                      esc(format_bytes(static_cast<std::int64_t>(s.total_size))),
                      s.blocks.size() == 1 || s.allocated_size == 0 ? "" : "");
-    // Neighbouring blocks of one state narrower than a pixel are drawn as one rectangle: a
-    // segment of a million small blocks would otherwise be a million sub-pixel rectangles.
+    // Neighbouring blocks narrower than a pixel are drawn as one rectangle up to a pixel wide,
+    // "mixed" when their states differ: a segment of a million small blocks would otherwise be a
+    // million sub-pixel rectangles (many megabytes of page), and blocks alternately live and
+    // free would never join if only blocks of one state did.
     struct run {
       const snapshot_block* first = nullptr;
       const char* cls = nullptr;
       double x = 0, end = 0;
       std::size_t blocks = 0;
-      std::uint64_t bytes = 0;
+      std::uint64_t bytes = 0, live_bytes = 0;
     } r;
     const auto flush = [&] {
       if (r.blocks == 0) return;
       const std::string title =
           r.blocks == 1 ? esc(format_bytes(static_cast<std::int64_t>(r.bytes))) + " " + esc(r.first->state) +
                               (r.first->tag.empty() ? "" : " " + shown_tag(r.first->tag))
-                        : fmt::format("{} blocks, {} {}", r.blocks,
-                                      esc(format_bytes(static_cast<std::int64_t>(r.bytes))), esc(r.first->state));
+          : std::string_view(r.cls) == "mixed"
+              ? fmt::format("{} blocks, {}, {} of it live", r.blocks,
+                            esc(format_bytes(static_cast<std::int64_t>(r.bytes))),
+                            esc(format_bytes(static_cast<std::int64_t>(r.live_bytes))))
+              : fmt::format("{} blocks, {} {}", r.blocks,
+                            esc(format_bytes(static_cast<std::int64_t>(r.bytes))), esc(r.first->state));
       o += fmt::format("<rect x=\"{:.1f}\" y=\"{:.0f}\" width=\"{:.1f}\" height=\"12\" class=\"{}\">"
                        "<title>{}</title></rect>",
                        r.x, y, std::max(0.5, r.end - r.x), r.cls, title);
@@ -144,16 +151,19 @@ std::string segment_map(const memory_snapshot& snap) {
                         : b.state == "inactive"        ? "free"
                         : b.state == "unmapped"        ? "unmapped"
                                                        : "pending";
-      const bool joins = r.blocks > 0 && r.cls == cls && bw < 1.0 && r.end - r.x < 1.0;
+      const bool joins = r.blocks > 0 && bw < 1.0 && r.end - r.x < 1.0;
       if (!joins) {
         flush();
         r.first = &b;
         r.cls = cls;
         r.x = x;
+      } else if (r.cls != cls) {
+        r.cls = "mixed";
       }
       r.end = x + bw;
       ++r.blocks;
       r.bytes += b.size;
+      if (std::string_view(cls) == "live") r.live_bytes += b.size;
     }
     flush();
   }
@@ -282,6 +292,7 @@ std::string render_html_report(const report_input& in) {
       "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}td.t{text-align:left}"
       ".grid{stroke:#e5e5e5}.tick{font-size:11px;fill:#444}.title{font-size:13px;font-weight:bold}"
       ".live{fill:#d62728}.free{fill:#bde0bd}.pending{fill:#ffbf00}.unmapped{fill:#eee}"
+      ".mixed{fill:#e99a9a}"
       "</style></head><body>\n<h1>terrace memory report</h1>\n<h2>Summary</h2>\n<pre id=\"summary\">";
   o += esc(report_summary(in)) + "</pre>\n";
   o += "<h2>Live vs reserved bytes</h2>\n" +
@@ -289,7 +300,8 @@ std::string render_html_report(const report_input& in) {
   o += "<h2>Fragmentation over time</h2>\n" +
        line_chart("1 - peak live / peak reserved so far", frag, true) + "\n";
   o += "<h2>Segment map at peak live (caching policy)</h2>\n<p>Red: live blocks; green: free "
-       "cached; amber: waiting on other streams. Largest segments first.</p>\n" +
+       "cached; amber: waiting on other streams; pink: blocks of several states too small to draw "
+       "apart. Largest segments first.</p>\n" +
        segment_map(in.segments_at_peak) + "\n";
   o += "<h2>Largest holders at peak</h2>\n<table><tr><th>size</th><th>address</th><th>tag or "
        "frames</th></tr>";
