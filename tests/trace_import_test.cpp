@@ -1076,6 +1076,42 @@ TEST(Cli, JsonOutputHoldsAnyPath) {
   std::filesystem::remove(path);
 }
 
+// Found in review: `terrace report` wrote the page in place, so a write that failed part-way (a
+// full disk, a file size limit) exited 1 but left a cut-short page where the user's previous
+// report had been.
+TEST(Cli, AReportThatCannotBeWrittenLeavesNoHalfPage) {
+  const std::string trace = temp_path("w.jsonl"), html = temp_path("w.html");
+  write(trace, R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":1048576})"
+               "\n");
+  write(html, "the previous report");
+  // A 2 KiB file size limit (SIGXFSZ ignored, so the write fails with EFBIG) stops the page.
+  auto r = terrace::testing::run_command("ulimit -f 2; trap '' XFSZ; '" + std::string(TERRACE_CLI_PATH) +
+                                         "' report '" + trace + "' -o '" + html + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot write '" + html + "'"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("wrote "), std::string::npos) << r.output;
+  {
+    std::ifstream in(html);
+    std::stringstream kept;
+    kept << in.rdbuf();
+    EXPECT_EQ(kept.str(), "the previous report");
+  }
+  std::size_t left = 0;  // no temporary left beside it
+  for (const auto& f : std::filesystem::directory_iterator(std::filesystem::path(html).parent_path())) {
+    if (f.path().filename().string().rfind("w.html.", 0) == 0) ++left;
+  }
+  EXPECT_EQ(left, 0u);
+  // A path that is not a regular file is written in place, as before: nothing is renamed over it.
+  r = run_cli("report '" + trace + "' -o /dev/stdout");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("</html>"), std::string::npos);
+  r = run_cli("report '" + trace + "' -o '" + std::filesystem::path(html).parent_path().string() + "'");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("Is a directory"), std::string::npos) << r.output;
+  std::filesystem::remove(trace);
+  std::filesystem::remove(html);
+}
+
 TEST(Cli, BadInputsExitWithTwo) {
   const std::string evil = temp_path("evil.pickle"), csv = temp_path("bad.csv"), js = temp_path("bad.json");
   const std::string type = temp_path("type.json"), utf = temp_path("utf.pickle");

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <system_error>
@@ -319,11 +320,23 @@ int run_report(const compare_args& args) {
   const auto imported = import("terrace report", args.trace, args.format);
   const auto in = terrace::tools::make_report_input(imported.events, options, args.trace,
                                                     imported.format, imported.torch_reserved_peak);
-  std::ofstream out(args.output, std::ios::binary);
-  if (!out) throw std::runtime_error("cannot write '" + args.output + "': " + std::strerror(errno));
-  out << terrace::tools::render_html_report(in);
-  out.close();
-  if (!out) throw std::runtime_error("cannot write '" + args.output + "': " + std::strerror(errno));
+  const std::string page = terrace::tools::render_html_report(in);
+  // A regular file (or a new one) is written beside and renamed over, so that a write that fails
+  // part-way (a full disk) leaves the previous report whole, never a cut-short page. Anything
+  // else (/dev/stdout, a pipe) is written in place: renaming over it would replace it.
+  std::error_code ec;
+  const auto kind = std::filesystem::status(args.output, ec).type();
+  if (kind == std::filesystem::file_type::not_found || kind == std::filesystem::file_type::regular) {
+    if (const std::string why = terrace::tools::replace_file(args.output, page); !why.empty()) {
+      throw std::runtime_error("cannot write '" + args.output + "': " + why);
+    }
+  } else {
+    std::ofstream out(args.output, std::ios::binary);
+    if (!out) throw std::runtime_error("cannot write '" + args.output + "': " + std::strerror(errno));
+    out << page;
+    out.close();
+    if (!out) throw std::runtime_error("cannot write '" + args.output + "': " + std::strerror(errno));
+  }
   fmt::print("{}wrote {}\n", terrace::tools::report_summary(in), args.output);
   return 0;
 }
