@@ -979,6 +979,19 @@ TEST(Report, TheSegmentMapIsBoundedByPixelsNotBlocks) {
   EXPECT_LT(page.size(), 1u << 20);
 }
 
+// Found in review: a snapshot whose segment list is empty (taken after empty_cache) says nothing
+// of what PyTorch reserved, yet the report's summary said "PyTorch itself reserved 0 B at its
+// peak" (compare leaves the column out for it).
+TEST(Report, AnUnknownPytorchReservedPeakIsNotShownAsZero) {
+  std::vector<trace_event> ev(1);
+  ev[0].action = trace_action::alloc, ev[0].addr = 0x1000, ev[0].size = ev[0].requested = 1 << 20;
+  EXPECT_EQ(tr::report_summary(tr::make_report_input(ev, {}, "s.json", "torch-snapshot-json", 0)).find("PyTorch"),
+            std::string::npos);
+  EXPECT_NE(tr::report_summary(tr::make_report_input(ev, {}, "s.json", "torch-snapshot-json", 4 << 20))
+                .find("PyTorch itself reserved 4.00 MiB"),
+            std::string::npos);
+}
+
 #ifdef TERRACE_CLI_PATH
 using terrace::testing::run_result;
 

@@ -258,7 +258,8 @@ std::string report_summary(const report_input& in) {
     }
     o += "\n";
   }
-  if (in.torch_reserved_peak) {
+  // A snapshot whose segment list is empty says nothing of what PyTorch reserved (as in compare).
+  if (in.torch_reserved_peak && *in.torch_reserved_peak > 0) {
     o += fmt::format("PyTorch itself reserved {} at its peak\n", format_bytes(*in.torch_reserved_peak));
   }
   return o;
