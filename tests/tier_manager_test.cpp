@@ -362,6 +362,57 @@ TEST(TierManager, PrefetchLeavesRoomForTheWritesBeforeItsUse) {
   r.tm->check_invariants();
 }
 
+// Found in review: a prefetch evicted a tensor whose next use before the prefetched one's is a
+// write (a gradient flushed but kept on the device), for room that write then took back: its
+// eviction took the prefetched copy (everything else was needed sooner), and the tensor was
+// copied up again. Here c, prefetched at the second b for the next iteration, was evicted by
+// g's write right after, every iteration: two copies up of c instead of one.
+TEST(TierManager, APrefetchDoesNotEvictATensorWrittenBeforeItsUse) {
+  constexpr std::size_t kBytes = 64 * KiB;
+  rig r(3 * kBytes, 0.0, 3 * kBytes);
+  const tensor_id a = r.tm->add("a", kBytes, pattern(kBytes, 1).data());
+  const tensor_id b = r.tm->add("b", kBytes, pattern(kBytes, 2).data());
+  const tensor_id c = r.tm->add("c", kBytes, pattern(kBytes, 3).data());
+  const tensor_id g = r.tm->add("g", kBytes);
+  std::atomic<int> wrong{0};
+  const auto use = [&](tensor_id id, int seed) {
+    auto* d = static_cast<const unsigned char*>(r.tm->acquire(id, r.compute));
+    r.launch([d, seed, &wrong] {
+      if (std::memcmp(d, pattern(kBytes, seed).data(), kBytes) != 0) wrong.fetch_add(1);
+    });
+    r.tm->release(id, r.compute);
+  };
+  const auto write_g = [&](int it) {
+    auto* d = static_cast<unsigned char*>(r.tm->acquire(g, r.compute, access::write));
+    r.launch([d, it] { std::memset(d, it, kBytes); });
+    r.tm->release(g, r.compute);
+    r.tm->flush(g);
+  };
+  const auto iteration = [&](int it) {
+    use(a, 1);
+    use(b, 2);
+    for (int i = 0; i < 4; ++i) use(c, 3);
+    write_g(it);
+    use(b, 2);
+    write_g(it);
+  };
+  r.tm->begin_iteration();
+  iteration(1);
+  r.tm->begin_iteration();
+  for (int it = 2; it < 5; ++it) iteration(it);
+  const tier_stats before = r.tm->stats();
+  for (int it = 5; it < 15; ++it) iteration(it);
+  const tier_stats after = r.tm->stats();
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(static_cast<const unsigned char*>(r.tm->host_data(g, access::read))[100], 14);
+  EXPECT_EQ(after.prefetches - before.prefetches, after.prefetch_hits - before.prefetch_hits)
+      << "a prefetched copy was evicted before its use";
+  EXPECT_LE(after.host_to_device_copies - before.host_to_device_copies, 10);
+  EXPECT_EQ(after.demand_fetches, before.demand_fetches);
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, OffScheduleAcquiresAreServedAndCounted) {
   rig r(2 * MiB);
   std::vector<tensor_id> ids;

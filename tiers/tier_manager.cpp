@@ -321,14 +321,16 @@ struct tier_manager::impl {
   // ------------------------------------------------------------------ room on the device
 
   // The unpinned resident tensor used farthest in the future (least recently used among those
-  // never used again), other than `keep`; only one used later than `later_than` when that is set.
-  tensor_id victim(tensor_id keep, std::size_t later_than) const {
+  // never used again), other than `keep` and `also_keep`; only one used later than `later_than`
+  // when that is set.
+  tensor_id victim(tensor_id keep, std::size_t later_than,
+                   tensor_id also_keep = static_cast<tensor_id>(-1)) const {
     tensor_id best = static_cast<tensor_id>(-1);
     std::size_t best_next = 0;
     std::uint64_t best_last = 0;
     for (tensor_id id : resident) {
       const tensor& t = tensors[id];
-      if (id == keep || t.pins > 0) continue;
+      if (id == keep || id == also_keep || t.pins > 0) continue;
       const std::size_t next = next_read(t);
       if (later_than != kNever && next <= later_than) continue;
       if (best == static_cast<tensor_id>(-1) || next > best_next ||
@@ -518,9 +520,24 @@ struct tier_manager::impl {
       // flight, so that a model of a few large layers is still brought up ahead of use.
       if (in_flight + t.bytes > options.prefetch_window && (in_flight > 0 || !default_window)) return;
       if (t.bytes + taken_before > options.device_budget) return;
-      if (!make_room(t.bytes + taken_before, id, k)) return;
+      // Room as make_room makes it, but a victim whose next use before t's is a write (a gradient
+      // flushed but kept) takes a block again there, evicting what is needed farthest then: t,
+      // when everything else is needed sooner, which made this copy up a waste. It goes only if
+      // another victim is left for that write (and then counts as a write for the positions
+      // after this one).
+      std::vector<tensor_id> rewritten;
+      while (device_bytes + t.bytes + taken_before > options.device_budget) {
+        const tensor_id v = victim(id, k);
+        if (v == static_cast<tensor_id>(-1)) return;
+        if (next_use(tensors[v]) <= k) {
+          if (victim(id, k, v) == static_cast<tensor_id>(-1)) return;
+          rewritten.push_back(v);
+        }
+        evict(v);
+      }
       void* block = device_block(id, k, /*soft=*/true);
       if (block == nullptr) return;
+      for (tensor_id v : rewritten) needs_block_first(tensors[v]);
       // Wanted soon after all (evicted ahead, not landed yet): it stays home. Only here, once it
       // is brought up: before the window's checks, a walk that stopped there waited for the put
       // and undid the eviction for nothing.
