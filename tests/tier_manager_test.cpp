@@ -491,6 +491,49 @@ TEST(TierManager, AStrayAcquireNearTheEndDoesNotWrapTheIteration) {
   r.tm->check_invariants();
 }
 
+// Found in review: after one deviation, a schedule that uses a tensor several times could lock
+// onto the wrong place for good (iterations run without begin_iteration). Here, after an extra
+// use of c at the end of one iteration, every clean iteration afterwards missed three times: each
+// miss resynchronised on the nearest c or a, which put `pos` back into the same wrong phase, and
+// prefetch walked from there. A miss now takes the nearest match whose preceding schedule entries
+// are the last acquires, when one is in reach.
+TEST(TierManager, ADeviationDoesNotLockTheScheduleOntoTheWrongPlace) {
+  constexpr std::size_t kBytes = 64 * KiB;
+  rig r(2 * kBytes, 0.0, 2 * kBytes);
+  const tensor_id a = r.tm->add("a", kBytes, pattern(kBytes, 1).data());
+  const tensor_id b = r.tm->add("b", kBytes, pattern(kBytes, 2).data());
+  const tensor_id c = r.tm->add("c", kBytes, pattern(kBytes, 3).data());
+  const std::vector<tensor_id> order = {a, b, c, a, c, c, c};
+  r.tm->set_schedule(order);
+  std::atomic<int> wrong{0};
+  const auto use = [&](tensor_id id) {
+    auto* d = static_cast<const unsigned char*>(r.tm->acquire(id, r.compute));
+    const int seed = id == a ? 1 : id == b ? 2 : 3;
+    r.launch([d, seed, &wrong] {
+      if (std::memcmp(d, pattern(kBytes, seed).data(), kBytes) != 0) wrong.fetch_add(1);
+    });
+    r.tm->release(id, r.compute);
+  };
+  for (int it = 0; it < 2; ++it) {
+    for (tensor_id id : order) use(id);
+  }
+  for (tensor_id id : order) use(id);
+  use(c);  // one extra use
+  for (int it = 0; it < 3; ++it) {
+    for (tensor_id id : order) use(id);
+  }
+  const tier_stats before = r.tm->stats();
+  for (int it = 0; it < 10; ++it) {
+    for (tensor_id id : order) use(id);
+  }
+  const tier_stats after = r.tm->stats();
+  r.dev->synchronize(r.compute);
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(after.schedule_misses, before.schedule_misses);
+  EXPECT_EQ(after.demand_fetches, before.demand_fetches);
+  r.tm->check_invariants();
+}
+
 TEST(TierManager, HostUpdatesReachTheDeviceAndWritesNeedNoCopyUp) {
   rig r(1 * MiB);
   const tensor_id w = r.tm->add("w", 64 * KiB, pattern(64 * KiB, 1).data());

@@ -43,6 +43,9 @@ namespace {
 
 constexpr std::size_t kNever = std::numeric_limits<std::size_t>::max();
 constexpr std::size_t kNoPos = kNever;
+// How many of the last acquires a resync compares with the schedule before a match (at most the
+// schedule's length).
+constexpr std::size_t kResyncHistory = 16;
 
 }  // namespace
 
@@ -105,6 +108,7 @@ struct tier_manager::impl {
   // A resync that wrapped into the next iteration, held until the next acquire confirms it:
   // one stray acquire near the end must not move `pos` back to the start.
   std::size_t wrapped_pos = kNoPos;
+  std::deque<tensor_id> recent;  // the last acquires (kResyncHistory), oldest first
   std::uint64_t tick = 0;
   tier_stats counters;
 
@@ -273,6 +277,24 @@ struct tier_manager::impl {
       recording_overwrites.push_back(mode == access::write);
     }
     if (schedule.empty()) return;
+    step_schedule(id);
+    recent.push_back(id);
+    if (recent.size() > kResyncHistory) recent.pop_front();
+  }
+
+  // Whether the schedule's entries before position k are the last acquires (as many as
+  // kResyncHistory, or the schedule's length, compares).
+  bool follows_recent(std::size_t k) const {
+    const std::size_t n = schedule.size();
+    const std::size_t count = std::min(kResyncHistory, n);
+    if (recent.size() < count) return false;
+    for (std::size_t j = 1; j <= count; ++j) {
+      if (schedule[(k + n - j) % n] != recent[recent.size() - j]) return false;  // j <= n
+    }
+    return true;
+  }
+
+  void step_schedule(tensor_id id) {
     if (pos >= schedule.size()) set_pos(0);  // the next iteration began without begin_iteration
     if (schedule[pos] == id) {
       set_pos(pos + 1);
@@ -287,16 +309,27 @@ struct tier_manager::impl {
     // that skipped its last accesses (and began without begin_iteration) would otherwise leave
     // `pos` behind, and every later acquire a miss until the skipped tensors came up again.
     // A match found past the end is only a candidate until the next acquire follows it.
+    // The nearest match wins, unless a farther one is preceded in the schedule by the last
+    // acquires: with a tensor used several times, the nearest could put `pos` into the same
+    // wrong phase at every miss, so that one deviation made every later iteration miss (without
+    // begin_iteration), and prefetch walk from the wrong place, for good.
     // Saturated: a distance of SIZE_MAX (search it all) must not overflow to nothing.
     const std::size_t distance = std::min(options.resync_distance, schedule.size() - 1);
     wrapped_pos = kNoPos;
+    std::size_t found = kNoPos;
     for (std::size_t d = 1; d <= distance; ++d) {
       const std::size_t k = (pos + d) % schedule.size();
       if (schedule[k] != id) continue;
-      if (pos + d < schedule.size()) set_pos(k + 1);
-      else wrapped_pos = k + 1;  // k < pos: within the schedule
-      return;
+      if (found == kNoPos) found = d;
+      if (follows_recent(k)) {
+        found = d;
+        break;
+      }
     }
+    if (found == kNoPos) return;
+    const std::size_t k = (pos + found) % schedule.size();
+    if (pos + found < schedule.size()) set_pos(k + 1);
+    else wrapped_pos = k + 1;  // k < pos: within the schedule
   }
 
   // Accesses until the first of `uses` (positions, ascending), counted from the next expected

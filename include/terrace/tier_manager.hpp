@@ -61,7 +61,9 @@ struct tier_manager_options {
   std::size_t prefetch_window = 0;
   /// How far ahead in the schedule an unexpected acquire looks for where the iteration went on
   /// (past the schedule's end into the next iteration too; such a match is taken once the next
-  /// acquire follows it).
+  /// acquire follows it). The nearest match is taken, unless a farther one is preceded in the
+  /// schedule by the last 16 acquires (a tensor used several times could otherwise lock `pos`
+  /// onto a wrong place for good).
   std::size_t resync_distance = 64;
   /// With an NVMe store: bytes of home copies kept in pinned host memory (0: all of them). At most
   /// the pinned pool's capacity. When the pool refuses a buffer the budget has room for (its
