@@ -556,6 +556,65 @@ TEST(IoUringEngine, RefusedSubmissionsAreRetriedThenFailTheirRequestsNotTheProce
   EXPECT_EQ(rig.write(MiB).first, nullptr);
 }
 
+// Found in review (2nd): a submission refused past max_refusals withdrew its entries and failed
+// their requests, but the ring thread then went to sleep on the ring without starting the
+// requests waiting behind them for queue depth: with the wake read already in the kernel and
+// nothing else in flight, nothing woke it, and their handles never completed.
+TEST(IoUringEngine, RequestsQueuedBehindAWithdrawnSubmissionStillRun) {
+  // File 1 of the stripe is a pipe: a read of it stays in flight until the test writes to the
+  // pipe, holding the queue's one place while `a` and `b` wait behind it.
+  scratch_dir dir("withdrawn-queue");
+  const std::string name = (dir.path() / "file").string();
+  const int fd = ::open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(MiB)), 0);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  detail::engine_options options;
+  options.block_size = 4 * KiB;  // one atomic pipe write (PIPE_BUF) completes the read at once
+  options.file_size = MiB;
+  options.queue_depth = 1;
+  options.max_refusals = 2;
+  auto engine = detail::make_io_uring_engine(options, {{fd, false, name}, {pipe_fds[0], false, "the pipe"}});
+  std::vector<std::byte> held(4 * KiB), data(4 * KiB, std::byte{7});
+  const auto submit = [&](detail::io_op op, std::uint64_t offset, std::byte* buffer) {
+    detail::io_request r;
+    r.op = op;
+    r.offset = offset;
+    r.buffer = buffer;
+    r.size = 4 * KiB;
+    r.what = "a transfer at " + std::to_string(offset);
+    return engine->submit(std::move(r));
+  };
+  const auto done_within = [](const std::shared_ptr<detail::io_completion>& c, std::chrono::seconds limit) {
+    std::unique_lock lock(c->mutex);
+    return c->cv.wait_for(lock, limit, [&] { return c->done.load(); });
+  };
+  auto held_read = submit(detail::io_op::read, 4 * KiB, held.data());  // stripe 1: the pipe
+  auto a = submit(detail::io_op::write, 0, data.data());                // stripe 0
+  auto b = submit(detail::io_op::write, 8 * KiB, data.data());          // stripe 2
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));           // both queued behind it
+  io_fault f;
+  f.what = io_fault::kind::submit_enomem;
+  f.count = 3;  // a's submission refused 3 times: past max_refusals, withdrawn
+  engine->inject(f);
+  ASSERT_EQ(::write(pipe_fds[1], data.data(), data.size()), static_cast<ssize_t>(data.size()));
+  ASSERT_TRUE(done_within(held_read, std::chrono::seconds(10)));
+  EXPECT_EQ(held_read->error, nullptr);
+  EXPECT_EQ(held, data);
+  ASSERT_TRUE(done_within(a, std::chrono::seconds(10)));
+  expect_io_error(a->error, ENOMEM, {"the kernel refused to take it"});
+  const bool b_done = done_within(b, std::chrono::seconds(10));
+  EXPECT_TRUE(b_done) << "the request queued behind the withdrawn one never ran";
+  if (b_done) {
+    EXPECT_EQ(b->error, nullptr);
+  }
+  engine.reset();  // stopping pokes the ring thread, which then runs b
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  ::close(fd);
+}
+
 // Found in review: a wait that reported EBADR (completions the kernel dropped for want of memory)
 // aborted the process. The request whose completion was lost fails with EBADR once everything
 // submitted before it has finished (so no transfer of it can still be running), and the engine

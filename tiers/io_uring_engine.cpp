@@ -359,6 +359,11 @@ class uring_engine final : public io_engine, private fork_guard {
       in_ring_.unlink(p);
       fail_piece(p, why, e);
     }
+    // Their places in queue_depth and their bounce slots are free again: requests waiting for
+    // them must be started before the ring thread sleeps, or, with the wake read already in the
+    // kernel and nothing else in flight, nothing would wake it and their handles would never
+    // complete.
+    refill_ = true;
   }
 
   // The wake read is always pending, into wake_buf_, a member: under SQPOLL it belongs to the
@@ -755,11 +760,14 @@ class uring_engine final : public io_engine, private fork_guard {
       if (lost_completion_faked_) {  // the lost_completion fault: as the kernel would say it
         lost_completion_faked_ = false;
         rc = -EBADR;
-      } else if (backoff_.empty() && wake_armed_ && !finding_lost_) {
+      } else if (backoff_.empty() && wake_armed_ && !finding_lost_ && !refill_) {
         rc = io_uring_wait_cqe(&ring_, &cqe);
       } else {  // wake for the first refused piece's retry, or without a wake read in the ring
-        const auto wait = backoff_.empty() || finding_lost_ ? std::chrono::steady_clock::duration(kMaxBackoff)
-                                                            : next_backoff() - std::chrono::steady_clock::now();
+        // After a withdrawal, what waited for its places goes first: reap what is there, no sleep.
+        const auto wait = refill_ ? std::chrono::steady_clock::duration::zero()
+                          : backoff_.empty() || finding_lost_ ? std::chrono::steady_clock::duration(kMaxBackoff)
+                                                              : next_backoff() - std::chrono::steady_clock::now();
+        refill_ = false;
         __kernel_timespec until = to_timespec(wait);
         rc = io_uring_wait_cqe_timeout(&ring_, &cqe, &until);
       }
@@ -833,6 +841,7 @@ class uring_engine final : public io_engine, private fork_guard {
   unsigned lost_ = 0;                   // engine thread only: completions lost, not yet attributed
   unsigned overflow_seen_ = 0;          // engine thread only: the ring's overflow counter, last read
   bool lost_completion_faked_ = false;  // engine thread only: the lost_completion fault fired
+  bool refill_ = false;                 // engine thread only: withdraw_unsubmitted freed places
   struct refused {
     std::chrono::steady_clock::time_point at;  // when to try again
     piece* p;
