@@ -21,6 +21,7 @@
 #include <deque>
 #include <limits>
 #include <list>
+#include <system_error>
 #include <thread>
 
 #include "terrace/error.hpp"
@@ -118,15 +119,21 @@ class uring_engine final : public io_engine, private fork_guard {
       std::free(bounce_);
       throw io_error("terrace: eventfd failed: " + errno_text(e), e);
     }
-    thread_ = std::thread([this] { run(); });
+    // Either thread may fail to start (EAGAIN at the process's or cgroup's thread limit). The
+    // destructor does not run for a constructor that throws: what was made goes back here, the
+    // registered files first (as in the destructor), or the leaked ring would hold the store's
+    // swap files, and with them their locks, for the life of the process.
     try {
+      thread_ = std::thread([this] { run(); });
       hook_thread_ = std::thread([this] { run_hooks(); });
-    } catch (...) {
-      stop_engine_thread();
+    } catch (const std::system_error& e) {
+      if (thread_.joinable()) stop_engine_thread();
+      if (fixed_files_) (void)io_uring_unregister_files(&ring_);
       io_uring_queue_exit(&ring_);
       ::close(wake_fd_);
       std::free(bounce_);
-      throw;
+      const int code = e.code().value();
+      throw io_error("terrace: cannot start the io_uring engine's threads: " + errno_text(code), code);
     }
     register_for_fork();
   }
