@@ -13,6 +13,7 @@
 terrace_setup_packages=(
   cmake ninja-build g++ liburing-dev libmimalloc-dev libgtest-dev googletest libbenchmark-dev
   nlohmann-json3-dev libfmt-dev libcli11-dev python3
+  pkg-config  # tiers/CMakeLists.txt finds liburing with it; nothing above depends on it
   fio  # tools/bench_nvme compares the tensor store with fio on the same file system
   chromium  # tests/report_render_test.sh renders `terrace report` headless
   python3-torch  # tests/test_adam_torch.py compares the CPU Adam with torch.optim.Adam/AdamW
