@@ -984,7 +984,11 @@ class allocator_impl {
     }
   }
 
+  // Blocks of expandable segments are left out, as PyTorch leaves them out: their free pages can
+  // always be unmapped, and the free block beside the unmapped rest of a range is all its free
+  // memory, not a piece split off (counting it left inactive_split above 0 with nothing live).
   void count_inactive_split(const block* b, int sign) {
+    if (b->seg->expandable) return;
     const int p = pool_index(b->seg->small_pool);
     for (int i : {0, p}) {
       if (sign > 0) {
@@ -1003,6 +1007,7 @@ class allocator_impl {
     std::int64_t count[3] = {0, 0, 0};
     std::int64_t bytes[3] = {0, 0, 0};
     for (const auto& [addr, seg] : segments_) {
+      if (seg->expandable) continue;  // as in count_inactive_split
       const int p = pool_index(seg->small_pool);
       for (const block* b = seg->head; b != nullptr; b = b->next) {
         if (b->mapped && b->is_free() && b->is_split()) {
@@ -1282,7 +1287,7 @@ class allocator_impl {
           if (b->next && b->next->is_free() && b->next->mapped == b->mapped) {
             fail("adjacent free blocks not merged at " + format_addr(b->addr));
           }
-          if (b->mapped && b->is_split()) {
+          if (b->mapped && b->is_split() && !seg->expandable) {
             for (int i : {0, p}) {
               ++split_n[i];
               split_b[i] += static_cast<std::int64_t>(b->size);

@@ -644,9 +644,12 @@ TEST(CachingAllocator, ExpandableHoleRefilledMergesWithBothNeighbours) {
   void* v = a.allocate(3 * MiB);
   EXPECT_EQ(v, y);
   a.check_invariants();
+  // One free block of 3.5 MiB is left (checked by the invariants); expandable segments count no
+  // inactive split blocks, as in PyTorch.
   auto s = a.stats();
-  EXPECT_EQ(s.inactive_split[0].current, 1);
-  EXPECT_EQ(s.inactive_split_bytes[0].current, static_cast<std::int64_t>(MiB + 2 * MiB + MiB / 2));
+  EXPECT_EQ(s.inactive_split[0].current, 0);
+  EXPECT_EQ(s.inactive_split_bytes[0].current, 0);
+  EXPECT_EQ(s.active_bytes[0].current, static_cast<std::int64_t>(2 * MiB + 3 * MiB + MiB + MiB / 2));
   for (void* p : {x, v, w}) a.deallocate(p);
   a.check_invariants();
 }
@@ -895,7 +898,9 @@ TEST(CachingAllocator, ExpandableSegmentsSplitOffRemaindersBelowSmallSize) {
   auto s = a.stats();
   EXPECT_EQ(s.allocated_bytes[0].current, static_cast<std::int64_t>(MiB + MiB / 2));
   EXPECT_EQ(s.reserved_bytes[0].current, static_cast<std::int64_t>(2 * MiB));
-  EXPECT_EQ(s.inactive_split_bytes[0].current, static_cast<std::int64_t>(MiB / 2));
+  // The free half page is not counted as inactive split: expandable segments never are, as in
+  // PyTorch (their free pages can always be unmapped).
+  EXPECT_EQ(s.inactive_split_bytes[0].current, 0);
   auto* y = static_cast<char*>(a.allocate(2 * MiB + MiB / 2));  // the half page + one new page
   EXPECT_EQ(y - x, static_cast<std::ptrdiff_t>(MiB + MiB / 2));
   s = a.stats();
@@ -1183,6 +1188,35 @@ TEST(CachingAllocator, AnExpandableRangeForACapacityNearTwoToTheSixtyFourDoesNot
   } catch (const out_of_memory& e) {
     EXPECT_NE(std::string(e.what()).find("address space"), std::string::npos) << e.what();
   }
+  a.check_invariants();
+}
+
+}  // namespace
+}  // namespace terrace
+
+namespace terrace {
+namespace {
+
+// PyTorch leaves expandable segments out of inactive_split: their free pages can always be
+// unmapped, so a free block there is never memory that splitting made unusable. terrace counted
+// the one free block left when everything was freed (its neighbour is the unmapped rest of the
+// range) as an inactive split block.
+TEST(CachingAllocatorStats, ExpandableSegmentsHaveNoInactiveSplitBlocks) {
+  auto dev = paged_sim();
+  caching_allocator a(*dev, expandable_config());
+  void* x = a.allocate(3 * MiB);  // 4 MiB mapped: 1 MiB free after it
+  void* y = a.allocate(100 * KiB);
+  auto s = a.stats();
+  EXPECT_EQ(s.inactive_split[0].current, 0);
+  EXPECT_EQ(s.inactive_split_bytes[0].current, 0);
+  a.deallocate(x);
+  a.deallocate(y);
+  s = a.stats();
+  EXPECT_EQ(s.inactive_split[0].current, 0);
+  EXPECT_EQ(s.inactive_split_bytes[0].current, 0);
+  EXPECT_EQ(s.inactive_split_bytes[0].peak, 0);
+  a.check_invariants();
+  a.empty_cache();
   a.check_invariants();
 }
 
