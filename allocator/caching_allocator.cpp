@@ -1072,7 +1072,9 @@ class allocator_impl {
   fallback_totals totals() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return {stats_.reserved_bytes[0].current, stats_.allocated_bytes[0].current,
-            stats_.requested_bytes[0].current};
+            stats_.requested_bytes[0].current,    stats_.allocation[0].current,
+            stats_.allocation[1].current,         stats_.allocated_bytes[1].current,
+            stats_.requested_bytes[1].current};
   }
 
   void reset_peak_stats() {

@@ -400,6 +400,8 @@ void* plan_front::try_allocate(std::size_t bytes, stream_ref stream, std::string
       ++arena_live_count_;
       arena_live_bytes_ += rounded;
       arena_live_requested_ += bytes;
+      count_accumulated(acc_allocated_, 2, 1, static_cast<std::int64_t>(rounded),
+                        static_cast<std::int64_t>(bytes));
       note_totals(last_totals_);
       return p;
     }
@@ -567,6 +569,8 @@ bool plan_front::on_free(void* p, arena_free* freed) {
   --arena_live_count_;
   arena_live_bytes_ -= e.size;
   arena_live_requested_ -= e.requested;
+  count_accumulated(acc_freed_, 2, 1, static_cast<std::int64_t>(e.size),
+                    static_cast<std::int64_t>(e.requested));
   release_idle_arena();
   if (replan_pending_ && arena_quiet()) make_plan(replan_lo_, replan_hi_);
   return true;

@@ -29,6 +29,9 @@ struct fallback_totals {
   std::int64_t reserved = 0;
   std::int64_t allocated = 0;
   std::int64_t requested = 0;
+  std::int64_t allocations = 0;  // allocation.all.current
+  // Of those, the small pool's (allocation, allocated_bytes, requested_bytes .small_pool.current).
+  std::int64_t small_allocations = 0, small_allocated = 0, small_requested = 0;
 };
 
 /// A free block of the fallback that the front took over (claimed as an allocation of its own).
@@ -139,8 +142,12 @@ class plan_front {
 
   void note_totals(const fallback_totals& t) noexcept;
   void reset_peaks(const fallback_totals& t) noexcept;
-  /// Zeroes the counters merge_into adds to the fallback's (the arena's device reservations).
-  void reset_accumulated() noexcept { arena_reservations_ = 0; }
+  /// Zeroes the counters merge_into adds to the fallback's (the arena's device reservations, its
+  /// blocks' allocations and frees, and the holes' corrections).
+  void reset_accumulated() noexcept {
+    arena_reservations_ = 0;
+    for (int i = 0; i < 3; ++i) acc_allocated_[i] = acc_freed_[i] = {};
+  }
   /// Adds the arena (a segment) and its live blocks to the fallback's stats; combined peaks.
   void merge_into(allocator_stats& s) const;
   void add_to_snapshot(memory_snapshot& snap) const;
@@ -531,6 +538,30 @@ class plan_front {
   std::int64_t unplanned_live_ = 0;
   fallback_totals last_totals_{};
   std::int64_t peak_reserved_ = 0, peak_allocated_ = 0, peak_requested_ = 0;
+  std::int64_t peak_allocations_ = 0;  // allocation.all.peak, as peak_allocated_
+  // What merge_into adds to the fallback's accumulated counts (`allocated` and `freed` of the
+  // allocation, active, *_bytes families) per pool since reset_accumulated: the arena's blocks,
+  // less the claimed holes (allocations of the fallback, never the caller's) and the blocks the
+  // fallback adopted (allocated there once already). See count_accumulated.
+  struct acc_delta {
+    std::int64_t n = 0, bytes = 0, requested = 0;
+  };
+  acc_delta acc_allocated_[3], acc_freed_[3];
+  // The small (1) and large (2) pools' peaks of allocation, allocated_bytes and requested_bytes,
+  // kept as the `all` ones are (index 0 unused).
+  acc_delta pool_peak_[3];
+  void count_accumulated(acc_delta* side, int pool, std::int64_t n, std::int64_t bytes,
+                         std::int64_t requested) noexcept {
+    for (int i : {0, pool}) {
+      side[i].n += n;
+      side[i].bytes += bytes;
+      side[i].requested += requested;
+    }
+  }
+  void count_hole(acc_delta* side, const fallback_hole& h) noexcept {
+    const auto b = static_cast<std::int64_t>(h.size);
+    count_accumulated(side, h.small_pool ? 1 : 2, -1, -b, -b);  // claimed with requested = size
+  }
 };
 
 // Calls f(p) with each plan of the library active in turn (p = 0: the active one), and leaves the

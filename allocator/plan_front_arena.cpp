@@ -41,7 +41,10 @@ void plan_front::uninstall() {
   // A stream's slots in another stream's hole: the fallback will reuse that space in the hole
   // stream's order, so the work queued on the others must be done first.
   if (memo_.shared && !holes_.empty()) device_.synchronize_device();
-  for (const fallback_hole& h : holes_) release_hole_(reinterpret_cast<void*>(h.addr));
+  for (const fallback_hole& h : holes_) {
+    release_hole_(reinterpret_cast<void*>(h.addr));
+    count_hole(acc_freed_, h);
+  }
   // Blocks served from hole tails outlive the plan as the fallback's own: carved back out of the
   // holes just returned, so that a request outside the plan never pins the arena.
   // Guests likewise, out of the arena the fallback just took as a segment (on the lead stream:
@@ -56,6 +59,20 @@ void plan_front::uninstall() {
       }
       if (e.guest) streams.push_back(e.stream);
       adopt_(addr, e.size, e.requested, streams);
+      // Allocated once already: the fallback's count of it is taken back out, and a block of a
+      // small-pool hole moves from the arena's pool (large) to the small one.
+      const auto h = std::upper_bound(holes_.begin(), holes_.end(), addr,
+                                      [](std::uintptr_t a, const fallback_hole& x) { return a < x.addr; });
+      const bool small = h != holes_.begin() && std::prev(h)->small_pool &&
+                         addr < std::prev(h)->addr + std::prev(h)->size;
+      const auto b = static_cast<std::int64_t>(e.size);
+      const auto r = static_cast<std::int64_t>(e.requested);
+      if (small) {
+        acc_allocated_[0].n -= 1, acc_allocated_[0].bytes -= b, acc_allocated_[0].requested -= r;
+        acc_freed_[2].n += 1, acc_freed_[2].bytes += b, acc_freed_[2].requested += r;
+      } else {
+        count_accumulated(acc_allocated_, 2, -1, -b, -r);
+      }
       e.in_arena = false;
       e.guest = false;
       e.synced_streams = false;
@@ -78,6 +95,8 @@ void plan_front::uninstall() {
   note_arena_resident();  // none: given back, or the fallback's segment now
   stats_.hole_bytes = 0;
   if (had_holes && fallback_totals_) last_totals_ = fallback_totals_();
+  // Blocks adopted out of small-pool holes moved from the arena's (large) pool to the small one.
+  note_totals(last_totals_);
 }
 
 // Plans each stream's slots into the claimed holes first, then an open region; fills `where` (the
@@ -169,9 +188,13 @@ bool plan_front::ensure_arena() {
   if (release_fallback_cache_) last_totals_ = release_fallback_cache_();
   std::vector<fallback_hole> claimed;
   if (claim_holes_ && release_hole_) claimed = claim_holes_();
+  for (const fallback_hole& h : claimed) count_hole(acc_allocated_, h);
   std::sort(claimed.begin(), claimed.end(),
             [](const fallback_hole& a, const fallback_hole& b) { return a.addr < b.addr; });
-  auto give_back = [&](std::size_t h) { release_hole_(reinterpret_cast<void*>(claimed[h].addr)); };
+  auto give_back = [&](std::size_t h) {
+    release_hole_(reinterpret_cast<void*>(claimed[h].addr));
+    count_hole(acc_freed_, claimed[h]);
+  };
   // Claimed, the holes are allocations of this front: until the installation settles each one
   // (a slot's hole, or given back), an exception on the way (a device error reserving the arena,
   // bad_alloc) gives them all back. Else the fallback would have lost them for good.
@@ -569,6 +592,8 @@ void* plan_front::hand_out_unplanned(std::uintptr_t at, live_entry e) {
   ++arena_live_count_;
   arena_live_bytes_ += e.size;
   arena_live_requested_ += e.requested;
+  count_accumulated(acc_allocated_, 2, 1, static_cast<std::int64_t>(e.size),
+                    static_cast<std::int64_t>(e.requested));
   note_totals(last_totals_);
   return reinterpret_cast<void*>(at);
 }

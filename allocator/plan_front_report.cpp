@@ -51,10 +51,31 @@ void plan_front::note_totals(const fallback_totals& t) noexcept {
                              t.allocated - holes + static_cast<std::int64_t>(arena_live_bytes_));
   peak_requested_ = std::max(
       peak_requested_, t.requested - holes + static_cast<std::int64_t>(arena_live_requested_));
+  peak_allocations_ = std::max(peak_allocations_,
+                               t.allocations - static_cast<std::int64_t>(holes_.size()) +
+                                   static_cast<std::int64_t>(arena_live_count_));
+  // Per pool: the small pool loses its claimed holes; the large pool loses the others and holds
+  // the arena's blocks.
+  const auto sn = static_cast<std::int64_t>(small_holes_);
+  const auto sb = static_cast<std::int64_t>(small_hole_bytes_);
+  const acc_delta now[3] = {
+      {},
+      {t.small_allocations - sn, t.small_allocated - sb, t.small_requested - sb},
+      {t.allocations - t.small_allocations - (static_cast<std::int64_t>(holes_.size()) - sn) +
+           static_cast<std::int64_t>(arena_live_count_),
+       t.allocated - t.small_allocated - (holes - sb) + static_cast<std::int64_t>(arena_live_bytes_),
+       t.requested - t.small_requested - (holes - sb) +
+           static_cast<std::int64_t>(arena_live_requested_)}};
+  for (int i : {1, 2}) {
+    pool_peak_[i].n = std::max(pool_peak_[i].n, now[i].n);
+    pool_peak_[i].bytes = std::max(pool_peak_[i].bytes, now[i].bytes);
+    pool_peak_[i].requested = std::max(pool_peak_[i].requested, now[i].requested);
+  }
 }
 
 void plan_front::reset_peaks(const fallback_totals& t) noexcept {
-  peak_reserved_ = peak_allocated_ = peak_requested_ = 0;
+  peak_reserved_ = peak_allocated_ = peak_requested_ = peak_allocations_ = 0;
+  for (acc_delta& p : pool_peak_) p = {};
   holes_since_reset_ = !holes_.empty();
   note_totals(t);
 }
@@ -96,6 +117,31 @@ void plan_front::merge_into(allocator_stats& s) const {
     s.active_bytes[0].peak =
         holes_since_reset_ ? peak_allocated_ : std::max(s.active_bytes[0].peak, peak_allocated_);
     s.requested_bytes[0].peak = peak_requested_;
+    // The counts likewise: the fallback's count the claimed holes and miss the arena's blocks.
+    s.allocation[0].peak = peak_allocations_;
+    s.active[0].peak =
+        holes_since_reset_ ? peak_allocations_ : std::max(s.active[0].peak, peak_allocations_);
+    for (int i : {1, 2}) {
+      s.allocation[i].peak = pool_peak_[i].n;
+      s.allocated_bytes[i].peak = pool_peak_[i].bytes;
+      s.requested_bytes[i].peak = pool_peak_[i].requested;
+      s.active[i].peak =
+          holes_since_reset_ ? pool_peak_[i].n : std::max(s.active[i].peak, pool_peak_[i].n);
+      s.active_bytes[i].peak = holes_since_reset_ ? pool_peak_[i].bytes
+                                                  : std::max(s.active_bytes[i].peak, pool_peak_[i].bytes);
+    }
+    // Accumulated counts: the arena's blocks join the fallback's, the holes and adoptions leave.
+    for (int i = 0; i < 3; ++i) {
+      const acc_delta& a = acc_allocated_[i];
+      const acc_delta& f = acc_freed_[i];
+      for (stat* st : {&s.allocation[i], &s.active[i]}) st->allocated += a.n, st->freed += f.n;
+      for (stat* st : {&s.allocated_bytes[i], &s.active_bytes[i]}) {
+        st->allocated += a.bytes;
+        st->freed += f.bytes;
+      }
+      s.requested_bytes[i].allocated += a.requested;
+      s.requested_bytes[i].freed += f.requested;
+    }
     for (int i : {0, 2}) {
       for (stat* st : {&s.segment[i], &s.reserved_bytes[i], &s.allocation[i], &s.active[i],
                        &s.allocated_bytes[i], &s.active_bytes[i], &s.requested_bytes[i]}) {

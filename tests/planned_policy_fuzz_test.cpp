@@ -18,7 +18,8 @@
 //     the allocator must wait for it itself, nothing here synchronizes before it is destroyed),
 //     and once every block is freed, destroying the allocator gives every segment back;
 //   - now and then check_invariants(), and the stats against a shadow count (live requested bytes
-//     and count, rounded bytes, reserved bytes and segments against the device, peaks).
+//     and count, rounded bytes, reserved bytes and segments against the device, peaks, the
+//     allocations and frees since the last reset_accumulated_stats).
 //
 // Environment (nothing set: the default seed range, sized for a few seconds in a Release build):
 //   TERRACE_FUZZ_SEED=<n>      run seed n alone (a failure names the seed and says this)
@@ -529,6 +530,8 @@ class fuzz_checker {
     by_address_.emplace(p, id);
     requested_ += static_cast<std::int64_t>(n);
     rounded_ += static_cast<std::int64_t>(round512(n));
+    ++allocs_since_reset_;
+    requested_since_reset_ += static_cast<std::int64_t>(n);
     peak_requested_ = std::max(peak_requested_, requested_);
     peak_rounded_ = std::max(peak_rounded_, rounded_);
     peak_used_ = std::max(peak_used_, static_cast<std::int64_t>(dev_.used()));
@@ -550,6 +553,8 @@ class fuzz_checker {
     by_address_.erase(b.p);
     requested_ -= static_cast<std::int64_t>(b.n);
     rounded_ -= static_cast<std::int64_t>(round512(b.n));
+    ++frees_since_reset_;
+    requested_freed_since_reset_ += static_cast<std::int64_t>(b.n);
     live_.erase(it);
   }
 
@@ -557,6 +562,13 @@ class fuzz_checker {
     std::vector<long> ids;
     for (const auto& [id, b] : live_) ids.push_back(id);
     return ids;
+  }
+
+  // reset_accumulated_stats was called: `allocated` and `freed` count from here.
+  void accumulated_reset(const caching_allocator& a) {
+    at_reset_ = a.stats();
+    allocs_since_reset_ = frees_since_reset_ = 0;
+    requested_since_reset_ = requested_freed_since_reset_ = 0;
   }
 
   void peaks_reset() {
@@ -603,8 +615,28 @@ class fuzz_checker {
     expect_ge("requested_bytes.peak", st.requested_bytes[0].peak, peak_requested_, "observed");
     expect_ge("allocated_bytes.peak", st.allocated_bytes[0].peak, peak_rounded_, "observed");
     expect_ge("reserved_bytes.peak", st.reserved_bytes[0].peak, peak_used_, "observed");
+    // Accumulated counts: every allocation and free the program made since the last reset, the
+    // arena's included and the claimed holes (the front's, not the program's) left out.
+    expect_eq("allocation.allocated", st.allocation[0].allocated, allocs_since_reset_,
+              "allocations since the reset");
+    expect_eq("allocation.freed", st.allocation[0].freed, frees_since_reset_,
+              "frees since the reset");
+    expect_eq("requested_bytes.allocated", st.requested_bytes[0].allocated, requested_since_reset_,
+              "requested since the reset");
+    expect_eq("requested_bytes.freed", st.requested_bytes[0].freed, requested_freed_since_reset_,
+              "requested bytes freed since the reset");
+    expect_ge("allocation.peak", st.allocation[0].peak, st.allocation[0].current, "current");
     for (std::size_t pool = 0; pool < 3; ++pool) {
       const std::string in = " (pool " + std::to_string(pool) + ")";
+      for (stat_array allocator_stats::*f :
+           {&allocator_stats::allocation, &allocator_stats::allocated_bytes,
+            &allocator_stats::requested_bytes, &allocator_stats::active,
+            &allocator_stats::active_bytes}) {
+        const stat& now = (st.*f)[pool];
+        if (now.current != (at_reset_.*f)[pool].current + now.allocated - now.freed) {
+          fail("current != current at the last reset + allocated - freed" + in);
+        }
+      }
       for (const auto* s : {&st.allocated_bytes, &st.reserved_bytes, &st.requested_bytes}) {
         if ((*s)[pool].peak < (*s)[pool].current) fail("a peak below its current value" + in);
         if ((*s)[pool].current < 0) fail("a negative current byte count" + in);
@@ -636,6 +668,9 @@ class fuzz_checker {
   long next_id_ = 0;
   std::int64_t requested_ = 0;
   std::int64_t rounded_ = 0;
+  allocator_stats at_reset_{};  // the stats at the last reset_accumulated_stats
+  std::int64_t allocs_since_reset_ = 0, frees_since_reset_ = 0;
+  std::int64_t requested_since_reset_ = 0, requested_freed_since_reset_ = 0;
   std::int64_t peak_requested_ = 0;
   std::int64_t peak_rounded_ = 0;
   std::int64_t peak_used_ = 0;
@@ -870,6 +905,7 @@ class fuzz_run {
         break;
       case op::reset_accumulated:
         alloc_->reset_accumulated_stats();
+        checker_->accumulated_reset(*alloc_);
         break;
       case op::reset_peak:
         alloc_->reset_peak_stats();
