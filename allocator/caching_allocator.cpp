@@ -1153,6 +1153,7 @@ class allocator_impl {
     } else {
       trace_[trace_head_] = std::move(e);  // a ring: the oldest event gives way
       trace_head_ = (trace_head_ + 1) % cap;
+      ++trace_events_dropped_;  // said in the snapshot, so that a wrapped trace is told apart
     }
   }
 
@@ -1223,6 +1224,7 @@ class allocator_impl {
       snap.trace.push_back(e);
     }
     snap.trace_events_lost = trace_events_lost_;
+    snap.trace_events_dropped = trace_events_dropped_;
     return snap;
   }
 
@@ -1416,6 +1418,7 @@ class allocator_impl {
   node_stash<free_set> free_nodes_;                            // for small_free_ and large_free_
   node_stash<std::set<block*, address_order>> unmapped_nodes_;  // for segment::unmapped
   std::size_t trace_events_lost_ = 0;
+  std::size_t trace_events_dropped_ = 0;  // overwritten by the ring
   allocator_stats stats_;
   allocator_stats stats_at_reset_;  // stats_ at the last reset_accumulated_stats (check_invariants)
   std::vector<trace_event> trace_;

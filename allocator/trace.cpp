@@ -162,8 +162,10 @@ void write_snapshot_json(std::ostream& out, const memory_snapshot& s) {
   json doc = {{"device", s.device},
               {"segments", std::move(segments)},
               {"device_traces", json::array({std::move(trace)})}};
-  // Not a PyTorch field; written only when the trace has gaps, which a reader should know of.
+  // Not PyTorch fields; written only when the trace has gaps or lacks its start, which a reader
+  // should know of.
   if (s.trace_events_lost > 0) doc["trace_events_lost"] = s.trace_events_lost;
+  if (s.trace_events_dropped > 0) doc["trace_events_dropped"] = s.trace_events_dropped;
   out << dump(doc) << '\n';
 }
 

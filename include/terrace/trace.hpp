@@ -86,6 +86,9 @@ struct memory_snapshot {
   /// Events the host had no memory to record (the calls themselves succeeded): the trace has
   /// gaps. Events the ring dropped as the oldest are not counted here.
   std::size_t trace_events_lost = 0;
+  /// Events the ring (trace_max_events) dropped as the oldest to make room: the trace starts
+  /// after them, so a replay of it misses the blocks allocated before.
+  std::size_t trace_events_dropped = 0;
 };
 
 /// @brief Writes the snapshot as one JSON document:
