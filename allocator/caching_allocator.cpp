@@ -200,11 +200,14 @@ class allocator_impl {
   // A request near SIZE_MAX (a negative size cast, say) would wrap to a tiny size in rounding and
   // be handed a block that is already live: out of memory at once, before any rounding. Smaller
   // requests beyond the device take the ordinary path, whose report shows the allocator's state.
-  void refuse_impossible(std::size_t bytes) {
+  void refuse_impossible(std::size_t bytes, stream_ref stream) {
     if (bytes <= (SIZE_MAX >> 2)) return;
     const auto& props = device_.properties();
     std::lock_guard<std::mutex> lock(mutex_);
     ++stats_.num_ooms;
+    // As the ordinary path does: the trace shows every out-of-memory error the stats count. No
+    // rounding: the size is beyond it.
+    if (tracing_) trace(trace_action::oom, reinterpret_cast<std::uintptr_t>(stream.native), 0, bytes, bytes, {});
     throw out_of_memory("terrace: out of memory on device '" + props.name + "' " +
                         std::to_string(props.device_index) + ": tried to allocate " +
                         std::to_string(bytes) + " bytes, more than the device's capacity (" +
@@ -1463,7 +1466,7 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
 caching_allocator::~caching_allocator() = default;
 
 void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
-  impl_->refuse_impossible(bytes);
+  impl_->refuse_impossible(bytes, stream);
   if (!plan_ || bytes == 0) return impl_->allocate(bytes, stream, tag);
   std::lock_guard<std::mutex> lock(plan_->mutex());
   void* p = nullptr;

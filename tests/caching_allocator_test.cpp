@@ -1382,3 +1382,30 @@ TEST(CachingAllocatorStats, EveryPolicyAgreesWithAModelOfTheSequence) {
 
 }  // namespace
 }  // namespace terrace
+
+namespace terrace {
+namespace {
+
+// Found in review: a request no device can hold was counted in num_ooms but left no `oom` event
+// in the trace, so a trace showed fewer out-of-memory errors than the stats.
+TEST(CachingAllocator, ARequestNoDeviceCanHoldIsAnOomEventInTheTrace) {
+  auto dev = sim(64 * MiB);
+  allocator_config cfg;
+  cfg.record_trace = true;
+  caching_allocator a(*dev, cfg);
+  EXPECT_THROW(a.allocate(SIZE_MAX), out_of_memory);
+  EXPECT_THROW(a.allocate(128 * MiB), out_of_memory);  // the ordinary path
+  EXPECT_EQ(a.stats().num_ooms, 2);
+  std::size_t ooms = 0;
+  for (const trace_event& e : a.snapshot().trace) {
+    if (e.action == trace_action::oom) {
+      ++ooms;
+      EXPECT_EQ(e.addr, 0u);
+      EXPECT_GT(e.requested, 0u);
+    }
+  }
+  EXPECT_EQ(ooms, 2u);
+}
+
+}  // namespace
+}  // namespace terrace
