@@ -624,6 +624,14 @@ TERRACE_API int terrace_reset_peak_stats(int device) {
   });
 }
 
+TERRACE_API int terrace_reset_accumulated_stats(int device) {
+  const auto call = [&] { return describe_call("terrace_reset_accumulated_stats", device); };
+  return guarded(call, [&] {
+    check_device(device);
+    if (device_slot* s = find_slot(device)) s->allocator->reset_accumulated_stats();
+  });
+}
+
 TERRACE_API int terrace_record_trace(int on) {
   const auto call = [&] { return describe_call("terrace_record_trace", on); };
   return guarded(call, [&] {

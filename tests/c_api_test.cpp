@@ -489,6 +489,28 @@ TEST(CApi, ResetPeakStatsLowersThePeakToCurrent) {
   EXPECT_EQ(j["allocated_bytes.all.peak"], j["allocated_bytes.all.current"]);
 }
 
+// As torch.cuda.reset_accumulated_memory_stats: the allocated/freed totals and the retry and OOM
+// counts start again from zero; current figures stay.
+TEST(CApi, ResetAccumulatedStatsZeroesTheTotalsAndKeepsCurrent) {
+  void* held = terrace_malloc(3 * MiB, kShared, nullptr);
+  void* p = terrace_malloc(12 * MiB, kShared, nullptr);
+  ASSERT_NE(held, nullptr);
+  ASSERT_NE(p, nullptr);
+  terrace_free(p, 12 * MiB, kShared, nullptr);
+  EXPECT_GE(stat(kShared, "allocation.all.freed"), 1);
+  const std::int64_t current = stat(kShared, "allocated_bytes.all.current");
+  ASSERT_EQ(terrace_reset_accumulated_stats(kShared), TERRACE_OK);
+  EXPECT_EQ(stat(kShared, "allocation.all.allocated"), 0);
+  EXPECT_EQ(stat(kShared, "allocation.all.freed"), 0);
+  EXPECT_EQ(stat(kShared, "allocated_bytes.all.allocated"), 0);
+  EXPECT_EQ(stat(kShared, "num_ooms"), 0);
+  EXPECT_EQ(stat(kShared, "allocated_bytes.all.current"), current);
+  terrace_free(held, 3 * MiB, kShared, nullptr);
+  EXPECT_EQ(stat(kShared, "allocation.all.freed"), 1);
+  EXPECT_EQ(terrace_reset_accumulated_stats(kNeverUsed), TERRACE_OK);
+  EXPECT_EQ(terrace_reset_accumulated_stats(kDeviceCount), TERRACE_EINVAL);
+}
+
 // ---------------------------------------------------------------------------- snapshot and trace
 
 TEST(CApi, DumpSnapshotAndTraceWriteJson) {
@@ -796,6 +818,7 @@ TEST(CApi, SharedLibraryExportsOnlyTheCAbi) {
                                           "terrace_configure",
                                           "terrace_stats_json",
                                           "terrace_reset_peak_stats",
+                                          "terrace_reset_accumulated_stats",
                                           "terrace_record_trace",
                                           "terrace_dump_snapshot",
                                           "terrace_dump_trace",

@@ -312,6 +312,10 @@ class EndToEndThroughLibterrace(unittest.TestCase):
         self.assertEqual(self.tt.stats()["allocated_bytes.all.current"], 0)
         self.tt.empty_cache()
         self.assertEqual(self.tt.stats()["reserved_bytes.all.current"], 0)
+        self.assertGreater(self.tt.stats()["allocation.all.freed"], 0)
+        self.tt.reset_accumulated_stats()
+        self.assertEqual(self.tt.stats()["allocation.all.freed"], 0)
+        self.assertEqual(self.tt.stats()["num_device_free"], 0)
 
     def test_marked_steps_are_planned_through_the_wrappers(self):
         # The policy is fixed at the first allocation, once per process: a process of its own.

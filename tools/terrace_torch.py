@@ -16,7 +16,8 @@ import os
 import warnings
 
 __all__ = [
-    "TerraceError", "Library", "load", "install", "stats", "reset_peak_stats", "record_trace",
+    "TerraceError", "Library", "load", "install", "stats", "reset_peak_stats",
+    "reset_accumulated_stats", "record_trace",
     "dump_snapshot", "dump_trace", "empty_cache", "configure", "last_error",
 ]
 
@@ -76,6 +77,7 @@ class Library:
             "terrace_stats_json": (c.c_int, [c.c_int, c.c_char_p, c.c_size_t,
                                              c.POINTER(c.c_size_t)]),
             "terrace_reset_peak_stats": (c.c_int, [c.c_int]),
+            "terrace_reset_accumulated_stats": (c.c_int, [c.c_int]),
             "terrace_begin_iteration": (c.c_int, [c.c_int]),
             "terrace_end_iteration": (c.c_int, [c.c_int]),
             "terrace_record_trace": (c.c_int, [c.c_int]),
@@ -120,6 +122,9 @@ class Library:
 
     def reset_peak_stats(self, device=0):
         self.check(self.lib.terrace_reset_peak_stats(device))
+
+    def reset_accumulated_stats(self, device=0):
+        self.check(self.lib.terrace_reset_accumulated_stats(device))
 
     def record_trace(self, on=True):
         self.check(self.lib.terrace_record_trace(1 if on else 0))
@@ -235,6 +240,12 @@ def stats(device=0):
 
 def reset_peak_stats(device=0):
     load().reset_peak_stats(device)
+
+
+def reset_accumulated_stats(device=0):
+    """As torch.cuda.reset_accumulated_memory_stats: the allocated/freed totals and event counts
+    start again from zero."""
+    load().reset_accumulated_stats(device)
 
 
 def record_trace(on=True):

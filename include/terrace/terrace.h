@@ -117,6 +117,10 @@ TERRACE_API int terrace_begin_iteration(int device);
 TERRACE_API int terrace_end_iteration(int device);
 /** @brief Resets the peak counters of `device`. */
 TERRACE_API int terrace_reset_peak_stats(int device);
+/** @brief Zeroes the accumulated counters of `device` (every figure's allocated and freed totals,
+ *  num_alloc_retries, num_ooms, num_device_alloc/free, ...), as
+ *  torch.cuda.reset_accumulated_memory_stats; current and peak figures stay. */
+TERRACE_API int terrace_reset_accumulated_stats(int device);
 /** @brief Turns trace recording on (1) or off (0) on every device. */
 TERRACE_API int terrace_record_trace(int on);
 /** @brief Writes device `device`'s snapshot (segments, blocks, trace) as JSON to `path`. */
