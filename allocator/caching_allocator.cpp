@@ -175,7 +175,9 @@ class allocator_impl {
 
   // ---------------------------------------------------------------- allocation
 
-  void* allocate(std::size_t bytes, stream_ref stream, std::string_view tag) {
+  // `final_try` false: the caller (the planned policy) has more ways to serve the request, so an
+  // out-of-memory here is not yet the caller's: not counted, not traced (see note_oom).
+  void* allocate(std::size_t bytes, stream_ref stream, std::string_view tag, bool final_try = true) {
     if (bytes == 0) return nullptr;
     std::lock_guard<std::mutex> lock(mutex_);
     if (!pending_.empty()) process_completed_frees();
@@ -186,7 +188,7 @@ class allocator_impl {
     const auto s = reinterpret_cast<std::uintptr_t>(stream.native);
 
     block* b = find_free_block(small, s, rounded);
-    if (b == nullptr) b = obtain_new_memory(small, s, rounded, bytes);
+    if (b == nullptr) b = obtain_new_memory(small, s, rounded, bytes, final_try);
     // The last step that may fail (its node is allocated) comes first: if the host refuses it, b
     // is still a free block in its set and nothing else has changed.
     enter_live(b);
@@ -275,7 +277,7 @@ class allocator_impl {
 
   // A miss: new memory from the device; on failure release the cache and retry once; then OOM.
   block* obtain_new_memory(bool small, std::uintptr_t stream, std::size_t rounded,
-                           std::size_t requested) {
+                           std::size_t requested, bool final_try) {
     maybe_collect_garbage(rounded);
     prepare_books();  // what the collection's unmapping used
     if (block* b = try_new_memory(small, stream, rounded)) return b;
@@ -286,9 +288,19 @@ class allocator_impl {
     if (block* b = find_free_block(small, stream, rounded)) return b;
     address_space_refusal_.clear();  // the report tells why the retry failed, not the first try
     if (block* b = try_new_memory(small, stream, rounded)) return b;
+    if (final_try) count_oom(stream, rounded, requested);
+    throw out_of_memory(oom_report(requested, rounded, stream));
+  }
+
+  void count_oom(std::uintptr_t stream, std::size_t rounded, std::size_t requested) {
     ++stats_.num_ooms;
     if (tracing_) trace(trace_action::oom, stream, 0, rounded, requested, {});
-    throw out_of_memory(oom_report(requested, rounded, stream));
+  }
+
+  /// An out-of-memory of allocate(..., final_try = false) that reaches the caller after all.
+  void note_oom(std::size_t bytes, stream_ref stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    count_oom(reinterpret_cast<std::uintptr_t>(stream.native), round_size(bytes), bytes);
   }
 
   // nullptr when the device (or the memory fraction) refuses; device_error propagates.
@@ -1480,10 +1492,12 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
       return q;
     }
     try {
-      p = impl_->allocate(bytes, stream, tag);
+      p = impl_->allocate(bytes, stream, tag, /*final_try=*/false);
     } catch (const out_of_memory&) {
       // The plan's arena may hold the memory this request needs: correctness, and never running
-      // out where the caching allocator alone would not, come before the plan.
+      // out where the caching allocator alone would not, come before the plan. Only a failure
+      // the caller sees counts as an OOM (num_ooms, the trace's oom event): the retries below
+      // count their own; the rethrow counts here.
       if (plan_->release_under_pressure()) {
         p = impl_->allocate(bytes, stream, tag);
       } else if (void* q = plan_->lend_under_pressure(bytes, stream)) {
@@ -1495,6 +1509,7 @@ void* caching_allocator::allocate(std::size_t bytes, stream_ref stream, std::str
       } else if (plan_->unmap_under_pressure()) {
         p = impl_->allocate(bytes, stream, tag);
       } else {
+        impl_->note_oom(bytes, stream);
         throw;
       }
     }

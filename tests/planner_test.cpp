@@ -969,6 +969,25 @@ TEST(PlannedPolicy, UnderMemoryPressureThePlanLendsItsFreeSpace) {
   EXPECT_EQ(s.pressure_loans, 2);
   EXPECT_EQ(s.lost_iterations, 0);
   EXPECT_TRUE(live.empty());
+  // Every request was served: none was an out-of-memory error to the caller. The fallback's own
+  // failures before the loans counted as OOMs (num_ooms 2) until 2026-11-25.
+  EXPECT_EQ(a.stats().num_ooms, 0);
+}
+
+// A request nothing can serve, neither the fallback nor the plan's arena, is one OOM to the
+// caller: counted once, and one oom event in the trace.
+TEST(PlannedPolicy, AnOomTheCallerSeesIsCountedOnce) {
+  terrace::device_options d;
+  d.capacity = std::size_t{4} << 20;
+  auto dev = terrace::make_device("null", d);
+  terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
+  a.record_trace(true);
+  EXPECT_THROW((void)a.allocate(std::size_t{8} << 20), terrace::out_of_memory);
+  EXPECT_EQ(a.stats().num_ooms, 1);
+  const auto trace = a.snapshot().trace;
+  EXPECT_EQ(std::count_if(trace.begin(), trace.end(),
+                          [](const terrace::trace_event& e) { return e.action == terrace::trace_action::oom; }),
+            1);
 }
 
 // An idle arena (no block live in it) is given back at once when the caching allocator runs out
