@@ -206,10 +206,9 @@ class allocator_impl {
     if (bytes <= (SIZE_MAX >> 2)) return;
     const auto& props = device_.properties();
     std::lock_guard<std::mutex> lock(mutex_);
-    ++stats_.num_ooms;
     // As the ordinary path does: the trace shows every out-of-memory error the stats count. No
     // rounding: the size is beyond it.
-    if (tracing_) trace(trace_action::oom, reinterpret_cast<std::uintptr_t>(stream.native), 0, bytes, bytes, {});
+    count_oom(reinterpret_cast<std::uintptr_t>(stream.native), bytes, bytes);
     throw out_of_memory("terrace: out of memory on device '" + props.name + "' " +
                         std::to_string(props.device_index) + ": tried to allocate " +
                         std::to_string(bytes) + " bytes, more than the device's capacity (" +

@@ -62,6 +62,7 @@
 #include "terrace/sim_device.hpp"
 #include "tiers/backends.hpp"
 #include "tiers/capacity_meter.hpp"
+#include "tiers/fork_guard.hpp"
 #include "tiers/sim_copy_link.hpp"
 #include "tiers/vmm_book.hpp"
 
@@ -104,12 +105,20 @@ struct work_item {
   std::chrono::steady_clock::time_point queued_at{};  // copies, with a bandwidth model only
 };
 
-class sim_stream : public std::enable_shared_from_this<sim_stream> {
+// A fork_guard: in a child forked without exec (a DataLoader worker) the stream's worker does not
+// exist, and forked_away() tells every call so.
+class sim_stream : public std::enable_shared_from_this<sim_stream>, private detail::fork_guard {
  public:
   sim_stream(std::shared_ptr<sim_copy_links> links, std::string label)
-      : label_(std::move(label)), links_(std::move(links)), worker_([this] { run(); }) {}
+      : label_(std::move(label)), links_(std::move(links)) {
+    detail::fork_guard::install();
+    // Registered before the worker starts: a fork from then on is seen, whenever it comes.
+    register_for_fork();
+    worker_ = std::thread([this] { run(); });
+  }
 
   ~sim_stream() {
+    unregister_for_fork();  // forked_away() keeps its answer
     stop_and_join();
     // In a forked child the condition variables still count the parent's waiters (the worker
     // waiting for items when the process forked), who never leave there: destroying them would
@@ -235,7 +244,10 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   }
 
  private:
-  bool forked_away() const noexcept { return ::getpid() != owner_pid_; }
+  using detail::fork_guard::forked_away;
+
+  // Nothing to close: forked_away() (set by the fork handler) is what every later call looks at.
+  void abandon_after_fork() noexcept override {}
 
   void stop(bool cut_short) noexcept {
     if (forked_away()) return;  // no worker to tell; m_ may be held by a thread of the parent
@@ -469,9 +481,7 @@ class sim_stream : public std::enable_shared_from_this<sim_stream> {
   // The worker's own: when, in modelled time, the previous item ended.
   clock_type::time_point ready_at_{};
 
-  const pid_t owner_pid_ = ::getpid();  // the process whose thread worker_ is
-
-  std::thread worker_;  // last: it starts running in the constructor
+  std::thread worker_;  // started at the end of the constructor
 };
 
 // ---------------------------------------------------------------- events
