@@ -1149,13 +1149,18 @@ class allocator_impl {
     }
   }
 
+  // Nanoseconds since the allocator was made: the clock of every trace event.
+  std::uint64_t now_ns() const {
+    return static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_)
+            .count());
+  }
+
   void record_trace_event(trace_action a, std::uintptr_t stream, std::uintptr_t addr,
                           std::size_t size, std::size_t requested, std::string_view tag) {
     trace_event e;
     e.action = a;
-    e.time_ns = static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_)
-            .count());
+    e.time_ns = now_ns();
     e.stream = stream;
     e.addr = addr;
     e.size = size;
@@ -1217,7 +1222,6 @@ class allocator_impl {
           sb.state = "active_allocated";
           out.allocated_size += b->size;
           out.active_size += b->size;
-          out.requested_size += b->requested;
         } else if (b->pending_events > 0) {
           sb.state = "active_pending_free";
           out.active_size += b->size;
@@ -1233,8 +1237,12 @@ class allocator_impl {
       snap.trace.push_back(trace_[(trace_head_ + i) % trace_.size()]);
     }
     if (tracing_) {
+      // Not recorded in the ring (a snapshot changes nothing), but stamped like the events in it,
+      // with the active bytes as PyTorch's SNAPSHOT entry carries them.
       trace_event e;
       e.action = trace_action::snapshot;
+      e.time_ns = now_ns();
+      for (const snapshot_segment& seg : snap.segments) e.size += seg.active_size;
       snap.trace.push_back(e);
     }
     snap.trace_events_lost = trace_events_lost_;
