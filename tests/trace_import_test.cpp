@@ -1007,7 +1007,8 @@ TEST(Cli, CompareAndReportRunOnEveryFormat) {
   for (const std::string& path : {k, c}) {
     auto r = run_cli("compare '" + path + "'");
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    for (const char* label : {"peak live", "peak reserved", "fragmentation", "device allocations",
+    for (const char* label : {"peak requested", "peak live", "peak reserved", "fragmentation",
+                              "device allocations",
                               "planned hit rate", "events/s"}) {
       EXPECT_NE(r.output.find(label), std::string::npos) << label << r.output;
     }

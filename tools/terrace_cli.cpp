@@ -259,6 +259,9 @@ int run_compare(const compare_args& args) {
     fmt::print("\n");
   };
   using R = terrace::tools::replay_result;
+  // The caller's bytes are the same under every policy; the blocks holding them are not (each
+  // policy rounds and splits in its own way), and fragmentation is measured against those.
+  row("peak requested", [](const R& r) { return format_bytes(r.peak_requested_bytes); });
   row("peak live", [](const R& r) { return format_bytes(r.peak_allocated_bytes); });
   row("peak reserved", [](const R& r) { return format_bytes(r.peak_reserved_bytes); },
       torch_known ? format_bytes(*imported.torch_reserved_peak) : "");
@@ -292,14 +295,16 @@ int run_compare(const compare_args& args) {
   });
   row("OOMs", [](const R& r) { return std::to_string(r.ooms); });
   row("events/s", [](const R& r) { return fmt::format("{:.3g}", r.events_per_second); });
+  fmt::print("\npeak live = the blocks handed out (each request with its rounding and any remainder "
+             "the policy did not split off); fragmentation = 1 - peak live / peak reserved "
+             "(GMLake); ");
   const std::size_t steady_from = runs.back().second.steady_from_event;
   if (steady_from < imported.events.size()) {
-    fmt::print("\nfragmentation = 1 - peak live / peak reserved (GMLake); steady state = from the "
-               "planned policy's first planned iteration (event {}).\n",
+    fmt::print("steady state = from the planned policy's first planned iteration (event {}).\n",
                steady_from);
   } else {
-    fmt::print("\nfragmentation = 1 - peak live / peak reserved (GMLake); no steady state: the "
-               "planned policy formed no plan, so the steady-state rows are the whole trace's.\n");
+    fmt::print("no steady state: the planned policy formed no plan, so the steady-state rows are "
+               "the whole trace's.\n");
   }
   return 0;
 }
