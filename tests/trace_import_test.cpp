@@ -558,6 +558,26 @@ TEST(Import, JsonAndPickleSnapshotsDigestTheirStacksAlike) {
   }
 }
 
+// Found in review: a terrace trace taken through tools/terrace_to_torch_snapshot.py and read back
+// came home with every tag as "attn.qkv <terrace tag>:0", the converter's one-frame stack as text.
+TEST(Import, TheConvertersTagFrameReadsBackAsTheTag) {
+  const nlohmann::json tag_frame = nlohmann::json::array(
+      {{{"filename", "<terrace tag>"}, {"line", 0}, {"name", "attn.qkv"}}});
+  const nlohmann::json doc = {
+      {"segments", nlohmann::json::array()},
+      {"device_traces",
+       {{{{"action", "alloc"}, {"addr", 4096}, {"size", 1000}, {"stream", 0}, {"time_us", 11},
+          {"frames", tag_frame}},
+         {{"action", "free_requested"}, {"addr", 4096}, {"size", 1000}, {"stream", 0}, {"time_us", 12},
+          {"frames", nlohmann::json::array()}}}}}};
+  for (const auto& t : {tr::parse_torch_snapshot_json(doc.dump(), "s.json"),
+                        tr::parse_torch_snapshot_pickle(terrace::fixtures::to_pickle(doc), "s.pickle")}) {
+    ASSERT_EQ(t.events.size(), 2u);
+    EXPECT_EQ(t.events[0].tag, "attn.qkv");
+    EXPECT_EQ(t.events[1].tag, "");
+  }
+}
+
 // A snapshot is read as its events stream by, never built whole (a 563 MB JSON snapshot took
 // 0.11 GB, a 7.6 MB pickle 155 MB; now 27 MB and 46 MB), with the whole document's meaning: the
 // last of a repeated key counts, segments may come before the traces whose device they are

@@ -37,6 +37,8 @@ std::string frames_text(const json& frames) {
   for (const auto& f : frames) {
     if (!f.is_object()) continue;
     const std::string file = frame_field(f, "filename", "");
+    // tools/terrace_to_torch_snapshot.py writes a terrace tag as this one frame: the tag again.
+    if (file == "<terrace tag>" && kept == 0) return frame_field(f, "name", "");
     if (file.find("torch/") != std::string::npos && kept == 0 && frames.size() > 1) continue;
     if (!out.empty()) out += " < ";
     out += frame_field(f, "name", "?") + " " + file + ":" + frame_field(f, "line", "0");
