@@ -20,6 +20,7 @@
 //   bench_train [--steps 6] [--layers 16] [--width 1024] [--bandwidths 64,16,8,4,2,1,0.5,0.25]
 //               [--device-mib 28] [--host-mib 256] [--disk-mib 4096] [--delayed-steps 20]
 //               [--rounds 3] [--skip-overlap] [--skip-delayed] [--skip-capacity] [--dir DIR]
+//   DIR (created when missing) is left as it was: the stores go in DIR/bench_train.<pid>.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "terrace/error.hpp"
+#include "tools/bench_scratch.hpp"
 #include "tools/bench_stats.hpp"
 #include "tools/train.hpp"
 
@@ -238,7 +240,9 @@ int main(int argc, char** argv) {
       ->check(mib_range)
       ->capture_default_str();
   app.add_option("--disk-mib", disk_mib, "NVMe store (capacity)")->check(mib_range)->capture_default_str();
-  app.add_option("--dir", dir, "the store's directory (default: <build>/train-state)");
+  app.add_option("--dir", dir,
+                 "where to make the scratch folder for the stores (default: <build>/bench-train-scratch; "
+                 "removed at the end)");
   app.add_flag("--skip-overlap", skip_overlap);
   app.add_flag("--skip-capacity", skip_capacity);
   app.add_option("--delayed-steps", delayed_steps, "steps per run of the delayed-update comparison")
@@ -249,24 +253,20 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--skip-delayed", skip_delayed);
   CLI11_PARSE(app, argc, argv);
-  base.dir = dir.empty() ? terrace::tools::default_dir() : fs::path(dir);
-  base.dir_is_default = true;  // every run starts over in it
   base.device_memory = device_mib << 20;
   int status = 0;
   try {
+    // Every run starts over in its folder, discarding the store it finds there: a folder of the
+    // benchmark's own, never `terrace train`'s <build>/train-state, whose checkpoint it used to
+    // discard. Removed at the end with the stores trained in it (up to --disk-mib of swap file).
+    const terrace::tools::bench_scratch scratch(
+        dir.empty() ? terrace::tools::default_dir().parent_path() / "bench-train-scratch" : fs::path(dir),
+        "bench_train");
+    base.dir = scratch.path();
+    base.dir_is_default = true;
     if (!skip_overlap) overlap(base, parse_bandwidths(bandwidths));
     if (!skip_delayed) delayed(base, delayed_steps, rounds);
     if (!skip_capacity) capacity(base, {device_mib << 20, host_mib << 20, disk_mib << 20});
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_train: %s\n", e.what());
-    status = 1;
-  }
-  // The store every run trained in (up to --disk-mib of swap file) goes with the benchmark; the
-  // folder too when nothing else is in it.
-  try {
-    std::error_code ec;
-    if (fs::exists(base.dir / "store", ec)) terrace::tools::remove_store(base.dir);
-    fs::remove(base.dir, ec);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train: %s\n", e.what());
     status = 1;
