@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -78,6 +79,17 @@ double torch_step(std::size_t n, int reps, std::string& note) {
       note);
 }
 
+// A whole number in [lo, hi], all of `text`: strtoull read "abc" as 0 and "-5" as 2^64 - 5, and
+// a run over 0 parameters printed a table of NaN ratios.
+bool parse_whole(const char* text, std::size_t lo, std::size_t hi, std::size_t& out) {
+  const char* const end = text + std::strlen(text);
+  std::size_t v = 0;
+  const auto [at, ec] = std::from_chars(text, end, v);
+  if (at == text || ec != std::errc() || at != end || v < lo || v > hi) return false;
+  out = v;
+  return true;
+}
+
 struct config {
   const char* name;
   int grad_dtype;
@@ -90,14 +102,20 @@ std::size_t element_size(int dtype) { return dtype == adam_gpu_f32 ? 4 : 2; }
 
 int main(int argc, char** argv) {
   std::size_t n = 100'000'000;
-  int reps = 20;
+  std::size_t reps_arg = 20;
   bool python = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--params" && i + 1 < argc) {
-      n = std::strtoull(argv[++i], nullptr, 10);
+      if (!parse_whole(argv[++i], 1, std::size_t{1} << 34, n)) {
+        std::fprintf(stderr, "bench_adam_gpu: --params '%s': expected a whole number in [1, 2^34]\n", argv[i]);
+        return 2;
+      }
     } else if (a == "--reps" && i + 1 < argc) {
-      reps = std::max(1, std::atoi(argv[++i]));
+      if (!parse_whole(argv[++i], 1, 1000, reps_arg)) {
+        std::fprintf(stderr, "bench_adam_gpu: --reps '%s': expected a whole number in [1, 1000]\n", argv[i]);
+        return 2;
+      }
     } else if (a == "--no-python") {
       python = false;
     } else {
@@ -105,6 +123,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  const int reps = static_cast<int>(reps_arg);
   int devices = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess || devices == 0) {
     std::printf("bench_adam_gpu: no CUDA device (%s): not measured\n",

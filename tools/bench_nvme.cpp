@@ -173,6 +173,7 @@ int main(int argc, char** argv) {
     std::printf("bench_nvme: %s, %llu MiB per configuration, %d runs, dir %s\n", store.describe().c_str(),
                 static_cast<unsigned long long>(total_mib), runs, base.c_str());
     if (!store.direct()) std::printf("warning: no O_DIRECT on this file system: numbers measure the page cache\n");
+    if (terrace::tools::on_tmpfs(base)) std::printf("warning: %s is on tmpfs: numbers measure memory, not a drive\n", base.c_str());
 
     const auto buffer = [total] {
       std::unique_ptr<unsigned char, decltype(&std::free)> p(
@@ -308,12 +309,14 @@ int main(int argc, char** argv) {
                   median(r.put), cell(r.fio_w, "%.0f").c_str(), cell(pr, "%.2f").c_str(), median(r.get),
                   cell(r.fio_r, "%.0f").c_str(), cell(gr, "%.2f").c_str());
     }
-    std::printf("\nper-run MB/s, terrace put/get | fio write/read:\n");
+    // fio's figures only where it ran: a 0 there would read as a measurement.
+    std::printf("\nper-run MB/s, terrace put/get%s:\n", no_fio ? "" : " | fio write/read");
     for (auto& r : rows) {
       std::printf("  %4llu MiB:", static_cast<unsigned long long>(r.size_mib));
-      for (std::size_t i = 0; i < r.put.size(); ++i)
-        std::printf("  %.0f/%.0f | %.0f/%.0f", r.put[i], r.get[i], i < r.fio_w.size() ? r.fio_w[i] : 0.0,
-                    i < r.fio_r.size() ? r.fio_r[i] : 0.0);
+      for (std::size_t i = 0; i < r.put.size(); ++i) {
+        std::printf("  %.0f/%.0f", r.put[i], r.get[i]);
+        if (i < r.fio_w.size()) std::printf(" | %.0f/%.0f", r.fio_w[i], r.fio_r[i]);
+      }
       std::printf("\n");
     }
     if (deepspeed) {

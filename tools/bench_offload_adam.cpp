@@ -127,12 +127,23 @@ int main(int argc, char** argv) {
   app.add_option("--chunk-elements", chunk_elements, "elements per pipeline chunk (a multiple of 64)");
   app.add_option("--depth", depth, "staging buffers of the pipeline (read, step, write: >= 3)")
       ->check(CLI::Range(3, 64));
-  app.add_option("--threads", threads, "optimizer threads (0: all cores)");
+  app.add_option("--threads", threads, "optimizer threads (0: all cores)")->check(CLI::Range(0u, 1024u));
   app.add_option("--reps", reps, "repetitions (medians are printed)")->check(CLI::Range(1, 1000));
   app.add_option("--dir", dir, "where to make the scratch folder (removed at the end; must not be tmpfs)");
   app.add_option("--qd", qd, "store queue depth")->check(CLI::Range(1, 4096));
-  app.add_option("--block-kib", block_kib, "store block size")->check(CLI::Range(4, 1 << 20));
+  app.add_option("--block-kib", block_kib, "store block size")->check(CLI::Range(4, 256 << 10));
   CLI11_PARSE(app, argc, argv);
+  // Said before the in-memory step runs (seconds at the default sizes), not after it by the
+  // offloaded optimizer and the store.
+  if (chunk_elements == 0 || chunk_elements % 64 != 0) {
+    std::fprintf(stderr, "bench_offload_adam: --chunk-elements %zu: expected a positive multiple of 64\n",
+                 chunk_elements);
+    return 2;
+  }
+  if (block_kib % 4 != 0) {
+    std::fprintf(stderr, "bench_offload_adam: --block-kib %zu: expected a multiple of 4 (O_DIRECT)\n", block_kib);
+    return 2;
+  }
 
   int status = 0;
   try {
@@ -181,6 +192,7 @@ int main(int argc, char** argv) {
     so.block_size = block_kib * 1024;
     auto store = terrace::tensor_store::create(base, so);
     std::printf("  store: %s, dir %s\n", store.describe().c_str(), base.c_str());
+    if (terrace::tools::on_tmpfs(base)) std::printf("  warning: %s is on tmpfs: io measures memory, not a drive\n", base.c_str());
 
     auto device = terrace::make_device("sim", {});
     terrace::pinned_pool_options po;

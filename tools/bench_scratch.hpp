@@ -5,6 +5,8 @@
 // start and at the end: pointed at a drive's mount point, they deleted everything on it.
 #pragma once
 
+#include <linux/magic.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -50,5 +52,12 @@ class bench_scratch {
   std::filesystem::path path_;
   bool made_parent_ = false;
 };
+
+/// @brief Whether `path` is on a tmpfs, whose "disk" is memory: since Linux 6.6 it also accepts
+/// O_DIRECT, so the store's own check does not tell.
+inline bool on_tmpfs(const std::filesystem::path& path) {
+  struct statfs fs {};
+  return ::statfs(path.c_str(), &fs) == 0 && fs.f_type == TMPFS_MAGIC;
+}
 
 }  // namespace terrace::tools
