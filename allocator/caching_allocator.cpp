@@ -862,7 +862,8 @@ class allocator_impl {
     prepare_books();
     segment* seg = new_segment(reinterpret_cast<std::uintptr_t>(p), size, stream, false, false);
     count_reserved(seg, static_cast<std::int64_t>(size));
-    if (tracing_) trace(trace_action::segment_alloc, stream, seg->addr, size, 0, {});
+    // No segment_alloc: the arena's reservation is in the trace already (the planned policy
+    // records it); its segment_free, when this allocator gives it back, closes it.
     insert_free(seg->head);
   }
 
@@ -1189,6 +1190,12 @@ class allocator_impl {
     }
   }
 
+  // Likewise the arena's own memory: its reservation, its pages mapped and unmapped, its release.
+  void trace_arena_segment(trace_action a, const void* p, std::size_t size, std::uintptr_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (tracing_) trace(a, stream, reinterpret_cast<std::uintptr_t>(p), size, 0, {});
+  }
+
   void trace_iteration_mark(trace_action a) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (tracing_) trace(a, 0, 0, 0, 0, {});
@@ -1468,6 +1475,10 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
     plan_->set_fallback_segment([impl = impl_.get()](void* p, std::size_t size, std::uintptr_t stream) {
       impl->adopt_segment(p, size, stream);
     });
+    plan_->set_segment_trace(
+        [impl = impl_.get()](trace_action a, const void* p, std::size_t size, std::uintptr_t stream) {
+          if (impl->tracing()) impl->trace_arena_segment(a, p, size, stream);
+        });
     plan_->set_fallback_adopt([impl = impl_.get()](std::uintptr_t addr, std::size_t size,
                                                    std::size_t requested,
                                                    const std::vector<std::uintptr_t>& streams) {

@@ -126,6 +126,14 @@ class plan_front {
   void set_fallback_segment(std::function<void(void*, std::size_t, std::uintptr_t)> segment) {
     adopt_segment_ = std::move(segment);
   }
+  /// `trace(action, p, size, stream)` records the arena's own device memory in the owner's trace, as the
+  /// fallback records its segments: segment_alloc and segment_free for an arena reserved whole,
+  /// segment_map and segment_unmap for the pages of a lazily mapped one. An adopted arena is the
+  /// fallback's segment from then on (its segment_free comes from there).
+  void set_segment_trace(
+      std::function<void(trace_action, const void*, std::size_t, std::uintptr_t)> trace) {
+    trace_segment_ = std::move(trace);
+  }
   /// `exact(true)` from a plan's installation until it is set aside: the fallback then cuts large
   /// segments to the request.
   void set_fallback_sizing(std::function<void(bool)> exact) { fallback_exact_ = std::move(exact); }
@@ -353,6 +361,7 @@ class plan_front {
   bool fraction_allows(std::size_t bytes) const;
   bool arena_adoptable() const noexcept;
   void give_arena_back() noexcept;
+  void trace_arena_memory(trace_action a, std::uintptr_t addr, std::size_t size) const noexcept;
   void unmap_arena_pages(const std::vector<bool>& keep) noexcept;
 
   device_backend& device_;
@@ -460,6 +469,7 @@ class plan_front {
   std::function<std::size_t()> fallback_allowed_;
   std::function<void(std::size_t)> fallback_resident_;
   std::function<void(void*, std::size_t, std::uintptr_t)> adopt_segment_;
+  std::function<void(trace_action, const void*, std::size_t, std::uintptr_t)> trace_segment_;
   std::function<void(std::uintptr_t, std::size_t, std::size_t, const std::vector<std::uintptr_t>&)>
       adopt_;
   // The installed plan's memory: the open arena (arena_, arena_bytes_, may be empty) plus the

@@ -287,6 +287,9 @@ bool plan_front::ensure_arena() {
       return false;
     }
     ++arena_reservations_;
+    if (!arena_lazy_) {
+      trace_arena_memory(trace_action::segment_alloc, reinterpret_cast<std::uintptr_t>(arena), open_total);
+    }
   }
   for (std::size_t p = 0; p < plans; ++p) {
     for (std::size_t j = 0; j < where[p].size(); ++j) {
@@ -634,6 +637,7 @@ void plan_front::give_arena_back() noexcept {
   if (arena_ == nullptr) return;
   if (!arena_lazy_) {
     device_.release(arena_, arena_bytes_);
+    trace_arena_memory(trace_action::segment_free, reinterpret_cast<std::uintptr_t>(arena_), arena_bytes_);
     return;
   }
   unmap_arena_pages(std::vector<bool>(arena_mapped_.size(), false));
@@ -641,6 +645,16 @@ void plan_front::give_arena_back() noexcept {
   arena_lazy_ = false;
   arena_mapped_.clear();
   arena_mapped_bytes_ = arena_range_bytes_ = 0;
+}
+
+// On the lead stream, as the fallback takes an adopted arena. Never throws: a trace event that
+// cannot be recorded is counted lost by the owner, and device memory is given back regardless.
+void plan_front::trace_arena_memory(trace_action a, std::uintptr_t addr, std::size_t size) const noexcept {
+  if (!trace_segment_) return;
+  try {
+    trace_segment_(a, reinterpret_cast<const void*>(addr), size, lanes_.empty() ? 0 : lanes_.front().stream);
+  } catch (...) {
+  }
 }
 
 // Unmaps the mapped pages of a lazily mapped arena that `keep` does not name, one unmap per run.
@@ -655,6 +669,7 @@ void plan_front::unmap_arena_pages(const std::vector<bool>& keep) noexcept {
     std::size_t q = p;
     while (q < arena_mapped_.size() && arena_mapped_[q] && !keep[q]) arena_mapped_[q++] = false;
     device_.unmap(reinterpret_cast<void*>(base + p * arena_page_), (q - p) * arena_page_);
+    trace_arena_memory(trace_action::segment_unmap, base + p * arena_page_, (q - p) * arena_page_);
     arena_mapped_bytes_ -= (q - p) * arena_page_;
     p = q;
   }
@@ -696,6 +711,7 @@ bool plan_front::map_arena(std::uintptr_t at, std::size_t size) {
       continue;  // the same run again
     }
     for (std::size_t k = p; k < q; ++k) arena_mapped_[k] = true;
+    trace_arena_memory(trace_action::segment_map, base + p * arena_page_, (q - p) * arena_page_);
     arena_mapped_bytes_ += (q - p) * arena_page_;
     note_arena_resident();
     p = q;

@@ -19,7 +19,9 @@
 //     and once every block is freed, destroying the allocator gives every segment back;
 //   - now and then check_invariants(), and the stats against a shadow count (live requested bytes
 //     and count, rounded bytes, reserved bytes and segments against the device, peaks, the
-//     allocations and frees since the last reset_accumulated_stats).
+//     allocations and frees since the last reset_accumulated_stats);
+//   - in a fifth of the seeds, which record a trace: the trace's segment events (alloc and map
+//     less free and unmap) add up to the bytes the device holds, the arena's included.
 //
 // Environment (nothing set: the default seed range, sized for a few seconds in a Release build):
 //   TERRACE_FUZZ_SEED=<n>      run seed n alone (a failure names the seed and says this)
@@ -412,6 +414,7 @@ struct fuzz_setup {
   double fraction = 0;   // memory_fraction, when the config sets one
   std::string conf;
   int iterations = 0;
+  bool traced = false;  // record_trace: the trace's segment events are checked against the device
 
   std::string describe() const {
     static constexpr std::array<const char*, 3> variants = {"plain", "pressure", "big"};
@@ -511,7 +514,7 @@ struct live_block {
 
 class fuzz_checker {
  public:
-  explicit fuzz_checker(model_device& dev) : dev_(dev) {}
+  fuzz_checker(model_device& dev, bool traced) : dev_(dev), traced_(traced) {}
 
   // REQUIRES: the allocator just returned p for n bytes on stream s. Checks it, then records one
   // use of it on s (the kernel that writes it). Returns the block's id.
@@ -643,9 +646,29 @@ class fuzz_checker {
       }
       if (st.allocation[pool].current < 0) fail("a negative allocation count" + in);
     }
+    // Every fourth check: the snapshot copies the whole trace.
+    if (traced_ && checks_++ % 4 == 0) check_trace(a);
   }
 
  private:
+  // The device memory the trace shows held (found in review: the planned policy's arena was
+  // reserved and given back with no segment event, so a snapshot's memory_viz view and a
+  // replayed trace's PyTorch column showed segments that were never there, or not the arena).
+  void check_trace(const caching_allocator& a) const {
+    const memory_snapshot snap = a.snapshot();
+    if (snap.trace_events_dropped != 0 || snap.trace_events_lost != 0) return;  // a window
+    std::int64_t held = 0;
+    for (const trace_event& e : snap.trace) {
+      const auto n = static_cast<std::int64_t>(e.size);
+      if (e.action == trace_action::segment_alloc || e.action == trace_action::segment_map) held += n;
+      if (e.action == trace_action::segment_free || e.action == trace_action::segment_unmap) held -= n;
+    }
+    if (held != static_cast<std::int64_t>(dev_.used())) {
+      fail("the trace's segment events hold " + std::to_string(held) + " bytes, the device " +
+           std::to_string(dev_.used()));
+    }
+  }
+
   void check_no_overlap(std::uintptr_t p, std::size_t n, int s) const {
     const auto overlap = [&](long id) {
       const live_block& b = live_.at(id);
@@ -663,6 +686,8 @@ class fuzz_checker {
   }
 
   model_device& dev_;
+  bool traced_ = false;
+  mutable std::uint64_t checks_ = 0;
   std::map<long, live_block> live_;
   std::map<std::uintptr_t, long> by_address_;
   long next_id_ = 0;
@@ -693,7 +718,7 @@ class fuzz_run {
     try {
       draw_setup();
       dev_ = std::make_unique<model_device>(setup_.capacity, setup_.page, rng_, setup_.query_p);
-      checker_ = std::make_unique<fuzz_checker>(*dev_);
+      checker_ = std::make_unique<fuzz_checker>(*dev_, setup_.traced);
       for (int s = 0; s < 3; ++s) {
         streams_[s] = (s == 0 && setup_.default_stream) ? stream_ref{} : dev_->create_stream();
       }
@@ -783,6 +808,9 @@ class fuzz_run {
       s.conf += buf;
     }
     s.iterations = 30 + static_cast<int>(rng_() % 40);
+    // From the seed, not a draw: the other draws stay as they were.
+    s.traced = seed_ % 5 == 0;
+    if (s.traced) s.conf += ",record_trace:true";
     // A quarter of the seeds draw each iteration's shape from 2-4 (sequence-length buckets): the
     // path of a library of plans, switched at iterations' first requests. From the seed and a
     // generator of their own, not a draw: the other draws stay as they were.
