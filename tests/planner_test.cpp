@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -14,6 +15,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -183,6 +185,328 @@ TEST(Planner, HolesAreFilledFirstAndNeverStraddled) {
           std::upper_bound(plan.hole_base.begin(), plan.hole_base.end(), lo) - plan.hole_base.begin() - 1);
       EXPECT_LE(hi, plan.hole_base[h] + holes[h]) << "block " << i << " straddles hole " << h;
     }
+  }
+}
+
+// ---- Review of the planner core (2026-11-26): properties checked against references that share
+// no code with planner.cpp (a pairwise overlap check, a per-instant sum), on many random sets.
+
+std::size_t aligned(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+// Families of random iterations: uniform sizes and lifetimes; sizes over 16 powers of two with
+// mostly short lives; properly nested (stack) lifetimes; a forward/backward pass (activations held
+// until their gradient, scratch between); many duplicates on few instants; sizes from bytes to
+// 512 MiB, not multiples of the alignment.
+enum class family { uniform, heavy_tail, nested, training, duplicates, wide, count };
+const char* family_name(family f) {
+  static const char* names[] = {"uniform", "heavy-tail", "nested", "training", "duplicates", "wide"};
+  return names[static_cast<int>(f)];
+}
+
+std::vector<plan_interval> family_intervals(family f, std::mt19937_64& rng, std::size_t n) {
+  std::vector<plan_interval> v;
+  switch (f) {
+    case family::uniform:
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint64_t b = rng() % (4 * n + 1);
+        v.push_back({(rng() % 64 + 1) * 512, b, b + 1 + rng() % (n + 1)});
+      }
+      break;
+    case family::heavy_tail:
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint64_t b = rng() % (4 * n + 1);
+        const std::uint64_t life = rng() % 8 == 0 ? rng() % (4 * n + 1) : rng() % 20;
+        v.push_back({(std::size_t{512} << (rng() % 16)) + (rng() % 3) * 100, b, b + 1 + life});
+      }
+      break;
+    case family::nested: {
+      std::vector<std::size_t> open;
+      for (std::uint64_t t = 0; v.size() < n || !open.empty(); ++t) {
+        if (v.size() < n && (open.empty() || rng() % 2 == 0)) {
+          open.push_back(v.size());
+          v.push_back({(rng() % 128 + 1) * 512, t, 0});
+        } else {
+          v[open.back()].end = t;
+          open.pop_back();
+        }
+      }
+      break;
+    }
+    case family::training: {
+      std::vector<std::size_t> acts;
+      std::uint64_t t = 0;
+      for (std::size_t l = 0; l < std::max<std::size_t>(1, n / 4); ++l, t += 2) {
+        acts.push_back(v.size());
+        v.push_back({(rng() % 8 + 1) * 4096 * (1 + rng() % 4), t, 0});
+        v.push_back({(rng() % 16 + 1) * 512, t + 1, t + 2 + rng() % 3});
+      }
+      for (std::size_t l = acts.size(); l-- > 0; t += 2) {
+        v[acts[l]].end = t + 1;
+        v.push_back({v[acts[l]].size, t, t + 2 + rng() % 4});
+        v.push_back({(rng() % 16 + 1) * 512, t, t + 1});
+      }
+      break;
+    }
+    case family::duplicates:
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint64_t b = rng() % 6;
+        v.push_back({(rng() % 3 + 1) * 512, b, b + 1 + rng() % 5});
+      }
+      break;
+    case family::wide:
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::uint64_t b = rng() % (2 * n + 1);
+        const std::size_t s = rng() % 4 == 0 ? std::size_t{1} << (20 + rng() % 10) : 1 + rng() % 100000;
+        v.push_back({s, b, b + 1 + rng() % (n / 2 + 2)});
+      }
+      break;
+    case family::count:
+      break;
+  }
+  return v;
+}
+
+// The reference checks: every block aligned and inside the arena (and, with holes, wholly inside
+// one hole or the open region), and no two blocks live at one instant share a byte. "" when valid.
+std::string reference_check(const std::vector<plan_interval>& v, const terrace::placement_plan& p,
+                            std::size_t a, const std::vector<std::size_t>& holes = {}) {
+  if (p.offsets.size() != v.size()) return "offsets for " + std::to_string(p.offsets.size());
+  if (p.hole_base.size() != holes.size()) return "hole bases for " + std::to_string(p.hole_base.size());
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const std::size_t lo = p.offsets[i], size = aligned(v[i].size, a);
+    if (lo % a != 0) return "block " + std::to_string(i) + " misaligned";
+    if (lo > p.arena_bytes || size > p.arena_bytes - lo) return "block " + std::to_string(i) + " past the arena";
+    if (size > 0 && lo < p.open_base) {
+      bool inside = false;
+      for (std::size_t h = 0; h < holes.size(); ++h) {
+        inside = inside || (lo >= p.hole_base[h] && lo + size <= p.hole_base[h] + holes[h]);
+      }
+      if (!inside) return "block " + std::to_string(i) + " not inside one hole";
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      const std::size_t other = aligned(v[j].size, a);
+      if (size == 0 || other == 0) continue;
+      const bool in_time = v[i].begin < v[j].end && v[j].begin < v[i].end;
+      const bool in_space = lo < p.offsets[j] + other && p.offsets[j] < lo + size;
+      if (in_time && in_space) return "blocks " + std::to_string(j) + " and " + std::to_string(i) + " overlap";
+    }
+  }
+  return "";
+}
+
+// The largest sum of aligned sizes live at one instant, instant by instant (the peak is at a begin).
+std::size_t reference_bound(const std::vector<plan_interval>& v, std::size_t a) {
+  std::size_t peak = 0;
+  for (const auto& at : v) {
+    std::size_t live = 0;
+    for (const auto& x : v) {
+      if (x.begin <= at.begin && at.begin < x.end) live += aligned(x.size, a);
+    }
+    peak = std::max(peak, live);
+  }
+  return peak;
+}
+
+// Many small random sets, every family, three alignments, with holes and without: every plan is
+// valid by the reference check, its lower bound is the reference's, and check_placement agrees.
+// The worst arena / lower bound seen is reported; docs/planning.md's 5% target is met on the
+// generated training traces, not on arbitrary sets (measured worst here on 2026-11-26: 1.37, a
+// small uniform set; the nested family is always exact, since best fit leaves no gap under a
+// stack). On sets of up to 7 blocks an exhaustive search found the optimum equal to the lower
+// bound every time, so such gaps are the heuristics', not the bound's.
+TEST(Planner, RandomPlansAreValidByAReferenceCheck) {
+  double worst = 1.0;
+  std::string worst_at;
+  int sets = 0;
+  for (int f = 0; f < static_cast<int>(family::count); ++f) {
+    for (const std::size_t a : {std::size_t{1}, std::size_t{512}, std::size_t{4096}}) {
+      for (std::uint64_t seed = 1; seed <= 400; ++seed) {
+        std::mt19937_64 rng(seed * 131 + static_cast<std::uint64_t>(f) * 7 + a);
+        const auto v = family_intervals(static_cast<family>(f), rng, 1 + rng() % 48);
+        const auto plan = terrace::plan_placement(v, a);
+        const std::string where = std::string(family_name(static_cast<family>(f))) + " alignment " +
+                                  std::to_string(a) + " seed " + std::to_string(seed);
+        ASSERT_EQ(reference_check(v, plan, a), "") << where;
+        ASSERT_EQ(plan.lower_bound, reference_bound(v, a)) << where;
+        ASSERT_EQ(plan.lower_bound, terrace::max_live_bytes(v, a)) << where;
+        ASSERT_GE(plan.arena_bytes, plan.lower_bound) << where;
+        ASSERT_NO_THROW(terrace::check_placement(v, plan, a)) << where;
+        if (static_cast<family>(f) == family::nested) {
+          EXPECT_EQ(plan.arena_bytes, plan.lower_bound) << where;
+        }
+        if (plan.lower_bound > 0) {
+          const double ratio = static_cast<double>(plan.arena_bytes) / static_cast<double>(plan.lower_bound);
+          if (ratio > worst) worst = ratio, worst_at = where + " (" + plan.heuristic + ")";
+        }
+        std::vector<std::size_t> holes;
+        for (std::size_t h = 0, n = rng() % 6; h < n; ++h) holes.push_back((rng() % 64 + 1) * a * 8);
+        const auto in_holes = terrace::plan_placement(v, holes, a);
+        ASSERT_EQ(reference_check(v, in_holes, a, holes), "") << where << " with holes";
+        ASSERT_EQ(in_holes.lower_bound, plan.lower_bound) << where << " with holes";
+        ++sets;
+      }
+    }
+  }
+  std::printf("[ planner  ] %d random sets valid; worst arena / lower bound %.4f at %s\n", sets, worst,
+              worst_at.c_str());
+  ::testing::Test::RecordProperty("worst_ratio", std::to_string(worst));
+  EXPECT_LE(worst, 1.5);
+}
+
+// Larger random sets on both sides of the greedy-by-size cutoff (4096 blocks): valid, and their
+// mean and worst arena / lower bound per family, reported and held to what was measured on
+// 2026-11-26 with a margin (mean 1.00-1.10, worst 1.12: the wide family at 4097 blocks, where
+// greedy by size no longer runs, against mean 1.03 and worst 1.04 at 4096).
+TEST(Planner, LargeRandomSetsStayNearTheLowerBound) {
+  for (int f = 0; f < static_cast<int>(family::count); ++f) {
+    for (const std::size_t n : {std::size_t{300}, std::size_t{4096}, std::size_t{4097}, std::size_t{8000}}) {
+      double worst = 1.0, sum = 0.0;
+      int runs = 0;
+      for (std::uint64_t seed = 1; seed <= 2; ++seed) {
+        std::mt19937_64 rng(seed * 7919 + static_cast<std::uint64_t>(f) * 31 + n);
+        const auto v = family_intervals(static_cast<family>(f), rng, n);
+        const auto plan = terrace::plan_placement(v);
+        ASSERT_NO_THROW(terrace::check_placement(v, plan)) << family_name(static_cast<family>(f)) << " " << n;
+        ASSERT_EQ(plan.lower_bound, terrace::max_live_bytes(v));
+        if (v.size() > 4096) {
+          EXPECT_EQ(plan.heuristic, "greedy-by-start");
+        }
+        const double ratio = static_cast<double>(plan.arena_bytes) / static_cast<double>(plan.lower_bound);
+        worst = std::max(worst, ratio);
+        sum += ratio;
+        ++runs;
+      }
+      std::printf("[ planner  ] %-10s %5zu blocks: arena / lower bound mean %.4f, worst %.4f\n",
+                  family_name(static_cast<family>(f)), n, sum / runs, worst);
+      EXPECT_LE(sum / runs, 1.15) << family_name(static_cast<family>(f)) << " " << n;
+      EXPECT_LE(worst, 1.25) << family_name(static_cast<family>(f)) << " " << n;
+    }
+  }
+}
+
+// The lower bound at the instants that matter: intervals are half-open, so a block freed at the
+// instant another is made does not count with it; frees and allocations at one instant; sizes
+// aligned before they are summed; zero sizes count nothing; a lifetime that ends where it begins
+// (zero length) is refused rather than counted or dropped.
+TEST(Planner, TheLowerBoundIsTheLargestSumLiveAtOneInstant) {
+  using terrace::max_live_bytes;
+  EXPECT_EQ(max_live_bytes({}), 0u);
+  EXPECT_EQ(max_live_bytes({{1000, 0, 1}}), 1024u);
+  EXPECT_EQ(max_live_bytes({{1000, 0, 1}}, 1), 1000u);
+  EXPECT_EQ(max_live_bytes({{1, 0, 1}, {1, 0, 1}}), 1024u);
+  EXPECT_EQ(max_live_bytes({{1, 0, 1}, {1, 0, 1}}, 1), 2u);
+  EXPECT_EQ(max_live_bytes({{4096, 0, 5}, {4096, 5, 9}}), 4096u);  // freed as the other is made
+  EXPECT_EQ(max_live_bytes({{4096, 0, 5}, {4096, 4, 9}}), 8192u);
+  // Three freed at 5 while two are made at 5, and one more made at 6.
+  EXPECT_EQ(max_live_bytes({{512, 0, 5}, {512, 1, 5}, {512, 2, 5}, {512, 5, 8}, {512, 5, 8}, {512, 6, 7}}),
+            1536u);
+  EXPECT_EQ(max_live_bytes({{512, 0, 5}, {512, 1, 5}, {512, 2, 5}, {512, 5, 8}, {512, 5, 8}, {512, 5, 7},
+                            {512, 5, 6}}),
+            2048u);
+  EXPECT_EQ(max_live_bytes({{0, 0, 9}, {512, 3, 4}, {0, 3, 4}}), 512u);
+  // A block held to the iteration's last instant (the caller's stand-in for "not freed in it")
+  // counts at every instant after its start.
+  EXPECT_EQ(max_live_bytes({{8192, 1, 100}, {512, 10, 11}, {512, 50, 60}, {512, 55, 56}}), 9216u);
+  for (const std::uint64_t t : {std::uint64_t{0}, std::uint64_t{7}}) {
+    const std::vector<plan_interval> zero_length = {{512, 0, 9}, {512, t, t}};
+    EXPECT_THROW(max_live_bytes(zero_length), terrace::logic_error) << t;
+    EXPECT_THROW(terrace::plan_placement(zero_length), terrace::logic_error) << t;
+    terrace::placement_plan p;
+    p.offsets = {0, 512};
+    p.arena_bytes = 1024;
+    EXPECT_THROW(terrace::check_placement(zero_length, p), terrace::logic_error) << t;
+  }
+  EXPECT_THROW(max_live_bytes({{512, 5, 4}}), terrace::logic_error);
+}
+
+// An empty iteration, one block, duplicates (the same interval many times: they all live together
+// and each needs its own bytes), identical sizes one after another (they share one place).
+TEST(Planner, EmptySingleDuplicateAndIdenticalIterations) {
+  const auto empty = terrace::plan_placement({});
+  EXPECT_TRUE(empty.offsets.empty());
+  EXPECT_EQ(empty.arena_bytes, 0u);
+  EXPECT_EQ(empty.lower_bound, 0u);
+  EXPECT_FALSE(empty.heuristic.empty());
+  EXPECT_NO_THROW(terrace::check_placement({}, empty));
+  const auto empty_holes = terrace::plan_placement({}, std::vector<std::size_t>{4096, 512}, 512);
+  EXPECT_EQ(empty_holes.open_base, 4096u + 512u + 512u + 512u);
+  EXPECT_EQ(empty_holes.arena_bytes, empty_holes.open_base);  // nothing new to reserve
+
+  const auto one = terrace::plan_placement({{1000, 3, 4}});
+  EXPECT_EQ(one.offsets, std::vector<std::size_t>{0});
+  EXPECT_EQ(one.arena_bytes, 1024u);
+  EXPECT_EQ(one.lower_bound, 1024u);
+
+  for (const std::size_t n : {std::size_t{2}, std::size_t{100}, std::size_t{5000}}) {
+    const std::vector<plan_interval> same(n, plan_interval{4096, 10, 20});
+    const auto plan = terrace::plan_placement(same);
+    EXPECT_EQ(plan.arena_bytes, n * 4096) << n;
+    EXPECT_EQ(plan.lower_bound, n * 4096) << n;
+    EXPECT_EQ(reference_check(same, plan, 512), "") << n;
+    std::vector<plan_interval> chain;
+    for (std::size_t i = 0; i < n; ++i) chain.push_back({4096, i, i + 1});
+    const auto shared = terrace::plan_placement(chain);
+    EXPECT_EQ(shared.arena_bytes, 4096u) << n;
+    EXPECT_EQ(shared.offsets, std::vector<std::size_t>(n, 0)) << n;
+  }
+}
+
+// Sizes near the limits: the largest accepted sums place without wrapping (offset + size stays
+// inside the reported arena), one alignment more is refused, as are SIZE_MAX-sized blocks whose
+// alignment would wrap to 0, and alignments that are no power of two or past 2^62.
+TEST(Planner, SizesAtTheLimitPlaceWithoutWrapping) {
+  const std::size_t limit = std::size_t{1} << 62;
+  const std::vector<plan_interval> full = {{limit / 4, 0, 4}, {limit / 4, 1, 3}, {limit / 2, 2, 5}};
+  const auto plan = terrace::plan_placement(full);
+  EXPECT_EQ(reference_check(full, plan, 512), "");
+  EXPECT_EQ(plan.lower_bound, limit);
+  EXPECT_EQ(plan.arena_bytes, limit);
+  std::vector<plan_interval> over = full;
+  over.push_back({1, 9, 10});  // aligned to 512: the sum passes 2^62
+  EXPECT_THROW(terrace::plan_placement(over), terrace::logic_error);
+  EXPECT_THROW(terrace::max_live_bytes(over), terrace::logic_error);
+  for (const std::size_t size : {SIZE_MAX, SIZE_MAX - 510, limit + 1}) {
+    EXPECT_THROW(terrace::plan_placement({{size, 0, 1}}), terrace::logic_error) << size;
+  }
+  for (const std::size_t a : {std::size_t{0}, std::size_t{3}, std::size_t{768}, limit << 1}) {
+    EXPECT_THROW(terrace::plan_placement({{512, 0, 1}}, a), terrace::logic_error) << a;
+  }
+  // The largest alignment: one block per 2^62.
+  const auto coarse = terrace::plan_placement({{1, 0, 1}}, limit);
+  EXPECT_EQ(coarse.arena_bytes, limit);
+  EXPECT_THROW(terrace::plan_placement({{1, 0, 1}, {1, 0, 1}}, limit), terrace::logic_error);
+  // Holes up to the limit: blocks go into them and offsets + sizes stay below the arena's end.
+  const std::vector<std::size_t> holes = {limit / 2, limit / 4};
+  const std::vector<plan_interval> big = {{limit / 4, 0, 2}, {limit / 2, 1, 3}, {limit / 4, 1, 2}};
+  const auto in_holes = terrace::plan_placement(big, holes, 512);
+  EXPECT_EQ(reference_check(big, in_holes, 512, holes), "");
+  EXPECT_EQ(in_holes.arena_bytes - in_holes.open_base, limit / 4);  // one of them fits no hole
+  EXPECT_THROW(terrace::plan_placement(big, std::vector<std::size_t>{limit, 512}, 512), terrace::logic_error);
+}
+
+// Review (2026-11-26): check_placement kept its live blocks in a sorted vector, so checking a plan
+// with n blocks live together cost O(n^2) moves: 0.7 s for 50,000, 2.2 s for 100,000 (it runs under
+// check_invariants on every replayed event the caller asks for). A 100,000-event iteration (50,000
+// allocations) is planned and checked in well under a second.
+TEST(Planner, AHundredThousandEventIterationIsPlannedAndCheckedQuickly) {
+#ifdef NDEBUG
+  const double slack = terrace::fuzz::kAddressSanitized || terrace::fuzz::kThreadSanitized ? 10 : 1;
+#else
+  const double slack = 10;
+#endif
+  constexpr std::size_t kN = 50000;
+  std::mt19937_64 rng(11);
+  const auto v = family_intervals(family::uniform, rng, kN);
+  std::vector<plan_interval> together;  // all live at once
+  for (std::size_t i = 0; i < kN; ++i) together.push_back({512 * (1 + i % 7), i, 2 * kN + 1});
+  for (const std::vector<plan_interval>* items : {&v, static_cast<const std::vector<plan_interval>*>(&together)}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto plan = terrace::plan_placement(*items);
+    const auto t1 = std::chrono::steady_clock::now();
+    terrace::check_placement(*items, plan);
+    const auto t2 = std::chrono::steady_clock::now();
+    EXPECT_LT(std::chrono::duration<double>(t1 - t0).count(), 0.5 * slack);
+    EXPECT_LT(std::chrono::duration<double>(t2 - t1).count(), 0.25 * slack);
   }
 }
 
@@ -2043,6 +2367,62 @@ TEST(PlannedPolicy, IterationsOf20000AllocationsArePlannedInUnderASecond) {
   EXPECT_EQ(a.plan_stats().library_plans, 3);
   EXPECT_LT(slowest, slack);
   EXPECT_LT(a.plan_stats().plan_seconds, slack);
+}
+
+// The planner's contract with the planned policy (review, 2026-11-26): blocks made before the
+// steady state (parameters) and blocks an iteration makes but frees only in the next one get no
+// slot, stay out of the arena and out of the lower bound, which is the largest sum of the
+// iteration's own blocks live at one instant. With marks and with detected boundaries alike.
+TEST(PlannedPolicy, BlocksOutlivingTheIterationAreNeitherPlannedNorInTheLowerBound) {
+  for (const bool marked : {true, false}) {
+    SCOPED_TRACE(marked ? "marked" : "detected");
+    auto dev = terrace::make_device("null");
+    terrace::caching_allocator a(*dev, terrace::parse_alloc_conf(kPlannedExactConf));
+    constexpr std::size_t kUnit = std::size_t{1} << 20;
+    std::vector<void*> params;
+    for (int i = 0; i < 4; ++i) params.push_back(a.allocate(8 * kUnit));
+    void* carry = nullptr;
+    terrace::planner_stats before;
+    for (int it = 0; it < 12; ++it) {
+      if (marked) a.begin_iteration();
+      std::vector<void*> acts;
+      for (std::size_t k = 0; k < 16; ++k) acts.push_back(a.allocate(kUnit + k * 4096));
+      a.deallocate(a.allocate(3 * kUnit));  // scratch
+      void* next = a.allocate(2 * kUnit);   // freed in the next iteration
+      for (std::size_t k = acts.size(); k-- > 0;) a.deallocate(acts[k]);
+      if (carry != nullptr) a.deallocate(carry);
+      carry = next;
+      if (marked) a.end_iteration();
+      ASSERT_NO_THROW(a.check_invariants());
+      if (it == 7) before = a.plan_stats();
+    }
+    const auto s = a.plan_stats();
+    ASSERT_TRUE(s.active);
+    EXPECT_EQ(s.period_allocs, 18);
+    EXPECT_EQ(s.planned_slots, 17);
+    std::int64_t transient = 3 * kUnit;
+    for (std::int64_t k = 0; k < 16; ++k) transient += kUnit + k * 4096;
+    EXPECT_EQ(s.lower_bound_bytes, transient);
+    EXPECT_EQ(s.planned_hits - before.planned_hits, 4 * 17);
+    EXPECT_EQ(s.unplanned_allocs - before.unplanned_allocs, 4);
+    EXPECT_EQ(s.deviations, 0);
+    std::size_t in_arena = 0;
+    for (const auto& seg : a.snapshot().segments) {
+      for (const auto& b : seg.blocks) {
+        if (b.state != "active_allocated") continue;
+        const bool long_lived = std::find(params.begin(), params.end(), reinterpret_cast<void*>(b.addr)) !=
+                                    params.end() ||
+                                reinterpret_cast<void*>(b.addr) == carry;
+        EXPECT_TRUE(long_lived) << "a block of the finished iteration is still live";
+        if (b.tag == "planned") ++in_arena;
+      }
+    }
+    EXPECT_EQ(in_arena, 0u) << "a long-lived block lies in the arena";
+    for (void* p : params) a.deallocate(p);
+    a.deallocate(carry);
+    a.check_invariants();
+    EXPECT_EQ(a.stats().allocated_bytes[0].current, 0);
+  }
 }
 
 // Found in review: empty_cache() returned the fallback's free segments but kept an idle arena
