@@ -484,16 +484,22 @@ TEST(Planner, SizesAtTheLimitPlaceWithoutWrapping) {
   EXPECT_THROW(terrace::plan_placement(big, std::vector<std::size_t>{limit, 512}, 512), terrace::logic_error);
 }
 
+// The factor on the time limits of the tests that guard against quadratic paths: their limits
+// are several times what an optimised build takes; sanitized or unoptimised builds get ten times.
+double complexity_slack() {
+#ifdef NDEBUG
+  return terrace::fuzz::kAddressSanitized || terrace::fuzz::kThreadSanitized ? 10 : 1;
+#else
+  return 10;
+#endif
+}
+
 // Review (2026-11-26): check_placement kept its live blocks in a sorted vector, so checking a plan
 // with n blocks live together cost O(n^2) moves: 0.7 s for 50,000, 2.2 s for 100,000 (it runs under
 // check_invariants on every replayed event the caller asks for). A 100,000-event iteration (50,000
 // allocations) is planned and checked in well under a second.
 TEST(Planner, AHundredThousandEventIterationIsPlannedAndCheckedQuickly) {
-#ifdef NDEBUG
-  const double slack = terrace::fuzz::kAddressSanitized || terrace::fuzz::kThreadSanitized ? 10 : 1;
-#else
-  const double slack = 10;
-#endif
+  const double slack = complexity_slack();
   constexpr std::size_t kN = 50000;
   std::mt19937_64 rng(11);
   const auto v = family_intervals(family::uniform, rng, kN);
@@ -2334,11 +2340,7 @@ TEST(PlannedPolicy, TheArenaCountsAgainstTheMemoryFraction) {
 // of 20,000 allocations (and a library of three) takes well under a second (in an optimised
 // build; sanitized or unoptimised ones get ten times as long).
 TEST(PlannedPolicy, IterationsOf20000AllocationsArePlannedInUnderASecond) {
-#ifdef NDEBUG
-  const double slack = terrace::fuzz::kAddressSanitized || terrace::fuzz::kThreadSanitized ? 10 : 1;
-#else
-  const double slack = 10;
-#endif
+  const double slack = complexity_slack();
   constexpr std::size_t kN = 20000;
   std::vector<plan_interval> all;
   for (std::size_t i = 0; i < kN; ++i) all.push_back({512 * (1 + i % 7), i, 2 * kN + 1});
@@ -2430,11 +2432,7 @@ TEST(PlannedPolicy, BlocksOutlivingTheIterationAreNeitherPlannedNorInTheLowerBou
 // period was the plan's own, so the iteration the planner spends seeking its anchor cost
 // O(period^2): 12.8 s for an iteration of 50,000 allocations (100,000 events), 2.1 s for 20,000.
 TEST(PlannedPolicy, DetectedIterationsOf100000EventsAreSoughtInLinearTime) {
-#ifdef NDEBUG
-  const double slack = terrace::fuzz::kAddressSanitized || terrace::fuzz::kThreadSanitized ? 10 : 1;
-#else
-  const double slack = 10;
-#endif
+  const double slack = complexity_slack();
   constexpr std::size_t kN = 50000;
   terrace::device_options d;
   d.capacity = std::size_t{64} << 30;
