@@ -285,7 +285,11 @@ device_slot& create_slot(int device) {
   options.copy_bandwidth = config.copy_bandwidth;
   options.device_index = device;
   auto slot = std::make_unique<device_slot>();
-  slot->backend = terrace::make_device(config.device, options);
+  // `auto` is the GPU when there is one: the VMM backend if expandable segments need it, so that
+  // PyTorch's expandable_segments:True, copied over, is not refused by the plain cuda backend.
+  const bool vmm = config.device == "auto" && config.expandable_segments &&
+                   terrace::cuda_device_available();
+  slot->backend = terrace::make_device(vmm ? "cuda-vmm" : config.device, options);
   slot->allocator = std::make_unique<caching_allocator>(*slot->backend, config);
   g_config_frozen = true;
   device_slot* raw = slot.release();

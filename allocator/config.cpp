@@ -7,6 +7,7 @@
 #include "terrace/config.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <charconv>
 #include <cmath>
@@ -55,7 +56,13 @@ struct parsed {
   static parsed fail(std::string w) { return {std::nullopt, std::move(w)}; }
 };
 
-std::string quoted(std::string_view s) { return "'" + std::string(s) + "'"; }
+// Quotes what the user wrote. A long text is cut, so that the reason after it is never lost (the
+// C ABI keeps 4 KiB of a message).
+std::string quoted(std::string_view s) {
+  constexpr std::size_t kLongest = 200;
+  if (s.size() <= kLongest) return "'" + std::string(s) + "'";
+  return "'" + std::string(s.substr(0, kLongest)) + "...' (" + std::to_string(s.size()) + " characters)";
+}
 
 // ------------------------------------------------------------------------------- numbers
 
@@ -107,6 +114,13 @@ parsed<std::size_t> parse_size_impl(std::string_view text) {
   text = trim(text);
   if (text.empty()) return result::fail("expected a size, got an empty value");
 
+  // The shapes a user is likeliest to try, each refused in words that say what to write instead.
+  const std::string malformed = "malformed size " + quoted(text);
+  if (text.front() == '-') return result::fail(malformed + ": sizes cannot be negative");
+  if (text.size() > 1 && text[0] == '0' && (text[1] == 'x' || text[1] == 'X')) {
+    return result::fail(malformed + ": hexadecimal is not accepted (write it in decimal, or as 2MiB)");
+  }
+
   // Split "<digits>[.<digits>] [suffix]". Only the shape is checked here; from_chars converts.
   std::size_t n = 0;
   while (n < text.size() && ((text[n] >= '0' && text[n] <= '9') || text[n] == '.')) ++n;
@@ -116,10 +130,13 @@ parsed<std::size_t> parse_size_impl(std::string_view text) {
   const bool decimal = dot != std::string_view::npos;
   if (number.empty() || (decimal && (!all_digits(number.substr(0, dot)) ||
                                      !all_digits(number.substr(dot + 1))))) {
-    return result::fail("malformed size " + quoted(text) +
-                        " (expected a number such as 512, 2MiB or 1.5G)");
+    return result::fail(malformed + " (expected a number such as 512, 2MiB or 1.5G)");
   }
   const auto mult = suffix_multiplier(suffix);
+  if (!mult && suffix.size() > 1 && (suffix[0] == 'e' || suffix[0] == 'E') &&
+      (std::isdigit(static_cast<unsigned char>(suffix[1])) || suffix[1] == '-' || suffix[1] == '+')) {
+    return result::fail(malformed + ": exponents are not accepted (write the digits, or 1G)");
+  }
   if (!mult) {
     return result::fail("unknown size suffix " + quoted(suffix) + " in " + quoted(text) +
                         " (expected one of " + std::string(kSuffixHelp) + ")");
@@ -130,18 +147,14 @@ parsed<std::size_t> parse_size_impl(std::string_view text) {
     std::uint64_t v = 0;
     const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v);
     if (ec == std::errc::result_out_of_range) return result::fail(overflow);
-    if (ec != std::errc{} || end != number.data() + number.size()) {
-      return result::fail("malformed size " + quoted(text));
-    }
+    if (ec != std::errc{} || end != number.data() + number.size()) return result::fail(malformed);
     if (v > std::numeric_limits<std::size_t>::max() / *mult) return result::fail(overflow);
     return result::ok(static_cast<std::size_t>(v * *mult));
   }
   double v = 0.0;
   const auto [end, ec] = std::from_chars(number.data(), number.data() + number.size(), v,
                                          std::chars_format::fixed);
-  if (ec != std::errc{} || end != number.data() + number.size()) {
-    return result::fail("malformed size " + quoted(text));
-  }
+  if (ec != std::errc{} || end != number.data() + number.size()) return result::fail(malformed);
   // Fractions of a byte are dropped: "1.5K" is exact, "0.3K" is 307 bytes.
   const long double bytes = static_cast<long double>(v) * static_cast<long double>(*mult);
   // 2^64 is exactly representable, SIZE_MAX is not: compare against the former.
@@ -254,6 +267,11 @@ constexpr key_rule kRules[] = {
      }},
     {"roundup_power2_divisions",
      [](allocator_config& c, std::string_view v) -> std::string {
+       if (v.front() == '[') {
+         return "PyTorch's per-size form " + quoted(v) +
+                " is not supported: terrace takes one number of divisions for every size, 0 (off) "
+                "or a power of two from 1 to 64";
+       }
        auto n = parse_unsigned(v);
        if (!n.value) return n.why;
        const std::uint64_t d = *n.value;
@@ -293,12 +311,12 @@ constexpr key_rule kRules[] = {
      }},
     {"policy",
      [](allocator_config& c, std::string_view v) -> std::string {
+       // What caching and expandable mean for expandable_segments is applied once every item is
+       // read (parse), where an expandable_segments item in either order is checked against it.
        if (iequals(v, "caching")) {
          c.policy = alloc_policy::caching;
-         c.expandable_segments = false;
        } else if (iequals(v, "expandable")) {
          c.policy = alloc_policy::expandable;
-         c.expandable_segments = true;
        } else if (iequals(v, "planned")) {
          c.policy = alloc_policy::planned;
        } else {
@@ -368,18 +386,32 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
   return row[b.size()];
 }
 
+// PYTORCH_CUDA_ALLOC_CONF's keys that have no terrace equivalent. A user who copies that variable
+// over is told so, rather than left to read "unknown key" as a typo of theirs.
+constexpr std::string_view kPyTorchOnlyKeys[] = {
+    "backend",                        "max_non_split_rounding_mb",
+    "release_lock_on_cudamalloc",     "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register",  "pinned_use_hip_host_register",
+    "pinned_num_register_threads",    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb", "graph_capture_record_stream_reuse"};
+
 // "unknown key 'x'" with the nearest key when a typo explains it, then every valid key: the
 // list is what a user needs when the key is the problem, and noise when the value is.
 std::string unknown_key(std::string_view key) {
-  std::string_view nearest;
-  std::size_t best = std::numeric_limits<std::size_t>::max();
-  for (const auto& r : kRules) {
-    const std::size_t d = edit_distance(key, r.key);
-    if (d < best) best = d, nearest = r.key;
-  }
   std::string why = "unknown key " + quoted(key) + " (";
-  if (!key.empty() && best <= std::max<std::size_t>(2, nearest.size() / 4)) {
-    why += "did you mean " + quoted(nearest) + "? ";
+  if (std::find(std::begin(kPyTorchOnlyKeys), std::end(kPyTorchOnlyKeys), key) !=
+      std::end(kPyTorchOnlyKeys)) {
+    why += "a PYTORCH_CUDA_ALLOC_CONF key that terrace does not implement; ";
+  } else {
+    std::string_view nearest;
+    std::size_t best = std::numeric_limits<std::size_t>::max();
+    for (const auto& r : kRules) {
+      const std::size_t d = edit_distance(key, r.key);
+      if (d < best) best = d, nearest = r.key;
+    }
+    if (!key.empty() && best <= std::max<std::size_t>(2, nearest.size() / 4)) {
+      why += "did you mean " + quoted(nearest) + "? ";
+    }
   }
   return why + "valid keys: " + valid_keys_list() + ")";
 }
@@ -388,56 +420,108 @@ std::string unknown_key(std::string_view key) {
   throw logic_error("terrace: " + std::string(source) + ": bad item " + quoted(item) + ": " + why);
 }
 
-allocator_config parse(std::string_view source, std::string_view text, allocator_config base) {
+// Where the item that starts at `pos` ends: at the next comma outside square brackets, so that
+// PyTorch's roundup_power2_divisions:[256:1,>:8] stays one item (refused whole, by its key).
+std::size_t item_end(std::string_view text, std::size_t pos) noexcept {
+  int depth = 0;
+  for (; pos < text.size(); ++pos) {
+    if (text[pos] == '[') {
+      ++depth;
+    } else if (text[pos] == ']' && depth > 0) {
+      --depth;
+    } else if (text[pos] == ',' && depth == 0) {
+      break;
+    }
+  }
+  return pos;
+}
+
+consteval std::size_t rule_index(std::string_view key) {
+  for (std::size_t i = 0; i < std::size(kRules); ++i) {
+    if (kRules[i].key == key) return i;
+  }
+  throw "not a key";  // a compile error: rule_index is consteval
+}
+
+allocator_config parse(std::string_view source, std::string_view text, allocator_config base,
+                       const std::vector<alloc_conf_reserved_key>& reserved) {
   // A base made in code may split nothing on purpose (the offload engine's max_split_size of 1 B,
   // every block a whole segment); a text that only resizes its segments is not then refused over
   // a limit it did not set, quoted as "max_split_size_mb (0 MiB)".
   const bool base_limit_above_segment = base.max_split_size == std::numeric_limits<std::size_t>::max() ||
                                         base.max_split_size > base.large_segment_size;
   allocator_config c = std::move(base);
-  // The last item that set each cross-checked key, so that a failed cross-check can be quoted.
-  std::string_view max_split_item, large_segment_item, small_size_item, small_segment_item;
-  std::string_view policy_item, expandable_item;
+  // The item that set each key (empty if none): a key given twice is refused quoting both, and a
+  // failed cross-check quotes the item it blames.
+  std::array<std::string_view, std::size(kRules)> item_of{};
+  std::string_view previous;  // the item before, for a stray piece after a comma
 
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', pos), text.size());
-    const std::string_view item = trim(text.substr(pos, comma - pos));
-    pos = comma + 1;
+  for (std::size_t pos = 0; pos <= text.size();) {
+    const std::size_t end = item_end(text, pos);
+    const std::string_view item = trim(text.substr(pos, end - pos));
+    pos = end + 1;
     if (item.empty()) continue;  // "", "a:1," and "a:1,,b:2" are all fine
 
     const std::size_t colon = item.find(':');
     if (colon == std::string_view::npos) {
-      fail(source, item, "expected key:value (valid keys: " + valid_keys_list() + ")");
+      std::string why = "expected key:value";
+      if (!previous.empty()) why += " after " + quoted(previous);
+      why += " (";
+      if (all_digits(item) && !previous.empty()) {
+        why += "a comma separates items, so numbers take no thousands separators; ";
+      }
+      fail(source, item, why + "valid keys: " + valid_keys_list() + ")");
     }
+    previous = item;
     const std::string_view key = trim(item.substr(0, colon));
     const std::string_view value = trim(item.substr(colon + 1));
     const auto rule = std::find_if(std::begin(kRules), std::end(kRules),
                                    [&](const key_rule& r) { return r.key == key; });
     if (rule == std::end(kRules)) fail(source, item, unknown_key(key));
     if (value.empty()) fail(source, item, "missing value for " + quoted(key));
+    for (const alloc_conf_reserved_key& r : reserved) {
+      if (r.key == key) fail(source, item, quoted(key) + " cannot be set here: " + std::string(r.reason));
+    }
+    std::string_view& first = item_of[static_cast<std::size_t>(rule - std::begin(kRules))];
+    if (!first.empty()) {
+      // PyTorch lets the last one win; one of the two is then ignored without a word.
+      fail(source, item, quoted(key) + " is already set by " + quoted(first) + " (give each key once)");
+    }
     if (std::string why = rule->apply(c, value); !why.empty()) fail(source, item, why);
-
-    if (key == "max_split_size_mb") max_split_item = item;
-    if (key == "large_segment_size") large_segment_item = item;
-    if (key == "small_size") small_size_item = item;
-    if (key == "small_segment_size") small_segment_item = item;
-    if (key == "policy") policy_item = item;
-    if (key == "expandable_segments") expandable_item = item;
+    first = item;
   }
 
-  // policy:expandable is caching with expandable segments; said both ways, they must agree (else
-  // the run would be labelled one policy and behave as the other).
-  if (!policy_item.empty() && !expandable_item.empty()) {
-    if ((c.policy == alloc_policy::expandable && !c.expandable_segments) ||
-        (c.policy == alloc_policy::caching && c.expandable_segments)) {
+  // policy:expandable is caching with expandable segments, policy:caching is caching without: a
+  // policy sets expandable_segments, and said both ways, the two must agree (else the run would be
+  // labelled one policy and behave as the other, or one of the items be ignored).
+  const std::string_view policy_item = item_of[rule_index("policy")],
+                         expandable_item = item_of[rule_index("expandable_segments")];
+  if (!policy_item.empty() && c.policy != alloc_policy::planned) {
+    const bool expandable = c.policy == alloc_policy::expandable;
+    if (expandable_item.empty()) {
+      c.expandable_segments = expandable;
+    } else if (c.expandable_segments != expandable) {
       fail(source, expandable_item,
            "contradicts " + quoted(policy_item) +
                " (policy:expandable means expandable segments, policy:caching means none)");
     }
   }
+  // The one backend known, from its name alone, to lack the virtual memory expandable segments
+  // grow in: said now, not at the first allocation (the C ABI's is long after terrace_configure).
+  if (c.device == "cuda" && c.expandable_segments) {
+    const std::string_view blamed = !expandable_item.empty() ? expandable_item
+                                    : !policy_item.empty()   ? policy_item
+                                                             : item_of[rule_index("device")];
+    if (!blamed.empty()) {
+      fail(source, blamed,
+           "expandable segments need a backend with virtual memory, and device 'cuda' has none "
+           "(use device:cuda-vmm, or device:auto, which picks cuda-vmm on a GPU)");
+    }
+  }
 
   // Cross-key rules, checked on the final values whatever order the items came in.
+  const std::string_view small_size_item = item_of[rule_index("small_size")],
+                         small_segment_item = item_of[rule_index("small_segment_size")];
   if (!small_size_item.empty() || !small_segment_item.empty()) {
     if (c.small_segment_size < c.small_size) {
       fail(source, small_segment_item.empty() ? small_size_item : small_segment_item,
@@ -445,11 +529,14 @@ allocator_config parse(std::string_view source, std::string_view text, allocator
                ") must be >= small_size (" + std::to_string(c.small_size) + ")");
     }
   }
-  // PyTorch refuses max_split_size_mb up to its 20 MiB large segment ("must be > 20"): a limit
-  // that low forbids splitting the very segments that exist to be split. A request below 10 MiB
-  // gets a whole large segment; once freed, that segment is one block of max_split_size bytes or
-  // more, which such a request may not split, so every allocation reserved a new segment. Ours
-  // is configurable, and the bound follows it.
+  // PyTorch refuses max_split_size_mb below its 20 MiB large segment: a limit that low forbids
+  // splitting the very segments that exist to be split. A request below 10 MiB gets a whole large
+  // segment; once freed, that segment is one block of max_split_size bytes or more, which such a
+  // request may not split, so every allocation reserved a new segment. Ours is configurable, and
+  // the bound follows it (equal is refused too, as earlier PyTorch releases refused 20: "must be
+  // > 20"; current ones take 20 itself).
+  const std::string_view max_split_item = item_of[rule_index("max_split_size_mb")],
+                         large_segment_item = item_of[rule_index("large_segment_size")];
   if (!max_split_item.empty() || (!large_segment_item.empty() && base_limit_above_segment)) {
     if (c.max_split_size != std::numeric_limits<std::size_t>::max() &&
         c.max_split_size <= c.large_segment_size) {
@@ -482,14 +569,15 @@ const std::vector<std::string_view>& alloc_conf_keys() {
   return keys;
 }
 
-allocator_config parse_alloc_conf(std::string_view text, allocator_config base) {
-  return parse("allocator config", text, std::move(base));
+allocator_config parse_alloc_conf(std::string_view text, allocator_config base,
+                                  const std::vector<alloc_conf_reserved_key>& reserved) {
+  return parse("allocator config", text, std::move(base), reserved);
 }
 
 allocator_config alloc_conf_from_env() {
   const char* text = std::getenv("TERRACE_ALLOC_CONF");
   if (text == nullptr) return {};
-  return parse("TERRACE_ALLOC_CONF", text, {});
+  return parse("TERRACE_ALLOC_CONF", text, {}, {});
 }
 
 std::size_t parse_size(std::string_view text) {

@@ -6,8 +6,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -131,12 +134,27 @@ TEST(AllocConf, SpacesAroundItemsKeysAndValuesAreTrimmed) {
   EXPECT_DOUBLE_EQ(c.memory_fraction, 1.0);
 }
 
-TEST(AllocConf, LaterItemsWinAndUntouchedFieldsKeepTheBase) {
+TEST(AllocConf, UntouchedFieldsKeepTheBase) {
   allocator_config base;
   base.trace_max_events = 7;
-  const auto c = parse_alloc_conf("small_size:4K,small_size:8K", base);
+  const auto c = parse_alloc_conf("small_size:8K", base);
   EXPECT_EQ(c.small_size, 8 * KiB);
   EXPECT_EQ(c.trace_max_events, 7u);
+}
+
+// PyTorch lets the last of two items with one key win, so that the first is ignored without a
+// word; here each key is given once, and a second one is refused quoting both.
+TEST(AllocConfErrors, AKeyGivenTwiceIsRefusedQuotingBothItems) {
+  expect_item_error("small_size:4K,small_size:8K", "small_size:8K",
+                    "'small_size' is already set by 'small_size:4K' (give each key once)");
+  expect_item_error("record_trace:1, memory_fraction:0.5 ,record_trace:1", "record_trace:1",
+                    "already set by 'record_trace:1'");
+  expect_item_error("expandable_segments:true,policy:planned,expandable_segments:0",
+                    "expandable_segments:0", "already set by 'expandable_segments:true'");
+  // Keys differ from the base's fields: a text may set what the base set.
+  allocator_config base;
+  base.small_size = 4 * KiB;
+  EXPECT_EQ(parse_alloc_conf("small_size:8K", base).small_size, 8 * KiB);
 }
 
 TEST(AllocConf, EveryDeviceName) {
@@ -268,6 +286,143 @@ TEST(AllocConfErrors, MalformedValues) {
   expect_item_error("trace_max_events:1e6", "trace_max_events:1e6", "unsigned integer");
 }
 
+// Shapes a user tries when writing a number, each refused naming its item, the value and what to
+// write instead; the lenient spellings are accepted on purpose.
+TEST(AllocConfErrors, NumbersASizeDoesNotTake) {
+  expect_item_error("small_size:-1", "small_size:-1", "malformed size '-1': sizes cannot be negative");
+  expect_item_error("large_segment_size:-2MiB", "large_segment_size:-2MiB", "sizes cannot be negative");
+  expect_item_error("device_capacity:0x1000", "device_capacity:0x1000",
+                    "malformed size '0x1000': hexadecimal is not accepted");
+  expect_item_error("device_capacity:0X10", "device_capacity:0X10", "hexadecimal is not accepted");
+  expect_item_error("small_size:1e6", "small_size:1e6", "malformed size '1e6': exponents are not accepted");
+  expect_item_error("small_size:1E+3", "small_size:1E+3", "exponents are not accepted");
+  expect_item_error("device_capacity:99999999999999GiB", "device_capacity:99999999999999GiB",
+                    "size '99999999999999GiB' does not fit in 64 bits");
+  expect_item_error("small_size:1XB", "small_size:1XB", "unknown size suffix 'XB' in '1XB'");
+  expect_item_error("small_size:1PiB", "small_size:1PiB", "unknown size suffix 'PiB'");
+  expect_item_error("small_size:1_000", "small_size:1_000", "unknown size suffix '_000'");
+  // A thousands separator splits the item: the piece after the comma is named with the item before.
+  expect_item_error("small_size:1,000", "000",
+                    "expected key:value after 'small_size:1' (a comma separates items, so numbers "
+                    "take no thousands separators");
+  expect_item_error("max_split_size_mb:-5", "max_split_size_mb:-5", "expected an unsigned integer, got '-5'");
+  expect_item_error("max_split_size_mb:0x80", "max_split_size_mb:0x80", "unsigned integer");
+  expect_item_error("garbage_collection_threshold:0x0.8p0", "garbage_collection_threshold:0x0.8p0",
+                    "finite number");
+  // Accepted: units in any case, a space before the unit, decimals that are whole bytes.
+  EXPECT_EQ(parse_alloc_conf("small_size:1mib,small_segment_size:4 MIB").small_segment_size, 4 * MiB);
+  EXPECT_EQ(parse_alloc_conf("device_capacity:1.5GiB").device_capacity, 3 * GiB / 2);
+  // A long value is quoted cut, so that the reason after it is not lost in a cut message.
+  const std::string msg = error_of("small_size:" + std::string(100000, '9'));
+  EXPECT_LT(msg.size(), 1000u);
+  EXPECT_NE(msg.find("...' (100011 characters): size '999"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("...' (100000 characters) does not fit in 64 bits"), std::string::npos) << msg;
+  EXPECT_EQ(parse_alloc_conf("device_capacity:  2 gb ").device_capacity, 2 * GiB);
+}
+
+// What a user copies from PYTORCH_CUDA_ALLOC_CONF behaves as PyTorch documents it, from the text to
+// the allocator, or is refused saying that terrace does not have it: never parsed and ignored.
+TEST(AllocConf, WhatAUserCopiesFromPyTorch) {
+  const allocator_config c = parse_alloc_conf(
+      "expandable_segments:True,garbage_collection_threshold:0.6,max_split_size_mb:128,"
+      "roundup_power2_divisions:4");
+  EXPECT_TRUE(c.expandable_segments);
+  EXPECT_DOUBLE_EQ(c.garbage_collection_threshold, 0.6);
+  EXPECT_EQ(c.max_split_size, 128 * MiB);
+  EXPECT_EQ(c.roundup_power2_divisions, 4u);
+  EXPECT_FALSE(parse_alloc_conf("expandable_segments:False").expandable_segments);
+  // PyTorch's bounds: max_split_size_mb above its 20 MiB segment (PyTorch itself takes 20 since
+  // it changed ">" to ">="), a threshold below 1, divisions a power of two.
+  expect_item_error("max_split_size_mb:20", "max_split_size_mb:20", "must be larger than large_segment_size");
+  expect_item_error("garbage_collection_threshold:1.0", "garbage_collection_threshold:1.0", "[0, 1)");
+  expect_item_error("roundup_power2_divisions:6", "roundup_power2_divisions:6", "power of two");
+  expect_item_error("max_split_size_mb:200MB", "max_split_size_mb:200MB",
+                    "expected an unsigned integer, got '200MB'");  // PyTorch's stoi read 200
+  // PyTorch's per-size divisions: one item whatever its commas, refused whole.
+  expect_item_error("roundup_power2_divisions:[256:1,512:2,1024:4,>:8],max_split_size_mb:128",
+                    "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]",
+                    "PyTorch's per-size form '[256:1,512:2,1024:4,>:8]' is not supported: terrace "
+                    "takes one number of divisions for every size");
+  expect_item_error("roundup_power2_divisions:[256:1,512:2", "roundup_power2_divisions:[256:1,512:2",
+                    "per-size form");
+  // PyTorch's other keys.
+  for (std::string_view item :
+       {"backend:native", "backend:cudaMallocAsync", "max_non_split_rounding_mb:40",
+        "release_lock_on_cudamalloc:True", "pinned_use_cuda_host_register:True",
+        "pinned_num_register_threads:8", "pinned_use_background_threads:True",
+        "pinned_reserve_segment_size_mb:64", "graph_capture_record_stream_reuse:True"}) {
+    const std::string key(item.substr(0, item.find(':')));
+    expect_item_error("max_split_size_mb:128," + std::string(item), item,
+                      "unknown key '" + key + "' (a PYTORCH_CUDA_ALLOC_CONF key that terrace does not implement");
+  }
+
+  // From the text to the allocator, on the null device, as PyTorch documents each key.
+  const auto run = [](std::string_view text, std::size_t capacity, auto&& body) {
+    SCOPED_TRACE(std::string(text));
+    const allocator_config cfg = parse_alloc_conf(text);
+    auto device = make_device("null", {.capacity = capacity});
+    caching_allocator a(*device, cfg);
+    body(a);
+    a.check_invariants();
+  };
+  // max_split_size_mb: a block this large or larger is never split for a smaller request.
+  run("max_split_size_mb:128", GiB, [](caching_allocator& a) {
+    void* big = a.allocate(200 * MiB);
+    a.deallocate(big);
+    void* small = a.allocate(30 * MiB);
+    EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(230 * MiB));
+    a.deallocate(small);
+  });
+  run("", GiB, [](caching_allocator& a) {  // without it, the cached block is split
+    void* big = a.allocate(200 * MiB);
+    a.deallocate(big);
+    void* small = a.allocate(30 * MiB);
+    EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(200 * MiB));
+    a.deallocate(small);
+  });
+  // roundup_power2_divisions: sizes round up to quarters between powers of two.
+  run("roundup_power2_divisions:4", GiB, [](caching_allocator& a) {
+    void* p = a.allocate(1200 * KiB);
+    EXPECT_EQ(a.stats().allocated_bytes[0].current, static_cast<std::int64_t>(1280 * KiB));
+    a.deallocate(p);
+  });
+  // garbage_collection_threshold: past that fraction of the device, free segments go back
+  // before new memory is asked for (no out-of-memory retry).
+  run("garbage_collection_threshold:0.5", 100 * MiB, [](caching_allocator& a) {
+    a.deallocate(a.allocate(40 * MiB));
+    void* q = a.allocate(50 * MiB);
+    EXPECT_EQ(a.stats().reserved_bytes[0].current, static_cast<std::int64_t>(50 * MiB));
+    EXPECT_EQ(a.stats().num_alloc_retries, 0);
+    a.deallocate(q);
+  });
+  // expandable_segments: one growing segment per stream and pool.
+  run("expandable_segments:True", GiB, [](caching_allocator& a) {
+    void* p = a.allocate(30 * MiB);
+    void* q = a.allocate(30 * MiB);
+    EXPECT_EQ(a.stats().segment[0].current, 1);
+    a.deallocate(p);
+    a.deallocate(q);
+  });
+}
+
+// A tool that sets a key by its own flag refuses it in the text, which would otherwise be ignored
+// or overwritten (terrace train's --alloc-conf: device, device_capacity, copy_bandwidth,
+// record_trace; compare and report: policy, expandable_segments).
+TEST(AllocConfErrors, AKeyTheCallerReservesIsRefusedWithItsReason) {
+  const std::vector<alloc_conf_reserved_key> reserved = {{"device", "use --device"},
+                                                         {"record_trace", "use --save-trace"}};
+  try {
+    parse_alloc_conf("small_size:4K,device:null", {}, reserved);
+    ADD_FAILURE() << "expected a throw";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad item 'device:null': 'device' cannot be set here: use --device"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(parse_alloc_conf("record_trace:false", {}, reserved), logic_error);
+  EXPECT_EQ(parse_alloc_conf("small_size:4K,policy:planned", {}, reserved).small_size, 4 * KiB);
+}
+
 TEST(AllocConfErrors, OutOfRangeValues) {
   for (std::string_view d : {"3", "12", "65", "128"}) {
     const std::string item = "roundup_power2_divisions:" + std::string(d);
@@ -314,12 +469,45 @@ TEST(AllocConfErrors, APolicyAndExpandableSegmentsThatContradictEachOther) {
                     "contradicts 'policy:expandable'");
   expect_item_error("policy:caching,expandable_segments:true", "expandable_segments:true",
                     "contradicts 'policy:caching'");
-  // A later policy sets expandable_segments itself: the later item wins, as for every key.
-  EXPECT_FALSE(parse_alloc_conf("expandable_segments:true,policy:caching").expandable_segments);
+  // Whichever comes first: the two are checked on the final values.
+  expect_item_error("expandable_segments:true,policy:caching", "expandable_segments:true",
+                    "contradicts 'policy:caching'");
   EXPECT_TRUE(parse_alloc_conf("policy:expandable,expandable_segments:true").expandable_segments);
   EXPECT_TRUE(parse_alloc_conf("policy:planned,expandable_segments:true").expandable_segments);
-  EXPECT_FALSE(parse_alloc_conf("expandable_segments:true,policy:planned,expandable_segments:0")
-                   .expandable_segments);
+  EXPECT_FALSE(parse_alloc_conf("policy:planned,expandable_segments:0").expandable_segments);
+  // A policy alone sets expandable_segments over the base's.
+  allocator_config expandable;
+  expandable.expandable_segments = true;
+  EXPECT_FALSE(parse_alloc_conf("policy:caching", expandable).expandable_segments);
+}
+
+// The plain cuda backend has no virtual memory to grow expandable segments in: said when the text
+// is parsed (terrace_configure), not at the first allocation. cuda-vmm has it, and the C ABI
+// takes `auto` as cuda-vmm on a GPU when expandable segments are on.
+TEST(AllocConfErrors, ExpandableSegmentsOnThePlainCudaBackend) {
+  const std::string why = "need a backend with virtual memory, and device 'cuda' has none";
+  expect_item_error("device:cuda,expandable_segments:True", "expandable_segments:True", why);
+  expect_item_error("expandable_segments:1,device:cuda", "expandable_segments:1", why);
+  expect_item_error("device:cuda,policy:expandable", "policy:expandable", why);
+  allocator_config cuda;
+  cuda.device = "cuda";
+  try {
+    parse_alloc_conf("expandable_segments:true", cuda);
+    ADD_FAILURE() << "expected a throw";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'expandable_segments:true'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(parse_alloc_conf("device:cuda").device, "cuda");
+  EXPECT_TRUE(parse_alloc_conf("device:cuda-vmm,expandable_segments:True").expandable_segments);
+  EXPECT_TRUE(parse_alloc_conf("device:auto,expandable_segments:True").expandable_segments);
+  allocator_config expandable;
+  expandable.expandable_segments = true;
+  try {
+    parse_alloc_conf("device:cuda", expandable);
+    ADD_FAILURE() << "expected a throw";
+  } catch (const logic_error& e) {
+    EXPECT_NE(std::string(e.what()).find("'device:cuda'"), std::string::npos) << e.what();
+  }
 }
 
 TEST(AllocConfErrors, TheFirstBadItemIsReportedAndTheBaseIsUntouched) {
@@ -463,6 +651,40 @@ TEST(ParseSize, MalformedTextIsRejectedWithTheText) {
   }
   EXPECT_NE(size_error_of("5 PiB").find("B, K, KB, KiB"), std::string::npos);
 }
+
+// ------------------------------------------------------------------------------------- docs
+
+#ifdef TERRACE_SOURCE_DIR
+std::string read_source(const char* relative) {
+  std::ifstream in(std::string(TERRACE_SOURCE_DIR) + "/" + relative);
+  EXPECT_TRUE(in) << "cannot read " << relative;
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// The README's table of keys and the header's `key ...` comments name exactly the keys that the
+// parser takes, in its order.
+TEST(AllocConfDocs, TheReadmeTableAndTheHeaderListEveryKeyAndNoOther) {
+  const std::vector<std::string_view>& keys = alloc_conf_keys();
+  const std::string readme = read_source("README.md");
+  const std::size_t section = readme.find("## Configuration: TERRACE_ALLOC_CONF");
+  ASSERT_NE(section, std::string::npos);
+  std::vector<std::string> table;
+  std::istringstream lines(readme.substr(section));
+  std::string line;
+  std::getline(lines, line);  // the heading
+  while (std::getline(lines, line) && line.rfind("## ", 0) != 0) {
+    if (line.rfind("| `", 0) == 0) table.push_back(line.substr(3, line.find('`', 3) - 3));
+  }
+  EXPECT_EQ(table, std::vector<std::string>(keys.begin(), keys.end()));
+
+  const std::string header = read_source("include/terrace/config.hpp");
+  std::vector<std::string> documented;
+  for (std::size_t at = header.find("key `"); at != std::string::npos; at = header.find("key `", at + 1)) {
+    documented.push_back(header.substr(at + 5, header.find('`', at + 5) - at - 5));
+  }
+  EXPECT_EQ(documented, std::vector<std::string>(keys.begin(), keys.end()));
+}
+#endif
 
 // ------------------------------------------------------------------------------------- env
 

@@ -2,8 +2,9 @@
 /// @file config.hpp
 /// @brief The allocator's options: one struct, filled from code or from TERRACE_ALLOC_CONF.
 ///
-/// TERRACE_ALLOC_CONF mirrors PYTORCH_CUDA_ALLOC_CONF: `key:value,key:value`. Sizes accept the
-/// suffixes B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary). Booleans accept true/false/1/0.
+/// TERRACE_ALLOC_CONF mirrors PYTORCH_CUDA_ALLOC_CONF: `key:value,key:value`, each key once. Sizes
+/// accept the suffixes B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (all binary, any case). Booleans
+/// accept true/false/1/0 (any case).
 #pragma once
 
 #include <cstddef>
@@ -21,7 +22,10 @@ std::string_view to_string(alloc_policy p) noexcept;
 
 struct allocator_config {
   // --- device backend (used by the C ABI and the tools; a C++ user passes a backend directly)
-  std::string device = "auto";            ///< key `device`: auto | sim | null | cuda | cuda-vmm
+  /// key `device`: auto | sim | null | cuda | cuda-vmm. The C ABI takes auto as cuda on a GPU
+  /// (cuda-vmm when expandable_segments is on, as PyTorch's expandable_segments:True needs no
+  /// more), else sim.
+  std::string device = "auto";
   std::size_t device_capacity = 0;        ///< key `device_capacity`: sim/null capacity (0 = default)
   double copy_bandwidth = 0.0;            ///< key `copy_bandwidth`: sim copy bytes/s (0 = unlimited)
 
@@ -62,10 +66,22 @@ struct allocator_config {
 /// @brief The keys parse_alloc_conf accepts, in declaration order.
 const std::vector<std::string_view>& alloc_conf_keys();
 
-/// @brief Applies `key:value,...` pairs over `base`.
-/// @throws terrace::logic_error naming the offending pair and listing the valid keys for an unknown
-/// key, a missing colon, a malformed number or size, or a value out of range.
-allocator_config parse_alloc_conf(std::string_view text, allocator_config base = {});
+/// @brief A key that a caller sets by other means (a tool's own flag): parse_alloc_conf refuses it
+/// in the text, giving `reason`, where it would otherwise be ignored or overwritten.
+struct alloc_conf_reserved_key {
+  std::string_view key;
+  std::string_view reason;  ///< what to do instead, e.g. "use --device"
+};
+
+/// @brief Applies `key:value,...` pairs over `base`; `base` is left as it was when one is refused.
+/// A comma inside square brackets does not end an item; an empty item is skipped.
+/// @throws terrace::logic_error naming the offending pair: listing the valid keys for an unknown
+/// key or a missing colon; for a key given twice, a key in `reserved`, a malformed number or size,
+/// a value out of range, or keys that contradict each other (policy:caching with
+/// expandable_segments:true, device:cuda with expandable segments, small_segment_size below
+/// small_size, max_split_size_mb not above large_segment_size).
+allocator_config parse_alloc_conf(std::string_view text, allocator_config base = {},
+                                  const std::vector<alloc_conf_reserved_key>& reserved = {});
 
 /// @brief parse_alloc_conf(getenv("TERRACE_ALLOC_CONF")), or defaults when it is unset.
 /// @throws terrace::logic_error as parse_alloc_conf.

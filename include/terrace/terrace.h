@@ -19,7 +19,10 @@
  *
  * One allocator per device index is created on first use, configured from TERRACE_ALLOC_CONF (or
  * terrace_configure, called before first use). The backend is `device` from that config: "auto"
- * (the default) picks CUDA when a GPU is present and the simulated device otherwise.
+ * (the default) picks CUDA when a GPU is present (cuda-vmm when expandable_segments is on) and the
+ * simulated device otherwise. A config that cannot be used (a bad TERRACE_ALLOC_CONF, a backend
+ * this build or machine lacks) fails each call that would create an allocator, and freezes
+ * nothing: terrace_configure may still set another.
  *
  * No C++ exception ever crosses this boundary, except those of terrace_torch_malloc and
  * terrace_torch_begin_allocate_to_pool, which are for PyTorch's C++ caller alone. Functions that
@@ -100,7 +103,9 @@ TERRACE_API void terrace_torch_begin_allocate_to_pool(
 
 /* ---- Configuration and observability (0 or a negative terrace_status) --------------------- */
 
-/** @brief Sets the config ("key:value,...", as TERRACE_ALLOC_CONF) for allocators not yet created. */
+/** @brief Sets the config ("key:value,...", as TERRACE_ALLOC_CONF) for allocators not yet created.
+ *  TERRACE_EINVAL, with the config as it was, for a text with a bad item (named in
+ *  terrace_last_error()) or once an allocator exists. */
 TERRACE_API int terrace_configure(const char* conf);
 /** @brief Writes device `device`'s stats as a JSON object keyed like torch.cuda.memory_stats() into
  *  `buf` (NUL-terminated). If `capacity` is too small returns TERRACE_ERANGE; `*needed` (if not NULL)
