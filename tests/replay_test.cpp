@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -18,8 +19,11 @@
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "run_command.hpp"
+#include "terrace/config.hpp"
 #include "terrace/device.hpp"
 #include "terrace/error.hpp"
 #include "terrace/trace.hpp"
@@ -800,6 +804,63 @@ TEST(Cli, BadInputExitsWithTwoAndSaysWhy) {
   r = run_cli("replay --help");
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("--expandable"), std::string::npos) << r.output;
+  std::filesystem::remove(path);
+}
+
+// A key that the command would override or ignore is refused, not dropped: compare and report
+// run every policy over --conf, and replay's --device and a `device:` key in --conf must agree.
+// Each --help lists the keys its option takes, from the parser, so the two cannot drift.
+TEST(Cli, ConfKeysTheCommandWouldOverrideAreRefusedAndTheHelpListsTheRest) {
+  const std::string path = temp_path("cli-conf");
+  write_file(path,
+             R"({"action":"alloc","time_ns":1,"stream":0,"addr":4096,"size":512,"requested":100,"tag":""})"
+             "\n");
+  const std::string html = temp_path("cli-conf-report") + ".html";
+  const std::pair<std::string, std::string> refused[] = {
+      {"compare '" + path + "' --conf policy:planned",
+       "bad item 'policy:planned': 'policy' cannot be set here: compare and report run every policy"},
+      {"compare '" + path + "' --conf max_split_size_mb:64,expandable_segments:true",
+       "bad item 'expandable_segments:true': 'expandable_segments' cannot be set here"},
+      {"report '" + path + "' --conf policy:caching -o '" + html + "'", "'policy' cannot be set here"},
+      {"replay '" + path + "' --device sim --conf device:null", "--device sim contradicts device:null in --conf"},
+      {"replay '" + path + "' --conf small_size:4K,small_size:8K", "'small_size' is already set by 'small_size:4K'"},
+      {"replay '" + path + "' --conf backend:native", "a PYTORCH_CUDA_ALLOC_CONF key that terrace does not implement"},
+  };
+  for (const auto& [args, why] : refused) {
+    const auto r = run_cli(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ":\n" << r.output;
+    EXPECT_NE(r.output.find(why), std::string::npos) << args << ":\n" << r.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(html));
+  // Agreeing is fine, and so is either alone.
+  EXPECT_EQ(run_cli("replay '" + path + "' --device sim --conf device:sim").exit_code, 0);
+  EXPECT_EQ(run_cli("replay '" + path + "' --conf device:sim,max_split_size_mb:64").exit_code, 0);
+
+  // CLI11 wraps long help lines: compare the help with its whitespace squeezed to one space.
+  const auto help_of = [](const std::string& command) {
+    const auto r = run_cli(command + " --help");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    std::string squeezed;
+    for (char ch : r.output) {
+      const bool space = std::isspace(static_cast<unsigned char>(ch)) != 0;
+      if (!space || (!squeezed.empty() && squeezed.back() != ' ')) squeezed += space ? ' ' : ch;
+    }
+    return squeezed;
+  };
+  const std::vector<std::string_view>& keys = terrace::alloc_conf_keys();
+  const auto listed = [&](const std::string& help, std::vector<std::string_view> left_out) {
+    std::string expected = "keys: ";
+    for (std::string_view key : keys) {
+      if (std::find(left_out.begin(), left_out.end(), key) != left_out.end()) continue;
+      expected += std::string(key) + ", ";
+    }
+    expected.resize(expected.size() - 2);
+    EXPECT_NE(help.find(expected + " (each once"), std::string::npos) << expected << "\n" << help;
+  };
+  listed(help_of("replay"), {});
+  listed(help_of("compare"), {"policy", "expandable_segments"});
+  listed(help_of("report"), {"policy", "expandable_segments"});
+  listed(help_of("train"), {"device", "device_capacity", "copy_bandwidth", "record_trace"});
   std::filesystem::remove(path);
 }
 

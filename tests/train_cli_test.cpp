@@ -232,6 +232,20 @@ TEST(TrainCli, ConfigurationsThatCannotTrainExitTwoBeforeTraining) {
       {"--report x.html --no-report --steps 2", "--report excludes --no-report"},
       {"--device-memory 0 --steps 2", "--device-memory must be more than 0"},
       {"--alloc-conf policy:nonsense --steps 2", "bad item 'policy:nonsense'"},
+      // Found in review: a bad size did not say which of the six size options it was given to,
+      // and --bandwidth 1e400 (infinity) passed its check to be refused by the sim device.
+      {"--host-budget 12Q --steps 2", "--host-budget: unknown size suffix 'Q' in '12Q'"},
+      {"--pinned-limit -1 --steps 2", "--pinned-limit: malformed size '-1': sizes cannot be negative"},
+      {"--device-memory 0x1000 --steps 2", "--device-memory: malformed size '0x1000': hexadecimal"},
+      {"--bandwidth 1e400 --steps 2", "--bandwidth must be a finite number >= 0 GB/s, got inf"},
+      {"--bandwidth -1 --steps 2", "--bandwidth must be a finite number >= 0 GB/s, got -1"},
+      // Found in review: the keys the command sets itself were taken and then ignored (device,
+      // device_capacity, copy_bandwidth: the device comes from the flags) or overwritten
+      // (record_trace: on for the report, off with --no-report), without a word.
+      {"--alloc-conf policy:planned,device:null --steps 2", "bad item 'device:null': 'device' cannot be set here: use --device"},
+      {"--alloc-conf device_capacity:1GiB --steps 2", "'device_capacity' cannot be set here: use --device-memory"},
+      {"--alloc-conf copy_bandwidth:1e9 --steps 2", "'copy_bandwidth' cannot be set here: use --bandwidth"},
+      {"--alloc-conf record_trace:true --steps 2", "'record_trace' cannot be set here: use --save-trace"},
       // Found in a user review: a folder that is not there failed only after training.
       {"--save-trace /nonexistent-dir/t.jsonl --steps 2", "/nonexistent-dir is not a directory"},
       // Found in review: a log that could not be written failed only once the NVMe store was

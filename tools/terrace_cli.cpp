@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -84,6 +86,24 @@ void require_available_device(const std::string& name) {
   }
 }
 
+// The keys --conf (or --alloc-conf) takes, less `reserved`, from the parser itself so that the
+// help cannot drift from it.
+std::string conf_keys_help(const std::vector<terrace::alloc_conf_reserved_key>& reserved = {}) {
+  std::vector<std::string_view> keys;
+  for (std::string_view key : terrace::alloc_conf_keys()) {
+    if (std::none_of(reserved.begin(), reserved.end(), [&](const auto& r) { return r.key == key; })) {
+      keys.push_back(key);
+    }
+  }
+  return fmt::format("; keys: {} (each once; README.md, \"Configuration\")", fmt::join(keys, ", "));
+}
+
+// compare and report run each policy with its own policy key over --conf, which would override
+// these silently.
+const std::vector<terrace::alloc_conf_reserved_key> kSetPerPolicy = {
+    {"policy", "compare and report run every policy in turn"},
+    {"expandable_segments", "compare and report run every policy in turn, expandable among them"}};
+
 // ------------------------------------------------------------------------------------- replay
 
 struct replay_args {
@@ -120,7 +140,8 @@ CLI::App* setup_replay(CLI::App& app, replay_args& args) {
                 "expandable segments (growing virtual ranges per stream and pool)");
   cmd->add_option("--conf", args.conf,
                   "allocator options as in TERRACE_ALLOC_CONF, e.g. "
-                  "max_split_size_mb:64,roundup_power2_divisions:4,device_capacity:80GiB");
+                  "max_split_size_mb:64,roundup_power2_divisions:4,device_capacity:80GiB" +
+                      conf_keys_help());
   cmd->add_flag("--json", args.json, "print one JSON object instead of the text report");
   cmd->add_option("--policy", args.policy,
                   "caching, expandable or planned (overrides `policy` in --conf); all = each in "
@@ -136,7 +157,7 @@ CLI::App* setup_replay(CLI::App& app, replay_args& args) {
 // backend unless --conf names a device.
 terrace::tools::replay_options compare_options(const std::string& conf) {
   terrace::tools::replay_options o;
-  o.config = terrace::parse_alloc_conf(conf);
+  o.config = terrace::parse_alloc_conf(conf, {}, kSetPerPolicy);
   o.device = o.config.device == "auto" ? "null" : o.config.device;
   require_available_device(o.device);
   return o;
@@ -145,8 +166,12 @@ terrace::tools::replay_options compare_options(const std::string& conf) {
 int run_replay(replay_args& args) {
   terrace::tools::replay_options options;
   options.config = terrace::parse_alloc_conf(args.conf);
-  // An explicit --device wins; otherwise a `device:` key in --conf; otherwise null.
+  // An explicit --device, or a `device:` key in --conf (not both, unless they agree); otherwise null.
   if (args.device_option->count() != 0 || options.config.device == "auto") {
+    if (options.config.device != "auto" && options.config.device != args.device) {
+      throw terrace::logic_error("--device " + args.device + " contradicts device:" +
+                                 options.config.device + " in --conf");
+    }
     options.device = args.device;
   } else {
     options.device = options.config.device;
@@ -208,7 +233,8 @@ struct compare_args {
 void add_common(CLI::App* cmd, compare_args& args) {
   cmd->add_option("TRACE", args.trace, kTraceHelp)->required();
   cmd->add_option("--conf", args.conf,
-                  "allocator options as in TERRACE_ALLOC_CONF, applied to every policy");
+                  "allocator options as in TERRACE_ALLOC_CONF, applied to every policy" +
+                      conf_keys_help(kSetPerPolicy));
   cmd->add_option("--format", args.format, kFormatHelp)
       ->check(CLI::IsMember({"auto", "jsonl", "pickle", "snapshot-json", "kineto", "rmm"}))
       ->capture_default_str();
@@ -407,7 +433,8 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
       ->capture_default_str();
   cmd->add_option("--alloc-conf", o.alloc_conf,
                   "keys as in TERRACE_ALLOC_CONF over the engine's device allocator settings "
-                  "(exact-size segments), e.g. policy:planned for the lifetime-aware plan");
+                  "(exact-size segments), e.g. policy:planned for the lifetime-aware plan" +
+                      conf_keys_help(terrace::tools::kTrainReservedAllocKeys));
   cmd->add_option("--host-budget", args.host_budget,
                   "pinned bytes for home copies of params and grads (0: all of them); the rest "
                   "waits on NVMe")
@@ -459,13 +486,25 @@ CLI::App* setup_train(CLI::App& app, train_args& args) {
 
 int run_train(train_args& args) {
   terrace::tools::train_options& o = args.options;
-  o.device_memory = terrace::parse_size(args.device_memory);
-  o.device_budget = terrace::parse_size(args.device_budget);
-  o.host_budget = terrace::parse_size(args.host_budget);
-  o.optimizer_host_budget = terrace::parse_size(args.optimizer_host_budget);
-  o.pinned_limit = terrace::parse_size(args.pinned_limit);
-  o.store_capacity = terrace::parse_size(args.store_capacity);
-  if (!(args.bandwidth_gbs >= 0)) throw terrace::logic_error("--bandwidth must be >= 0 GB/s");
+  // A size refused names its option: several take sizes.
+  const auto size_option = [](const char* option, const std::string& text) {
+    try {
+      return terrace::parse_size(text);
+    } catch (const terrace::logic_error& e) {
+      throw terrace::logic_error(fmt::format("{}: {}", option, terrace::message_without_origin(e)));
+    }
+  };
+  o.device_memory = size_option("--device-memory", args.device_memory);
+  o.device_budget = size_option("--device-budget", args.device_budget);
+  o.host_budget = size_option("--host-budget", args.host_budget);
+  o.optimizer_host_budget = size_option("--optimizer-host-budget", args.optimizer_host_budget);
+  o.pinned_limit = size_option("--pinned-limit", args.pinned_limit);
+  o.store_capacity = size_option("--store-capacity", args.store_capacity);
+  // 1e400 reads as infinity, and 1e300 GB/s is infinite bytes per second.
+  if (!(args.bandwidth_gbs >= 0 && std::isfinite(args.bandwidth_gbs * 1e9))) {
+    throw terrace::logic_error(fmt::format("--bandwidth must be a finite number >= 0 GB/s, got {}",
+                                           args.bandwidth_gbs));
+  }
   o.copy_bandwidth = args.bandwidth_gbs * 1e9;
   o.dir_is_default = args.dir.empty();
   o.dir = args.dir.empty() ? terrace::tools::default_dir() : std::filesystem::path(args.dir);

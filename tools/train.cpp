@@ -350,7 +350,7 @@ std::size_t resident_device_memory(const model::char_model_config& config) {
 offload_engine_options engine_options_for(const train_options& o, const device_backend& device) {
   offload_engine_options e;
   e.device_budget = o.device_budget;
-  e.device_allocator = parse_alloc_conf(o.alloc_conf, e.device_allocator);
+  e.device_allocator = parse_alloc_conf(o.alloc_conf, e.device_allocator, kTrainReservedAllocKeys);
   // The report replays the recorded trace; --save-trace writes it out.
   e.device_allocator.record_trace = o.write_report || !o.save_trace.empty();
   e.host_budget = o.host_budget;

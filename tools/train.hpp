@@ -22,10 +22,20 @@
 #include <vector>
 
 #include "kernels/char_model.hpp"
+#include "terrace/config.hpp"
 #include "terrace/planner.hpp"
 #include "terrace/offload_engine.hpp"
 
 namespace terrace::tools {
+
+/// @brief The allocator keys that train_options::alloc_conf refuses: the tool sets them itself, so
+/// given there they would be ignored (the device comes from --device, --device-memory and
+/// --bandwidth) or overwritten (record_trace).
+inline const std::vector<alloc_conf_reserved_key> kTrainReservedAllocKeys = {
+    {"device", "use --device"},
+    {"device_capacity", "use --device-memory"},
+    {"copy_bandwidth", "use --bandwidth"},
+    {"record_trace", "use --save-trace (the memory report records the trace too, unless --no-report)"}};
 
 /// @brief A configuration that cannot train (budgets, a missing corpus, a directory that holds a
 /// checkpoint on a fresh run): raised before the first step. The command line exits 2 on it.
@@ -54,7 +64,8 @@ struct train_options {
   double copy_bandwidth = 8e9;         ///< sim: host<->device bytes/s
   std::size_t device_budget = 0;       ///< what the engine may use (0: all of the device)
   /// TERRACE_ALLOC_CONF-style keys over the engine's device allocator settings
-  /// (offload_engine_options::default_device_allocator), e.g. "policy:planned".
+  /// (offload_engine_options::default_device_allocator), e.g. "policy:planned"; not those of
+  /// kTrainReservedAllocKeys.
   std::string alloc_conf;
 
   // ---- host and NVMe
