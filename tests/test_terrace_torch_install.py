@@ -116,6 +116,28 @@ class Install(unittest.TestCase):
         self.assertIsNotNone(state.current)
         self.assertTrue(any("CUDA graph" in str(w.message) for w in caught), caught)
 
+    def test_pytorch_alloc_conf_is_warned_about_not_dropped_unseen(self):
+        # PyTorch's settings configure the allocator terrace replaces.
+        for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+            with self.subTest(name=name):
+                self.tt._allocator = None
+                with mock.patch.dict(os.environ, {name: "expandable_segments:True"}):
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        self.install()
+                messages = [str(w.message) for w in caught]
+                self.assertTrue(any(m.startswith(f"{name}=expandable_segments:True does not "
+                                                 "configure terrace") and "TERRACE_ALLOC_CONF" in m
+                                    for m in messages), messages)
+        self.tt._allocator = None
+        environ = {k: v for k, v in os.environ.items()
+                   if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        with mock.patch.dict(os.environ, environ, clear=True):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                self.install()
+        self.assertFalse(any("does not configure terrace" in str(w.message) for w in caught), caught)
+
     def test_the_example_wires_every_hook_install_wires(self):
         # Found in review: tools/pytorch_example.py, "the lines a user writes", left out the graph
         # hook, so a capture there would run and share the graph's blocks with other tensors.

@@ -178,7 +178,9 @@ def install(path=None, conf=None):
     PyTorch initializes CUDA lazily, at the first CUDA tensor but also at calls such as
     torch.cuda.current_device() or get_device_properties(); its allocator can be swapped only
     before that. `conf` ("key:value,...", as TERRACE_ALLOC_CONF) configures terrace first. Raises
-    TerraceError for a bad config, RuntimeError when CUDA is already initialized. A second call
+    TerraceError for a bad config, RuntimeError when CUDA is already initialized. Warns when
+    PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) is set: it configures PyTorch's own allocator,
+    not terrace. A second call
     in the same process returns the library and swaps nothing.
 
     Out of device memory then raises RuntimeError opening with "CUDA out of memory.", as PyTorch's
@@ -207,6 +209,14 @@ def install(path=None, conf=None):
     lib = load(path)
     if conf:
         lib.configure(conf)
+    # PyTorch's settings configure the allocator terrace replaces: said, so that a user's
+    # max_split_size_mb or expandable_segments:True there is not dropped unseen.
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if os.environ.get(name):
+            warnings.warn(f"{name}={os.environ[name]} does not configure terrace, which replaces "
+                          "PyTorch's allocator: set TERRACE_ALLOC_CONF (or install(conf=...)), "
+                          "which takes max_split_size_mb, expandable_segments, "
+                          "garbage_collection_threshold and roundup_power2_divisions as PyTorch does")
     # The torch_ pair: PyTorch uses a NULL from malloc as the tensor's address and never retries
     # a free (see include/terrace/terrace.h).
     alloc = torch.cuda.memory.CUDAPluggableAllocator(lib.path, "terrace_torch_malloc",
