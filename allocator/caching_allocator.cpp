@@ -1190,12 +1190,6 @@ class allocator_impl {
     }
   }
 
-  // Likewise the arena's own memory: its reservation, its pages mapped and unmapped, its release.
-  void trace_arena_segment(trace_action a, const void* p, std::size_t size, std::uintptr_t stream) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (tracing_) trace(a, stream, reinterpret_cast<std::uintptr_t>(p), size, 0, {});
-  }
-
   void trace_iteration_mark(trace_action a) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (tracing_) trace(a, 0, 0, 0, 0, {});
@@ -1477,7 +1471,10 @@ caching_allocator::caching_allocator(device_backend& device, allocator_config co
     });
     plan_->set_segment_trace(
         [impl = impl_.get()](trace_action a, const void* p, std::size_t size, std::uintptr_t stream) {
-          if (impl->tracing()) impl->trace_arena_segment(a, p, size, stream);
+          // The arena's own memory, as its blocks: reservation, pages mapped and unmapped, release.
+          if (impl->tracing()) {
+            impl->trace_arena_block(a, stream_ref{reinterpret_cast<void*>(stream)}, p, size, 0, {});
+          }
         });
     plan_->set_fallback_adopt([impl = impl_.get()](std::uintptr_t addr, std::size_t size,
                                                    std::size_t requested,
