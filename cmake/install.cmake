@@ -16,16 +16,28 @@ set_target_properties(terrace PROPERTIES EXPORT_NAME terrace)
 # versioned file name would break every path that names libterrace.so.
 set_target_properties(terrace_c PROPERTIES EXPORT_NAME c)
 
-install(TARGETS terrace terrace_c
-  EXPORT terraceTargets
-  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT terrace_development
-  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT terrace_runtime
-          NAMELINK_COMPONENT terrace_development
-  RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT terrace_runtime
-  # Each exported target must carry the include folder on its own. The top level's
-  # $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}> is empty on a first configure (GNUInstallDirs
-  # is included after it), so it cannot be relied on here.
-  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# Two export sets, one per package component: terrace::c (libterrace.so) has no usage
+# requirements, so `find_package(terrace COMPONENTS c)` must not need what terrace::terrace needs
+# (the CUDA toolkit, for CUDA::cudart_static, when this build has CUDA).
+foreach(_terrace_export IN ITEMS "terrace;terraceTargets" "terrace_c;terraceCTargets")
+  list(GET _terrace_export 0 _terrace_target)
+  list(GET _terrace_export 1 _terrace_set)
+  install(TARGETS ${_terrace_target}
+    EXPORT ${_terrace_set}
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT terrace_development
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT terrace_runtime
+            NAMELINK_COMPONENT terrace_development
+    RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT terrace_runtime
+    # Each exported target must carry the include folder on its own. The top level's
+    # $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}> is empty on a first configure
+    # (GNUInstallDirs is included after it), so it cannot be relied on here.
+    INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  install(EXPORT ${_terrace_set}
+    NAMESPACE terrace::
+    FILE ${_terrace_set}.cmake
+    DESTINATION ${TERRACE_INSTALL_CMAKEDIR}
+    COMPONENT terrace_development)
+endforeach()
 
 # The whole public folder, detail/ included: public headers include it.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/terrace
@@ -36,12 +48,6 @@ install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/terrace
 if(TERRACE_BUILD_TOOLS AND TARGET terrace_cli)
   install(TARGETS terrace_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR} COMPONENT terrace_tools)
 endif()
-
-install(EXPORT terraceTargets
-  NAMESPACE terrace::
-  FILE terraceTargets.cmake
-  DESTINATION ${TERRACE_INSTALL_CMAKEDIR}
-  COMPONENT terrace_development)
 
 # The config must know whether this build linked CUDA::cudart_static into terrace::terrace: a
 # consumer then needs find_dependency(CUDAToolkit) to resolve that imported target.

@@ -7,8 +7,8 @@
 #
 #   tools/gpu_session.sh pack [BUILD_DIR]
 #       Here, after `tools/build.sh build Release` (with CUDA): packs the GPU tests, the CLI, the
-#       GPU benchmarks, libterrace.so and the two shared libraries they need that a bare machine
-#       lacks (libfmt, libbenchmark) into gpu-pack/terrace-gpu.tar.gz (git-ignored; ~20 MiB).
+#       GPU benchmarks, libterrace.so and the shared libraries they need that a bare machine
+#       lacks (libbenchmark, libgtest, ...: whatever ldd finds of the list below) into gpu-pack/terrace-gpu.tar.gz (git-ignored; ~20 MiB).
 #
 #   OUT=DIR tools/gpu_session.sh run GROUP... [--quick]
 #       There, from the repository root, with `gpu-pack` carried. GROUP: tests (nvidia-smi and the

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The install_consumer test: installs a terrace build tree into a temporary prefix, moves the
 # prefix (the package must be relocatable), builds tests/consumer against it with find_package,
-# and runs the result. Everything lives in one temporary folder, removed on exit.
+# and runs the result; then tests/consumer/c_only (COMPONENTS c) with the CUDA toolkit hidden, and
+# the installed CLI. Everything lives in one temporary folder, removed on exit.
 #
 #   run.sh --build-dir=DIR [--config=CFG] [--cmake=PATH] [--generator=NAME] [--cxx=PATH]
 #          [--sanitize=LIST] [--cuda-root=DIR]
@@ -77,3 +78,43 @@ fi
 
 step "build the consumer" "$cmake_bin" --build "$work/build" --config "$config"
 "$work/build/terrace_consumer"
+
+# The C ABI alone, on a machine without the CUDA toolkit: COMPONENTS c must not need it, even
+# from a build with CUDA (whose terrace::terrace links CUDA::cudart_static).
+no_cuda=(-DCMAKE_BUILD_TYPE="$config" -DCMAKE_PREFIX_PATH="$prefix"
+         -DCMAKE_FIND_PACKAGE_NO_PACKAGE_REGISTRY=ON -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON)
+[[ -n "$generator" ]] && no_cuda+=(-G "$generator")
+c_args=(-S "$here/c_only" -B "$work/build-c" "${no_cuda[@]}")
+if [[ -n "$sanitize" ]]; then
+  c_args+=(-DCMAKE_C_FLAGS="-fsanitize=$sanitize -fno-omit-frame-pointer"
+           -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=$sanitize")
+fi
+step "configure the C-only consumer without CUDA" "$cmake_bin" "${c_args[@]}"
+step "build the C-only consumer" "$cmake_bin" --build "$work/build-c" --config "$config"
+"$work/build-c/terrace_c_consumer"
+
+# There, asking for everything fails and says how to get the C ABI alone.
+if grep -q '^TERRACE_ENABLE_CUDA:BOOL=ON' "$build_dir/CMakeCache.txt"; then
+  if "$cmake_bin" -S "$here" -B "$work/build-refused" "${no_cuda[@]}" >"$log" 2>&1; then
+    echo "install_consumer: FAILED: find_package(terrace) of a CUDA build worked without the" \
+         "CUDA toolkit; terrace::terrace cannot link there" >&2
+    exit 1
+  fi
+  if ! grep -q 'COMPONENTS c' "$log"; then
+    echo "install_consumer: FAILED: without the CUDA toolkit, find_package(terrace) did not say" \
+         "that COMPONENTS c works:" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+fi
+
+# The installed CLI needs nothing beyond the C and C++ runtimes (fmt is header-only in it).
+if [[ -x "$prefix/bin/terrace" ]]; then
+  if ldd "$prefix/bin/terrace" | grep -q libfmt; then
+    echo "install_consumer: FAILED: the installed terrace needs libfmt:" >&2
+    ldd "$prefix/bin/terrace" >&2
+    exit 1
+  fi
+  step "run the installed terrace" "$prefix/bin/terrace" --version
+fi
+echo "install_consumer: ok"
