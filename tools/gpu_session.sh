@@ -7,8 +7,8 @@
 #
 #   tools/gpu_session.sh pack [BUILD_DIR]
 #       Here, after `tools/build.sh build Release` (with CUDA): packs the GPU tests, the CLI, the
-#       GPU benchmarks, libterrace.so and the shared libraries they need that a bare machine
-#       lacks (libbenchmark, libgtest, ...: whatever ldd finds of the list below) into gpu-pack/terrace-gpu.tar.gz (git-ignored; ~20 MiB).
+#       GPU benchmarks, libterrace.so and every shared library they need besides the C and C++
+#       runtimes (libbenchmark, ...) into gpu-pack/terrace-gpu.tar.gz (git-ignored; ~20 MiB).
 #
 #   OUT=DIR tools/gpu_session.sh run GROUP... [--quick]
 #       There, from the repository root, with `gpu-pack` carried. GROUP: tests (nvidia-smi and the
@@ -26,8 +26,14 @@
 # ones that carry the `gpu` label.
 set -u
 
+# The repository root: the run half reads gpu-pack/ and tools/*.py from it, wherever it is called.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
 pack() {
   local build="${1:-build}"
+  [[ -d "$build" ]] || { echo "gpu_session pack: $build is not a build folder" >&2; return 1; }
+  build="$(cd "$build" && pwd)"
+  cd "$repo" || return 1
   local stage
   stage="$(mktemp -d)"
   mkdir -p "$stage/tests" "$stage/tools" "$stage/lib" gpu-pack
@@ -46,12 +52,20 @@ pack() {
     esac
   done
   [[ $missing -eq 0 ]] || { rm -rf "$stage"; return 1; }
-  # The shared libraries a bare image may lack: whatever these binaries need from Debian's
-  # packages besides the C and C++ runtimes.
-  ldd "$stage"/tools/* "$stage"/tests/* "$stage"/lib/* 2>/dev/null |
-    awk '/=> \// {print $3}' | sort -u |
-    grep -E 'libfmt|libbenchmark|libmimalloc|liburing|libgtest' |
-    while read -r lib; do cp -L "$lib" "$stage/lib/"; done
+  # Every shared library these binaries need except the C and C++ runtimes, which any machine
+  # that runs PyTorch has (libbenchmark today; liburing, libfmt, ... if a build links them).
+  # A library ldd cannot find here would be missing there too.
+  local needs
+  needs="$(ldd "$stage"/tools/* "$stage"/tests/* "$stage"/lib/* 2>/dev/null)"
+  if grep -q 'not found' <<<"$needs"; then
+    echo "gpu_session pack: a library is not found here:" >&2
+    grep 'not found' <<<"$needs" | sort -u >&2
+    rm -rf "$stage"
+    return 1
+  fi
+  awk '/=> \// {print $1, $3}' <<<"$needs" | sort -u |
+    grep -vE '^(libc|libm|libstdc\+\+|libgcc_s|libpthread|libdl|librt|ld-linux-x86-64|libterrace)\.so' |
+    while read -r _ lib; do cp -L "$lib" "$stage/lib/"; done
   strip --strip-debug "$stage"/tests/* "$stage"/tools/* 2>/dev/null
   tar czf gpu-pack/terrace-gpu.tar.gz -C "$stage" .
   rm -rf "$stage"
