@@ -11,15 +11,25 @@
 #       runtimes (libbenchmark, ...) into gpu-pack/terrace-gpu.tar.gz (git-ignored; ~20 MiB).
 #
 #   OUT=DIR tools/gpu_session.sh run GROUP... [--quick]
-#       There, from the repository root, with `gpu-pack` carried. GROUP: tests (nvidia-smi and the
-#       gpu-labelled test binaries), bench (bench_allocator, bench_adam_gpu), train (`terrace train
-#       --device cuda` offloaded, resident, recomputed, planned), torch (GPT-2 and ResNet-18 in
-#       PyTorch under its allocator, terrace's caching and planned policies, and the example), or
-#       all. Each group fits one call (tests+bench in one, train+torch in another, with --quick if
-#       time is short). Step logs and files go to a scratch folder; DIR receives summary.txt and
+#       There, with `gpu-pack` carried (from any folder: it goes to the repository root). GROUP:
+#       tests (the gpu-labelled test binaries), bench (bench_allocator, bench_adam_gpu), train
+#       (`terrace train --device cuda` offloaded, resident, recomputed, planned), torch (GPT-2 and
+#       ResNet-18 in PyTorch under its allocator, terrace's caching and planned policies, and the
+#       example), or all. Each group should fit one call (tests+bench in one, train+torch in
+#       another, with --quick if time is short). Step logs and files go to a scratch folder; DIR
+#       receives summary.txt (each step's status and time),
 #       results.tar.gz (logs, JSON, losses) and snapshots-MODEL.tar.gz (the snapshots and traces:
-#       test data).
-#       The summary is printed last, so that it is in the call's output too.
+#       test data), at most 5 files. The summary is printed last, so that it is in the call's
+#       output too.
+#
+#       Time: a call's command is killed at its limit (10 minutes at most), and what is under DIR
+#       then still comes back. So each step runs under `timeout` (GPU_SESSION_STEP_TIMEOUT
+#       seconds, default 300), no step starts or runs past the run's own deadline
+#       (GPU_SESSION_BUDGET seconds from the start, default 540: give the call timeout_s 600, or
+#       lower this with it), and DIR is refreshed after every step: a hung step costs its own
+#       limit, not the results of the others. A step stopped by its limit shows as TIMED OUT.
+#       Size: an archive over 15 MiB (one file comes back only under 16 MiB) is remade without its
+#       largest files, which the summary names.
 #
 # Why the test binaries run directly rather than through `ctest -L gpu`: CTest's files name the
 # build folder by its absolute path here, which does not exist there. The binaries are exactly the
@@ -85,47 +95,100 @@ run() {
     esac
   done
   [[ ${#groups[@]} -gt 0 ]] || { echo "gpu_session run: name a group" >&2; return 2; }
+  local budget="${GPU_SESSION_BUDGET:-540}" step_limit="${GPU_SESSION_STEP_TIMEOUT:-300}"
+  [[ "$budget" =~ ^[0-9]+$ && "$step_limit" =~ ^[1-9][0-9]*$ ]] || {
+    echo "gpu_session run: GPU_SESSION_BUDGET and GPU_SESSION_STEP_TIMEOUT are whole seconds" >&2
+    return 2
+  }
+  # Each step must have ended, and DIR been refreshed, by the deadline (30 s left for the last
+  # refresh and the printing).
+  local deadline=$((SECONDS + budget - 30))
+  local out="${OUT:-gpu-out}"
+  mkdir -p "$out" && out="$(cd "$out" && pwd)" || return 2
+  cd "$repo" || return 2
   [[ -f gpu-pack/terrace-gpu.tar.gz ]] || {
     echo "gpu_session run: gpu-pack/terrace-gpu.tar.gz is missing: pack it here, carry gpu-pack" >&2
     return 2
   }
-  local out="${OUT:-gpu-out}"
-  local root=/tmp/terrace-gpu
-  local work=/tmp/terrace-gpu-work
-  rm -rf "$root" "$work"
-  mkdir -p "$root" "$work/torch" "$work/torch-planned" "$out"
-  tar xzf gpu-pack/terrace-gpu.tar.gz -C "$root"
+  # A folder of its own (under $TMPDIR), so that two runs on one machine do not meet.
+  local scratch
+  scratch="$(mktemp -d "${TMPDIR:-/tmp}/terrace-gpu.XXXXXX")" || return 2
+  local root="$scratch/pack" work="$scratch/work"
+  mkdir -p "$root" "$work/torch" "$work/torch-planned"
+  tar xzf gpu-pack/terrace-gpu.tar.gz -C "$root" || return 2
   export LD_LIBRARY_PATH="$root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export TERRACE_SOURCE_DIR="$PWD"  # where bench_adam_gpu finds tools/bench_adam_torch.py
+  export TERRACE_SOURCE_DIR="$repo"  # where bench_adam_gpu finds tools/bench_adam_torch.py
   export PYTHONUNBUFFERED=1
   # cuBLAS for the cuda char model: PyTorch's pip wheels keep it in site-packages/nvidia/...
-  if [[ -z "${TERRACE_CUBLAS_LIBRARY:-}" ]] && ! ldconfig -p | grep -q 'libcublas\.so\.13'; then
+  if [[ -z "${TERRACE_CUBLAS_LIBRARY:-}" ]] && ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so\.13'; then
     local found
-    found="$(python3 -c 'import glob, os, nvidia
+    found="$(timeout 60 python3 -c 'import glob, os, nvidia
 paths = [p for base in nvidia.__path__
          for p in glob.glob(os.path.join(base, "**", "libcublas.so.13"), recursive=True)]
 print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
     if [[ -n "$found" ]]; then
       export TERRACE_CUBLAS_LIBRARY="$found"
       # libcublas.so.13 loads libcublasLt.so.13 beside it; its own run path may not say so.
-      export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+      LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
     fi
   fi
-  local summary="$work/summary.txt"
+  local summary="$work/summary.txt" notes="$scratch/notes.txt"
+  : > "$notes"
   {
-    echo "gpu_session $(date -u +%FT%TZ) groups: ${groups[*]}$([[ $quick -eq 1 ]] && echo ' --quick')"
+    echo "gpu_session $(date -u +%FT%TZ) groups: ${groups[*]}$([[ $quick -eq 1 ]] && echo ' --quick')" \
+      "(step limit ${step_limit}s, budget ${budget}s)"
     echo "cuBLAS: ${TERRACE_CUBLAS_LIBRARY:-found by the loader}"
   } > "$summary"
+
+  # deliver: what comes back, refreshed after every step, so that a call killed at its limit
+  # still returns what ran. Each archive is made beside DIR and then moved in.
+  deliver() {
+    local max=$((15 * 1024 * 1024))  # one file comes back only under 16 MiB
+    : > "$notes"
+    (cd "$work" && tar czf "$scratch/results.tar.gz" --exclude='./store-*' --exclude='*snapshot*' \
+      --exclude='*.pickle' --exclude='*_trace.jsonl' .)
+    mv -f "$scratch/results.tar.gz" "$out/results.tar.gz"
+    # One archive per model, so that one too large does not hold the others back.
+    local model files
+    for model in gpt2 resnet18 pytorch_example; do
+      files="$(cd "$work" && find . \( -name '*snapshot*' -o -name '*.pickle' -o -name '*_trace.jsonl' \) \
+        -name "*$model*" -type f -printf '%s %p\n' | sort -n)"
+      [[ -n "$files" ]] || continue
+      while :; do
+        (cd "$work" && cut -d' ' -f2- <<<"$files" | tar czf "$scratch/snapshots-$model.tar.gz" -T -)
+        [[ $(stat -c %s "$scratch/snapshots-$model.tar.gz") -gt $max ]] || break
+        # Too large to come back: leave the largest file out, and say so.
+        echo "snapshots-$model.tar.gz: left out $(tail -n 1 <<<"$files" |
+          awk '{printf "%s (%d MiB)", $2, $1 / 1048576}'), too large to come back" >> "$notes"
+        files="$(sed '$d' <<<"$files")"
+        [[ -n "$files" ]] || { rm -f "$scratch/snapshots-$model.tar.gz"; break; }
+      done
+      [[ -f "$scratch/snapshots-$model.tar.gz" ]] &&
+        mv -f "$scratch/snapshots-$model.tar.gz" "$out/snapshots-$model.tar.gz"
+    done
+    cat "$summary" "$notes" > "$out/summary.txt"
+  }
+  trap 'echo "gpu_session: stopped by a signal" >> "$summary"; deliver; exit 143' TERM INT
 
   step() {  # step NAME COMMAND...: its output in NAME.log, its status and time in the summary
     local name="$1"
     shift
+    local left=$((deadline - SECONDS))
+    if [[ $left -lt 10 ]]; then
+      printf '%-28s NOT RUN: the budget of %ds is spent\n' "$name" "$budget" | tee -a "$summary"
+      return
+    fi
+    local limit=$((step_limit < left ? step_limit : left))
     local t0=$SECONDS
-    echo "== $name: $*" > "$work/$name.log"
-    "$@" >> "$work/$name.log" 2>&1
+    echo "== $name (limit ${limit}s): $*" > "$work/$name.log"
+    # timeout runs the step in a process group of its own, and ends all of it (a death test's
+    # child, a Python subprocess); KILL 10 s after TERM.
+    timeout -k 10 "$limit" "$@" >> "$work/$name.log" 2>&1 < /dev/null
     local rc=$?
-    printf '%-28s rc=%-3d %5ds\n' "$name" "$rc" $((SECONDS - t0)) | tee -a "$summary"
+    printf '%-28s rc=%-3d %5ds%s\n' "$name" "$rc" $((SECONDS - t0)) \
+      "$([[ $rc -eq 124 || $rc -eq 137 ]] && echo '  TIMED OUT')" | tee -a "$summary"
     tail -n 4 "$work/$name.log"
+    deliver
   }
 
   local steps=$((quick ? 20 : 100))
@@ -170,19 +233,14 @@ print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
         ;;
     esac
   done
+  trap - TERM INT
 
-  # What comes back: the summary, the small results, and the snapshots apart (they may be large).
-  cp "$summary" "$out/summary.txt"
-  (cd "$work" && tar czf "$out/results.tar.gz" --exclude='store-*' --exclude='*snapshot*' \
-    --exclude='*.pickle' --exclude='*_trace.jsonl' .)
-  # One archive per model, so that one too large to come back (16 MiB) does not hold the others.
-  for model in gpt2 resnet18 pytorch_example; do
-    (cd "$work" && find . \( -name '*snapshot*' -o -name '*.pickle' -o -name '*_trace.jsonl' \) \
-      -name "*$model*" | tar czf "$out/snapshots-$model.tar.gz" -T -)
-  done
+  deliver
+  rm -rf "$root"  # the binaries; the work folder stays, with the stores, for a look there
   ls -l "$out"
+  echo "work folder: $work"
   echo
-  cat "$summary"
+  cat "$out/summary.txt"
 }
 
 case "${1:-}" in
