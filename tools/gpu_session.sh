@@ -17,7 +17,7 @@
 #       ResNet-18 in PyTorch under its allocator, terrace's caching and planned policies, and the
 #       example), or all. Each group should fit one call (tests+bench in one, train+torch in
 #       another, with --quick if time is short). Step logs and files go to a scratch folder; DIR
-#       receives summary.txt (each step's status and time),
+#       receives summary.txt (the GPU seen, each step's status, time and GoogleTest counts),
 #       results.tar.gz (logs, JSON, losses) and snapshots-MODEL.tar.gz (the snapshots and traces:
 #       test data), at most 5 files. The summary is printed last, so that it is in the call's
 #       output too.
@@ -134,9 +134,16 @@ print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
   fi
   local summary="$work/summary.txt" notes="$scratch/notes.txt"
   : > "$notes"
+  local gpus
+  gpus="$(timeout 60 nvidia-smi -L 2>/dev/null | grep '^GPU ')"
   {
     echo "gpu_session $(date -u +%FT%TZ) groups: ${groups[*]}$([[ $quick -eq 1 ]] && echo ' --quick')" \
       "(step limit ${step_limit}s, budget ${budget}s)"
+    if [[ -n "$gpus" ]]; then
+      echo "GPU: $gpus"
+    else
+      echo "GPU: NONE (nvidia-smi is missing or lists no GPU): the gpu tests skip and nothing is measured"
+    fi
     echo "cuBLAS: ${TERRACE_CUBLAS_LIBRARY:-found by the loader}"
   } > "$summary"
 
@@ -170,6 +177,31 @@ print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
   }
   trap 'echo "gpu_session: stopped by a signal" >> "$summary"; deliver; exit 143' TERM INT
 
+  # verdict RC LOG: what the summary says of a step besides its exit status.
+  verdict() {
+    local rc="$1" log="$2" v
+    case "$rc" in
+      0) v="ok" ;;
+      124) v="TIMED OUT" ;;
+      137) v="KILLED (out of time, or of memory)" ;;
+      127) v="NOT FOUND" ;;
+      *) v="FAILED" ;;
+    esac
+    if grep -q '^\[==========\] .* ran\.' "$log"; then  # GoogleTest's counts
+      local passed skipped failed
+      passed="$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests*\..*/\1/p' "$log" | tail -n 1)"
+      skipped="$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests*, .*/\1/p' "$log" | tail -n 1)"
+      failed="$(sed -n 's/^\[  FAILED  \] \([0-9]*\) tests*, .*/\1/p' "$log" | tail -n 1)"
+      v+=": ${passed:-0} passed, ${skipped:-0} skipped, ${failed:-0} failed"
+      [[ ${passed:-0} -eq 0 && ${skipped:-0} -gt 0 ]] && v+=" (ALL SKIPPED)"
+    fi
+    grep -q 'no CUDA device' "$log" && v+=" (no CUDA device)"
+    # A failure's last word, often its reason (the log has the rest).
+    [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]] &&
+      v+=": $(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | cut -c 1-120)"
+    echo "$v"
+  }
+
   step() {  # step NAME COMMAND...: its output in NAME.log, its status and time in the summary
     local name="$1"
     shift
@@ -185,8 +217,8 @@ print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
     # child, a Python subprocess); KILL 10 s after TERM.
     timeout -k 10 "$limit" "$@" >> "$work/$name.log" 2>&1 < /dev/null
     local rc=$?
-    printf '%-28s rc=%-3d %5ds%s\n' "$name" "$rc" $((SECONDS - t0)) \
-      "$([[ $rc -eq 124 || $rc -eq 137 ]] && echo '  TIMED OUT')" | tee -a "$summary"
+    printf '%-28s rc=%-3d %5ds  %s\n' "$name" "$rc" $((SECONDS - t0)) \
+      "$(verdict "$rc" "$work/$name.log")" | tee -a "$summary"
     tail -n 4 "$work/$name.log"
     deliver
   }
