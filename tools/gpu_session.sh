@@ -119,6 +119,9 @@ run() {
   export LD_LIBRARY_PATH="$root/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export TERRACE_SOURCE_DIR="$repo"  # where bench_adam_gpu finds tools/bench_adam_torch.py
   export PYTHONUNBUFFERED=1
+  # PyTorch's C++ stacks in _dump_snapshot: addr2line (the default of older releases) can take
+  # minutes on its large libraries, or be missing; dladdr names the functions at once.
+  export TORCH_SYMBOLIZE_MODE="${TORCH_SYMBOLIZE_MODE:-dladdr}"
   # cuBLAS for the cuda char model: PyTorch's pip wheels keep it in site-packages/nvidia/...
   if [[ -z "${TERRACE_CUBLAS_LIBRARY:-}" ]] && ! ldconfig -p 2>/dev/null | grep -q 'libcublas\.so\.13'; then
     local found
