@@ -31,6 +31,10 @@
 #       Size: an archive over 15 MiB (one file comes back only under 16 MiB) is remade without its
 #       largest files, which the summary names.
 #
+# A call sends the checkout its session was started in, never a helper's worktree: pack in that
+# checkout (or copy gpu-pack/ into it), and know that the script and tools/*.py that run there are
+# that checkout's.
+#
 # Why the test binaries run directly rather than through `ctest -L gpu`: CTest's files name the
 # build folder by its absolute path here, which does not exist there. The binaries are exactly the
 # ones that carry the `gpu` label.
