@@ -139,8 +139,7 @@ print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
       LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
     fi
   fi
-  local summary="$work/summary.txt" notes="$scratch/notes.txt"
-  : > "$notes"
+  local summary="$work/summary.txt"
   local gpus
   gpus="$(timeout 60 nvidia-smi -L 2>/dev/null | grep '^GPU ')"
   {
@@ -158,29 +157,33 @@ print(sorted(paths)[0] if paths else "")' 2>/dev/null)"
   # still returns what ran. Each archive is made beside DIR and then moved in.
   deliver() {
     local max=$((15 * 1024 * 1024))  # one file comes back only under 16 MiB
-    : > "$notes"
     (cd "$work" && tar czf "$scratch/results.tar.gz" --exclude='./store-*' --exclude='*snapshot*' \
       --exclude='*.pickle' --exclude='*_trace.jsonl' .)
     mv -f "$scratch/results.tar.gz" "$out/results.tar.gz"
-    # One archive per model, so that one too large does not hold the others back.
-    local model files
+    # One archive per model, so that one too large does not hold the others back; remade only
+    # when a step has written its files since (gzip of large snapshots takes seconds).
+    local model files note
     for model in gpt2 resnet18 pytorch_example; do
       files="$(cd "$work" && find . \( -name '*snapshot*' -o -name '*.pickle' -o -name '*_trace.jsonl' \) \
         -name "*$model*" -type f -printf '%s %p\n' | sort -n)"
       [[ -n "$files" ]] || continue
+      note="$scratch/notes-$model.txt"
+      [[ -f "$note" && -z "$(cd "$work" && find . -type f -newer "$note" -name "*$model*" -print -quit)" ]] &&
+        continue
+      : > "$note"
       while :; do
         (cd "$work" && cut -d' ' -f2- <<<"$files" | tar czf "$scratch/snapshots-$model.tar.gz" -T -)
         [[ $(stat -c %s "$scratch/snapshots-$model.tar.gz") -gt $max ]] || break
         # Too large to come back: leave the largest file out, and say so.
         echo "snapshots-$model.tar.gz: left out $(tail -n 1 <<<"$files" |
-          awk '{printf "%s (%d MiB)", $2, $1 / 1048576}'), too large to come back" >> "$notes"
+          awk '{printf "%s (%d MiB)", $2, $1 / 1048576}'), too large to come back" >> "$note"
         files="$(sed '$d' <<<"$files")"
         [[ -n "$files" ]] || { rm -f "$scratch/snapshots-$model.tar.gz"; break; }
       done
       [[ -f "$scratch/snapshots-$model.tar.gz" ]] &&
         mv -f "$scratch/snapshots-$model.tar.gz" "$out/snapshots-$model.tar.gz"
     done
-    cat "$summary" "$notes" > "$out/summary.txt"
+    cat "$summary" "$scratch"/notes-*.txt > "$out/summary.txt" 2> /dev/null
   }
   trap 'echo "gpu_session: stopped by a signal" >> "$summary"; deliver; exit 143' TERM INT
 
