@@ -952,6 +952,24 @@ TEST(Report, TheTimelineKeepsAPeakBetweenSamples) {
   }
 }
 
+// Found in review: the timeline counted live bytes as requests rounded to 512 B, while the
+// summary above the charts gives peak live as the blocks handed out: the fragmentation curve
+// ended at another figure than the summary's (a 19.5 MiB request holds a 20 MiB block).
+TEST(Report, TheChartsEndAtTheSummarysPeaks) {
+  constexpr std::uint64_t MiB = 1 << 20;
+  std::vector<trace_event> ev(3);
+  ev[0].action = trace_action::alloc, ev[0].addr = 0x1000, ev[0].size = ev[0].requested = 512;
+  ev[1].action = trace_action::alloc, ev[1].addr = 0x100000, ev[1].size = ev[1].requested = 19 * MiB + MiB / 2;
+  ev[2].action = trace_action::free_requested, ev[2].addr = 0x1000, ev[2].size = ev[2].requested = 512;
+  const auto in = tr::make_report_input(ev, {}, "t.jsonl", "terrace-jsonl");
+  for (const auto& [name, r] : in.runs) {
+    std::int64_t live = 0, reserved = 0;
+    for (const auto& p : r.timeline) live = std::max(live, p.live_bytes), reserved = std::max(reserved, p.reserved_bytes);
+    EXPECT_EQ(live, r.peak_allocated_bytes) << name;
+    EXPECT_EQ(reserved, r.peak_reserved_bytes) << name;
+  }
+}
+
 // Found in review: an allocation the replay could not make (out of memory) was listed among the
 // largest holders at the peak, above the peak live bytes the summary gives.
 TEST(Report, HoldersLeaveOutAllocationsTheReplayCouldNotMake) {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "terrace/caching_allocator.hpp"
 #include "terrace/config.hpp"
@@ -159,6 +160,53 @@ resolved_trace resolve(const std::vector<trace_event>& events, bool account_pree
   return t;
 }
 
+// The peaks of one window of the replay (from one timeline sample, or the start of the steady
+// state, to the next), in the allocator's own figures: the blocks handed out and the bytes
+// reserved, as the whole trace's peak_allocated_bytes and peak_reserved_bytes. Each window ends
+// by reading the stats and resetting their peaks, so that the replay's loop counts nothing per
+// event; the whole trace's peaks are kept here across the resets.
+class window_peaks {
+ public:
+  explicit window_peaks(caching_allocator& alloc) : alloc_(alloc) {}
+
+  // The peak allocated and reserved bytes since the window before; the next starts from now.
+  std::pair<std::int64_t, std::int64_t> close() {
+    const allocator_stats s = alloc_.stats();
+    keep_peaks_of(s);
+    alloc_.reset_peak_stats();
+    const auto all = static_cast<int>(stat_pool::all);
+    return {s.allocated_bytes[all].peak, s.reserved_bytes[all].peak};
+  }
+
+  // `now` (the allocator's stats) with each peak the whole replay's, not its last window's.
+  allocator_stats whole_replay(allocator_stats now) {
+    keep_peaks_of(now);
+#define TERRACE_WHOLE_PEAK(field, name) \
+  for (std::size_t p = 0; p < now.field.size(); ++p) now.field[p].peak = kept_.field[p].peak;
+    TERRACE_POOL_STATS(TERRACE_WHOLE_PEAK)
+#undef TERRACE_WHOLE_PEAK
+    const auto all = static_cast<int>(stat_pool::all);
+    const auto& rb = now.reserved_bytes[all];
+    now.peak_fragmentation =
+        rb.peak > 0 ? 1.0 - static_cast<double>(now.active_bytes[all].peak) / static_cast<double>(rb.peak)
+                    : 0.0;
+    return now;
+  }
+
+ private:
+  void keep_peaks_of(const allocator_stats& s) {
+#define TERRACE_KEEP_PEAK(field, name)                   \
+  for (std::size_t p = 0; p < s.field.size(); ++p) {     \
+    kept_.field[p].peak = std::max(kept_.field[p].peak, s.field[p].peak); \
+  }
+    TERRACE_POOL_STATS(TERRACE_KEEP_PEAK)
+#undef TERRACE_KEEP_PEAK
+  }
+
+  caching_allocator& alloc_;
+  allocator_stats kept_{};
+};
+
 }  // namespace
 
 replay_result replay(const std::vector<trace_event>& events, const replay_options& options) {
@@ -200,27 +248,30 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   std::int64_t peak_live = live_bytes;
   const std::size_t stride =
       options.timeline_points > 0 ? std::max<std::size_t>(1, events.size() / options.timeline_points) : 0;
-  // Each sample is the most live and the most reserved since the one before: the state at every
-  // stride-th event alone would miss a peak between two samples, and the report's chart would
-  // then disagree with the peak its summary gives.
-  std::int64_t window_live = 0, window_reserved = 0;
-  auto observe = [&] {
-    window_live = std::max(window_live, live_bytes);
-    window_reserved = std::max(window_reserved, static_cast<std::int64_t>(device->used_bytes()));
-  };
-  auto sample = [&](std::size_t i) {
-    observe();
-    r.timeline.push_back({i, window_live, window_reserved});
-    window_live = live_bytes;
-    window_reserved = static_cast<std::int64_t>(device->used_bytes());
-  };
-  if (stride != 0) sample(0);
 
   const bool planned = options.config.policy == alloc_policy::planned;
   std::size_t steady_from = options.steady_from_event;
   if (steady_from == SIZE_MAX && !planned) steady_from = 0;
   bool steady = steady_from == 0;
+  // Each sample, and the steady state's figures, are the peaks of the windows since: the state at
+  // every stride-th event alone would miss a peak between two samples, and the report's chart
+  // would then disagree with the peak its summary gives. Both count the blocks handed out, as
+  // the whole trace's figures do (live_bytes, rounded requests, would give one state two figures).
+  window_peaks windows(alloc);
   std::int64_t steady_live = 0, steady_reserved = 0;
+  auto close_window = [&] {
+    const auto [allocated, reserved] = windows.close();
+    if (steady) {
+      steady_live = std::max(steady_live, allocated);
+      steady_reserved = std::max(steady_reserved, reserved);
+    }
+    return std::pair{allocated, reserved};
+  };
+  auto sample = [&](std::size_t i) {
+    const auto [allocated, reserved] = close_window();
+    r.timeline.push_back({i, allocated, reserved});
+  };
+  if (stride != 0) sample(0);
   const std::size_t end = std::min(events.size(), t.inconsistent_event);
   bool stopped = false;
   const auto start = std::chrono::steady_clock::now();
@@ -233,14 +284,10 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
           i % 64 == 0 || events[i - 1].action == trace_action::iteration_begin;
       if (steady_from == SIZE_MAX ? (may_start_planned && alloc.plan_stats().iterations > 0)
                                   : i >= steady_from) {
+        close_window();  // what came before is not the steady state's
         steady = true;
         r.steady_from_event = i;
       }
-    }
-    if (steady) {
-      steady_live = std::max(steady_live, live_bytes);
-      steady_reserved =
-          std::max(steady_reserved, static_cast<std::int64_t>(device->used_bytes()));
     }
     if (i == options.stop_after_event) {
       r.snapshot_at_stop = alloc.snapshot();
@@ -248,13 +295,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
       break;
     }
     const trace_event& e = events[i];
-    if (stride != 0) {
-      if (i % stride == 0 && i != 0) {
-        sample(i);
-      } else {
-        observe();
-      }
-    }
+    if (stride != 0 && i % stride == 0 && i != 0) sample(i);
     if (e.action == trace_action::alloc) {
       slot& b = t.slots[t.slot_of_event[i]];
       b.bytes = e.requested != 0 ? e.requested : e.size;
@@ -328,13 +369,12 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   if (!stopped && options.stop_after_event != SIZE_MAX) {
     r.snapshot_at_stop = alloc.snapshot();
   }
-  if (stride != 0) sample(events.empty() ? 0 : events.size() - 1);
-  if (steady) {
-    steady_live = std::max(steady_live, live_bytes);
-    steady_reserved = std::max(steady_reserved, static_cast<std::int64_t>(device->used_bytes()));
+  if (stride != 0) {
+    sample(events.empty() ? 0 : events.size() - 1);
   } else {
-    r.steady_from_event = events.size();
+    close_window();
   }
+  if (!steady) r.steady_from_event = events.size();
   r.steady_peak_live_bytes = steady_live;
   r.steady_peak_reserved_bytes = steady_reserved;
   r.steady_fragmentation =
@@ -347,7 +387,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   r.events_per_second = r.seconds > 0.0 ? static_cast<double>(r.events_replayed) / r.seconds : 0.0;
   r.streams = streams.size();
   r.live_at_end = held;
-  r.stats = alloc.stats();
+  r.stats = windows.whole_replay(alloc.stats());
   const auto all = static_cast<int>(stat_pool::all);
   r.peak_requested_bytes = r.stats.requested_bytes[all].peak;
   r.peak_allocated_bytes = r.stats.allocated_bytes[all].peak;
@@ -359,8 +399,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   r.device_allocs = r.stats.num_device_alloc;
   r.plan = alloc.plan_stats();
   // No steady state reached, or one from event 0 (the others' default): the window is the whole
-  // trace, and its figures are the whole trace's, in allocated bytes as `fragmentation` (the live
-  // bytes above are rounded requests, which would give the same window a second figure).
+  // trace, and its figures are the whole trace's.
   if (!steady || r.steady_from_event == 0) {
     r.steady_peak_live_bytes = r.peak_allocated_bytes;
     r.steady_peak_reserved_bytes = r.peak_reserved_bytes;

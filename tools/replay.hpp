@@ -69,8 +69,8 @@ struct replay_options {
 /// before (so that no peak falls between two samples).
 struct timeline_point {
   std::size_t event = 0;          ///< index of the trace event just replayed
-  std::int64_t live_bytes = 0;    ///< live blocks, rounded to 512 B (the allocator's view)
-  std::int64_t reserved_bytes = 0;///< what the backend holds for the allocator
+  std::int64_t live_bytes = 0;    ///< the blocks handed out, as peak_allocated_bytes counts them
+  std::int64_t reserved_bytes = 0;///< what the allocator holds, as peak_reserved_bytes counts it
 };
 
 struct replay_result {
@@ -109,8 +109,8 @@ struct replay_result {
   /// after event peak_live_after_events - 1; 0 = before the first event, the pre-existing blocks
   /// alone (or nothing ever allocated). Pass it as stop_after_event to see that state.
   std::size_t peak_live_after_events = 0;
-  /// From steady_from_event on: peak live bytes (rounded to 512 B), peak bytes held from the
-  /// backend, and 1 - the first / the second. When there is none (steady_from_event ==
+  /// From steady_from_event on: peak allocated bytes and peak reserved bytes (as
+  /// peak_allocated_bytes and peak_reserved_bytes count them), and 1 - the first / the second. When there is none (steady_from_event ==
   /// events_total) or it is 0, the whole trace's peak_allocated_bytes, peak_reserved_bytes and
   /// fragmentation.
   std::size_t steady_from_event = 0;
