@@ -810,6 +810,36 @@ TEST(Cli, ReplayAndCompareGiveOneFigurePerPolicyAndWindow) {
       << text.output;
 }
 
+// Found in review: `replay --policy all` measured caching's and expandable's steady state over
+// the whole trace while compare measures them over the planned policy's window, so on a trace
+// that forms a plan the two commands gave the same policy two steady-state figures.
+TEST(Cli, ReplayAllAndCompareMeasureOneSteadyWindow) {
+  tg::training_trace_options m = small_model();
+  m.dynamic_iterations = 0;
+  m.shape_determined_scratch = true;
+  m.mark_iterations = true;
+  m.iterations = 8;
+  const std::string path = temp_path("cli-steady");
+  {
+    std::ofstream out(path);
+    terrace::write_trace_jsonl(out, tg::generate_training_trace(m));
+  }
+  const auto replayed = run_cli("replay '" + path + "' --policy all --json");
+  ASSERT_EQ(replayed.exit_code, 0) << replayed.output;
+  const auto compared = run_cli("compare '" + path + "' --json");
+  ASSERT_EQ(compared.exit_code, 0) << compared.output;
+  const auto c = nlohmann::json::parse(compared.output).at("policies");
+  ASSERT_GT(c.at("planned").at("steady_from_event").get<std::size_t>(), 0u);  // a plan formed
+  for (const auto& run : nlohmann::json::parse(replayed.output)) {
+    const std::string policy = run.at("policy");
+    for (const char* key : {"steady_from_event", "steady_peak_live_bytes",
+                            "steady_peak_reserved_bytes", "steady_fragmentation"}) {
+      EXPECT_EQ(run.at(key), c.at(policy).at(key)) << policy << " " << key;
+    }
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(Cli, BadInputExitsWithTwoAndSaysWhy) {
   const std::string path = temp_path("cli-bad");
   write_file(path,

@@ -188,12 +188,11 @@ int run_replay(replay_args& args) {
   const auto imported = import("terrace replay", args.trace, args.format);
   const auto& events = imported.events;
   if (args.policy == "all") {
+    // As compare runs them: caching and expandable measured over the planned policy's steady
+    // state, so that one trace gives each policy one steady-state figure.
     std::vector<std::string> outputs;
-    for (const char* p : {"caching", "expandable", "planned"}) {
-      auto o = options;
-      o.config = terrace::parse_alloc_conf(std::string("policy:") + p, options.config);
-      const auto r = terrace::tools::replay(events, o);
-      const terrace::tools::replay_context ctx{args.trace, o.config.expandable_segments, args.conf};
+    for (const auto& [p, r] : terrace::tools::replay_policies(events, options)) {
+      const terrace::tools::replay_context ctx{args.trace, p == "expandable", args.conf};
       outputs.push_back(args.json ? terrace::tools::format_replay_json(r, ctx)
                                   : fmt::format("== policy {}\n{}", p,
                                                 terrace::tools::format_replay_text(r, ctx)));
