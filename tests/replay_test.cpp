@@ -423,6 +423,31 @@ TEST(Replay, FreesOfBlocksAllocatedBeforeTheWindowAreCountedAndSkipped) {
   EXPECT_GE(r.peak_allocated_bytes, c.peak_allocated);
 }
 
+// Found in review: a free of a block from before the window that gives no size (or any such
+// free, without account_preexisting) was in no count of the events line: "3 in the trace, 2
+// replayed (...), 0 other actions skipped".
+TEST(Replay, EveryEventIsInOneCount) {
+  std::vector<trace_event> events = {ev(trace_action::alloc, 0x1000, MiB),
+                                     ev(trace_action::free_requested, 0x9000, 0),
+                                     ev(trace_action::free_requested, 0x8000, 2 * MiB),
+                                     ev(trace_action::iteration_begin, 0, 0),
+                                     ev(trace_action::free_completed, 0x8000, 2 * MiB)};
+  events[1].size = 0;  // no size: the replay cannot account the block
+  for (const bool account : {true, false}) {
+    tr::replay_options opts;
+    opts.account_preexisting = account;
+    const auto r = tr::replay(events, opts);
+    EXPECT_EQ(r.preexisting_skipped, account ? 1u : 2u);
+    EXPECT_EQ(r.events_replayed + r.iteration_marks + r.skipped_events + r.preexisting_skipped,
+              r.events_total);
+    const std::string text = tr::format_replay_text(r, {"t.jsonl", false, ""});
+    EXPECT_NE(text.find(account ? "1 free of a block from before the window skipped"
+                                : "2 frees of blocks from before the window skipped"),
+              std::string::npos)
+        << text;
+  }
+}
+
 TEST(Replay, OutOfMemoryIsCountedAndTheReplayGoesOn) {
   // 64 MiB device: the second 40 MiB block cannot fit; its free is expected, not pre-existing;
   // after the first block is freed the third fits again.

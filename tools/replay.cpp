@@ -318,6 +318,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
       const std::uint32_t s = t.slot_of_event[i];
       if (s == no_slot) {
         ++r.preexisting_frees;
+        ++r.preexisting_skipped;
         continue;
       }
       slot& b = t.slots[s];

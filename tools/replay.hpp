@@ -83,6 +83,9 @@ struct replay_result {
   std::size_t failed_alloc_frees = 0;    ///< frees of the trace's allocs that had failed with OOM
   std::size_t iteration_marks = 0;       ///< iteration_begin / iteration_end events, passed on
   std::size_t skipped_events = 0;        ///< events of the other actions
+  /// Frees of blocks from before the window that the replay does not hold (no size to give them,
+  /// or account_preexisting off): in preexisting_frees, not in events_replayed.
+  std::size_t preexisting_skipped = 0;
   std::size_t streams = 0;               ///< distinct trace streams seen on alloc/free events
   std::size_t live_at_end = 0;           ///< replayed blocks never freed inside the window
   std::int64_t peak_requested_bytes = 0; ///< peak of the live callers' sizes

@@ -28,7 +28,7 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
   fmt::format_to(std::back_inserter(out), "replay of {} on the {} device{}{}\n", c.trace_path,
                  r.device, c.expandable ? ", expandable segments" : "",
                  c.conf.empty() ? std::string() : ", conf " + c.conf);
-  line("events", fmt::format("{} in the trace, {} replayed ({} allocs, {} frees), {}{} other actions "
+  line("events", fmt::format("{} in the trace, {} replayed ({} allocs, {} frees), {}{}{} other actions "
                              "skipped",
                              r.events_total, r.events_replayed, r.allocs,
                              // Every replayed event that is not an alloc is a free: those of
@@ -36,6 +36,15 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
                              r.events_replayed - r.allocs,
                              r.iteration_marks > 0
                                  ? fmt::format("{} iteration marks passed on, ", r.iteration_marks)
+                                 : std::string(),
+                             // Else in no count: the figures would not add up to the trace's.
+                             r.preexisting_skipped == 1
+                                 ? std::string("1 free of a block from before the window skipped "
+                                               "(no size, or not accounted), ")
+                             : r.preexisting_skipped > 1
+                                 ? fmt::format("{} frees of blocks from before the window skipped "
+                                               "(no size, or not accounted), ",
+                                               r.preexisting_skipped)
                                  : std::string(),
                              r.skipped_events));
   line("pre-existing frees", fmt::format("{} (freed addresses allocated before the window)",
@@ -109,6 +118,7 @@ std::string format_replay_json(const replay_result& r, const replay_context& c) 
   j["failed_alloc_frees"] = r.failed_alloc_frees;
   j["iteration_marks"] = r.iteration_marks;
   j["skipped_events"] = r.skipped_events;
+  j["preexisting_skipped"] = r.preexisting_skipped;
   j["streams"] = r.streams;
   j["live_at_end"] = r.live_at_end;
   j["peak_requested_bytes"] = r.peak_requested_bytes;
