@@ -970,6 +970,23 @@ TEST(Report, TheChartsEndAtTheSummarysPeaks) {
   }
 }
 
+// Found in review: a tag or a trace path holding control characters (a NUL from a JSON "\u0000",
+// an escape sequence) went into the page as they were: characters HTML does not allow, which
+// made the page a binary file to grep and a parse error to a validator.
+TEST(Report, ControlCharactersInTagsAndPathsStayOutOfThePage) {
+  std::vector<trace_event> ev(1);
+  ev[0].action = trace_action::alloc, ev[0].addr = 0x1000, ev[0].size = ev[0].requested = 1 << 20;
+  ev[0].tag = "a\0b\x1b[31mc\x7f<d>"s;
+  const std::string page =
+      tr::render_html_report(tr::make_report_input(ev, {}, "p\x01" "ath.jsonl", "terrace-jsonl"));
+  for (const char c : page) {
+    const auto u = static_cast<unsigned char>(c);
+    EXPECT_FALSE((u < 0x20 && c != '\n' && c != '\t' && c != '\r') || u == 0x7f) << int{u};
+  }
+  EXPECT_NE(page.find("a\uFFFDb\uFFFD[31mc\uFFFD&lt;d&gt;"), std::string::npos);
+  EXPECT_NE(page.find("p\uFFFDath.jsonl"), std::string::npos);
+}
+
 // Found in review: an allocation the replay could not make (out of memory) was listed among the
 // largest holders at the peak, above the peak live bytes the summary gives.
 TEST(Report, HoldersLeaveOutAllocationsTheReplayCouldNotMake) {

@@ -26,7 +26,15 @@ std::string esc(const std::string& s) {
       case '>': o += "&gt;"; break;
       case '&': o += "&amp;"; break;
       case '"': o += "&quot;"; break;
-      default: o += c;
+      // Control characters (a NUL from a trace's "\u0000", an escape sequence) are not allowed in
+      // HTML, not even as character references: shown as U+FFFD, as a browser would.
+      case '\t': case '\n': case '\r': o += c; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20 || c == '\x7f') {
+          o += "\uFFFD";
+        } else {
+          o += c;
+        }
     }
   }
   return o;
