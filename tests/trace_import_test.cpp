@@ -1181,6 +1181,26 @@ TEST(Cli, AReportThatCannotBeWrittenLeavesNoHalfPage) {
   std::filesystem::remove(html);
 }
 
+// Found in review: an output in a folder that does not exist was found only when the page was
+// written, after the trace was read and replayed four times (minutes for a large trace). It is
+// named before the trace is read: here the trace (empty standard input) is never reached.
+TEST(Cli, AReportWithNowhereToGoIsRefusedBeforeTheReplay) {
+  const std::string missing = temp_path("no-such-folder") + "/r.html";
+  auto r = terrace::testing::run_command("'" + std::string(TERRACE_CLI_PATH) + "' report - -o '" + missing +
+                                         "' </dev/null");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot write '" + missing + "': No such file or directory"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("nothing to replay"), std::string::npos) << r.output;
+  const std::string file = temp_path("a-file");
+  write(file, "x");
+  r = terrace::testing::run_command("'" + std::string(TERRACE_CLI_PATH) + "' report - -o '" + file +
+                                    "/r.html' </dev/null");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("Not a directory"), std::string::npos) << r.output;
+  std::filesystem::remove(file);
+}
+
 TEST(Cli, BadInputsExitWithTwo) {
   const std::string evil = temp_path("evil.pickle"), csv = temp_path("bad.csv"), js = temp_path("bad.json");
   const std::string type = temp_path("type.json"), utf = temp_path("utf.pickle");

@@ -345,8 +345,22 @@ CLI::App* setup_report(CLI::App& app, compare_args& args) {
   return cmd;
 }
 
+// The page is written after the trace is read and replayed four times (minutes for a large
+// trace): an output in a folder that is not there is said before all that.
+void require_output_folder(const std::string& output) {
+  const std::filesystem::path parent = std::filesystem::path(output).parent_path();
+  std::error_code ec;
+  const auto kind = std::filesystem::status(parent.empty() ? "." : parent, ec).type();
+  if (kind == std::filesystem::file_type::directory) return;
+  const std::string why = kind == std::filesystem::file_type::not_found ? std::strerror(ENOENT)
+                          : ec                                            ? ec.message()
+                                                                          : std::strerror(ENOTDIR);
+  throw std::runtime_error("cannot write '" + output + "': " + why);
+}
+
 int run_report(const compare_args& args) {
   const auto options = compare_options(args.conf);
+  require_output_folder(args.output);
   const auto imported = import("terrace report", args.trace, args.format);
   const auto in = terrace::tools::make_report_input(imported.events, options, args.trace,
                                                     imported.format, imported.torch_reserved_peak);
