@@ -637,6 +637,9 @@ TEST(Replay, TheSteadyStateCountsTheBlocksHandedOutAsTheWholeTraceDoes) {
   EXPECT_DOUBLE_EQ(r.steady_fragmentation, r.fragmentation);
   // The window's reset leaves the whole trace's peaks in the stats.
   EXPECT_EQ(r.stats.allocated_bytes[0].peak, r.peak_allocated_bytes);
+  // The callers' bytes, beside: the strict denominator.
+  EXPECT_EQ(r.steady_peak_requested_bytes, static_cast<std::int64_t>(19 * MiB + MiB / 2 + 512));
+  EXPECT_EQ(r.steady_peak_requested_bytes, r.peak_requested_bytes);
 
   // On a training trace, no window's figure exceeds the whole trace's.
   tg::training_trace_options m = small_model();
@@ -644,7 +647,14 @@ TEST(Replay, TheSteadyStateCountsTheBlocksHandedOutAsTheWholeTraceDoes) {
   m.shape_determined_scratch = true;
   m.mark_iterations = true;
   m.iterations = 8;
-  for (const auto& [name, run] : tr::replay_policies(tg::generate_training_trace(m), {})) {
+  const auto runs = tr::replay_policies(tg::generate_training_trace(m), {});
+  ASSERT_LT(runs.back().second.steady_from_event, runs.back().second.events_total);
+  for (const auto& [name, run] : runs) {
+    // The callers' bytes in the one window are the same under every policy, and no more than
+    // the blocks holding them.
+    EXPECT_EQ(run.steady_peak_requested_bytes, runs[0].second.steady_peak_requested_bytes) << name;
+    EXPECT_GT(run.steady_peak_requested_bytes, 0) << name;
+    EXPECT_LE(run.steady_peak_requested_bytes, run.steady_peak_live_bytes) << name;
     EXPECT_LE(run.steady_peak_live_bytes, run.peak_allocated_bytes) << name;
     EXPECT_LE(run.steady_peak_reserved_bytes, run.peak_reserved_bytes) << name;
     if (run.steady_peak_reserved_bytes == run.peak_reserved_bytes &&

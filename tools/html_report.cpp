@@ -245,10 +245,12 @@ std::string report_summary(const report_input& in) {
   for (const auto& [name, r] : in.runs) {
     o += fmt::format(
         "{:<11} peak live {:>11}  peak reserved {:>11}  fragmentation {:5.1f}%  steady-state "
-        "reserved {:>11} ({:4.1f}% unused)  device allocs {:>6}",
+        "reserved {:>11} ({:4.1f}% unused, {:4.1f}% not requested)  device allocs {:>6}",
         name, format_bytes(r.peak_allocated_bytes), format_bytes(r.peak_reserved_bytes),
         100 * r.fragmentation, format_bytes(r.steady_peak_reserved_bytes),
-        100 * r.steady_fragmentation, r.device_allocs);
+        100 * r.steady_fragmentation,
+        100 * unused_fraction(r.steady_peak_requested_bytes, r.steady_peak_reserved_bytes),
+        r.device_allocs);
     if (r.plan.enabled) {
       o += fmt::format("  planned hit rate {:.1f}%  arena {} (lower bound {})",
                        100 * r.plan.hit_rate(), format_bytes(r.plan.arena_bytes),

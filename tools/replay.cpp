@@ -169,13 +169,17 @@ class window_peaks {
  public:
   explicit window_peaks(caching_allocator& alloc) : alloc_(alloc) {}
 
-  // The peak allocated and reserved bytes since the window before; the next starts from now.
-  std::pair<std::int64_t, std::int64_t> close() {
+  struct peaks {
+    std::int64_t requested = 0, allocated = 0, reserved = 0;
+  };
+  // The peak requested, allocated and reserved bytes since the window before; the next starts
+  // from now.
+  peaks close() {
     const allocator_stats s = alloc_.stats();
     keep_peaks_of(s);
     alloc_.reset_peak_stats();
     const auto all = static_cast<int>(stat_pool::all);
-    return {s.allocated_bytes[all].peak, s.reserved_bytes[all].peak};
+    return {s.requested_bytes[all].peak, s.allocated_bytes[all].peak, s.reserved_bytes[all].peak};
   }
 
   // `now` (the allocator's stats) with each peak the whole replay's, not its last window's.
@@ -258,18 +262,19 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   // would then disagree with the peak its summary gives. Both count the blocks handed out, as
   // the whole trace's figures do (live_bytes, rounded requests, would give one state two figures).
   window_peaks windows(alloc);
-  std::int64_t steady_live = 0, steady_reserved = 0;
+  std::int64_t steady_requested = 0, steady_live = 0, steady_reserved = 0;
   auto close_window = [&] {
-    const auto [allocated, reserved] = windows.close();
+    const window_peaks::peaks p = windows.close();
     if (steady) {
-      steady_live = std::max(steady_live, allocated);
-      steady_reserved = std::max(steady_reserved, reserved);
+      steady_requested = std::max(steady_requested, p.requested);
+      steady_live = std::max(steady_live, p.allocated);
+      steady_reserved = std::max(steady_reserved, p.reserved);
     }
-    return std::pair{allocated, reserved};
+    return p;
   };
   auto sample = [&](std::size_t i) {
-    const auto [allocated, reserved] = close_window();
-    r.timeline.push_back({i, allocated, reserved});
+    const window_peaks::peaks p = close_window();
+    r.timeline.push_back({i, p.allocated, p.reserved});
   };
   if (stride != 0) sample(0);
   const std::size_t end = std::min(events.size(), t.inconsistent_event);
@@ -376,12 +381,10 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
     close_window();
   }
   if (!steady) r.steady_from_event = events.size();
+  r.steady_peak_requested_bytes = steady_requested;
   r.steady_peak_live_bytes = steady_live;
   r.steady_peak_reserved_bytes = steady_reserved;
-  r.steady_fragmentation =
-      steady_reserved > 0
-          ? 1.0 - static_cast<double>(steady_live) / static_cast<double>(steady_reserved)
-          : 0.0;
+  r.steady_fragmentation = unused_fraction(steady_live, steady_reserved);
   if (options.check_invariants_every != 0) alloc.check_invariants();
 
   r.seconds = std::chrono::duration<double>(stop - start).count();
@@ -393,15 +396,13 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
   r.peak_requested_bytes = r.stats.requested_bytes[all].peak;
   r.peak_allocated_bytes = r.stats.allocated_bytes[all].peak;
   r.peak_reserved_bytes = r.stats.reserved_bytes[all].peak;
-  r.fragmentation = r.peak_reserved_bytes > 0
-                        ? 1.0 - static_cast<double>(r.peak_allocated_bytes) /
-                                    static_cast<double>(r.peak_reserved_bytes)
-                        : 0.0;
+  r.fragmentation = unused_fraction(r.peak_allocated_bytes, r.peak_reserved_bytes);
   r.device_allocs = r.stats.num_device_alloc;
   r.plan = alloc.plan_stats();
   // No steady state reached, or one from event 0 (the others' default): the window is the whole
   // trace, and its figures are the whole trace's.
   if (!steady || r.steady_from_event == 0) {
+    r.steady_peak_requested_bytes = r.peak_requested_bytes;
     r.steady_peak_live_bytes = r.peak_allocated_bytes;
     r.steady_peak_reserved_bytes = r.peak_reserved_bytes;
     r.steady_fragmentation = r.fragmentation;

@@ -117,6 +117,9 @@ struct replay_result {
   /// events_total) or it is 0, the whole trace's peak_allocated_bytes, peak_reserved_bytes and
   /// fragmentation.
   std::size_t steady_from_event = 0;
+  /// From steady_from_event on: the peak of the live callers' sizes, as peak_requested_bytes
+  /// (the same under every policy: the strict denominator for what a policy wastes).
+  std::int64_t steady_peak_requested_bytes = 0;
   std::int64_t steady_peak_live_bytes = 0;
   std::int64_t steady_peak_reserved_bytes = 0;
   double steady_fragmentation = 0.0;
@@ -129,6 +132,12 @@ struct replay_result {
 /// event it contradicts; for more than 1024 streams; or for an invalid config / unknown backend.
 /// @throws terrace::device_error when the backend fails for a reason other than out of memory.
 replay_result replay(const std::vector<trace_event>& events, const replay_options& options = {});
+
+/// 1 - used / reserved, or 0 when nothing is reserved: fragmentation with `used` the blocks
+/// handed out, the strict figure with `used` the callers' bytes.
+inline double unused_fraction(std::int64_t used, std::int64_t reserved) {
+  return reserved > 0 ? 1.0 - static_cast<double>(used) / static_cast<double>(reserved) : 0.0;
+}
 
 /// @brief `events` replayed under each policy over `base` (its device and config; the policy, and
 /// with it expandable segments, set as TERRACE_ALLOC_CONF's `policy:` key sets them), returned as

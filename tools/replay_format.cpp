@@ -92,12 +92,14 @@ std::string format_replay_text(const replay_result& r, const replay_context& c) 
     }
   }
   line("steady state",
-       fmt::format("{}: peak live {}, peak reserved {}, {:.2f} % unused",
+       fmt::format("{}: peak requested {}, peak live {}, peak reserved {}, {:.2f} % unused "
+                   "({:.2f} % not requested)",
                    r.steady_from_event < r.events_total
                        ? fmt::format("from event {}", r.steady_from_event)
                        : std::string("none reached (no plan formed): the whole trace's"),
-                   format_bytes(r.steady_peak_live_bytes), format_bytes(r.steady_peak_reserved_bytes),
-                   100.0 * r.steady_fragmentation));
+                   format_bytes(r.steady_peak_requested_bytes), format_bytes(r.steady_peak_live_bytes),
+                   format_bytes(r.steady_peak_reserved_bytes), 100.0 * r.steady_fragmentation,
+                   100.0 * unused_fraction(r.steady_peak_requested_bytes, r.steady_peak_reserved_bytes)));
   line("replay time", fmt::format("{:.4f} s, {:.0f} events/s", r.seconds, r.events_per_second));
   out += '\n';
   out += to_text(r.stats);
@@ -134,6 +136,7 @@ std::string format_replay_json(const replay_result& r, const replay_context& c) 
   j["preexisting_unplaced"] = r.preexisting_unplaced;
   j["planned_hit_rate"] = r.plan.hit_rate();
   j["steady_from_event"] = r.steady_from_event;
+  j["steady_peak_requested_bytes"] = r.steady_peak_requested_bytes;
   j["steady_peak_live_bytes"] = r.steady_peak_live_bytes;
   j["steady_peak_reserved_bytes"] = r.steady_peak_reserved_bytes;
   j["steady_fragmentation"] = r.steady_fragmentation;

@@ -271,14 +271,14 @@ int run_compare(const compare_args& args) {
     return 0;
   }
   fmt::print("trace {} ({}, {} events)\n\n", args.trace, imported.format, imported.events.size());
-  fmt::print("{:<28}", "");
+  fmt::print("{:<36}", "");
   for (const auto& [name, r] : runs) fmt::print("{:>16}", name);
   // A snapshot whose segment list is empty says nothing of what PyTorch reserved: no column.
   const bool torch_known = imported.torch_reserved_peak && *imported.torch_reserved_peak > 0;
   if (torch_known) fmt::print("{:>16}", "pytorch");
   fmt::print("\n");
   auto row = [&](const char* label, auto cell, const std::string& torch = {}) {
-    fmt::print("{:<28}", label);
+    fmt::print("{:<36}", label);
     for (const auto& [name, r] : runs) fmt::print("{:>16}", cell(r));
     if (torch_known) fmt::print("{:>16}", torch);
     fmt::print("\n");
@@ -295,10 +295,17 @@ int run_compare(const compare_args& args) {
           ? fmt::format("{:.1f}%", 100 * (1.0 - static_cast<double>(runs[0].second.peak_allocated_bytes) /
                                                     static_cast<double>(*imported.torch_reserved_peak)))
           : "");
+  row("steady-state peak requested", [](const R& r) { return format_bytes(r.steady_peak_requested_bytes); });
   row("steady-state peak live", [](const R& r) { return format_bytes(r.steady_peak_live_bytes); });
   row("steady-state peak reserved", [](const R& r) { return format_bytes(r.steady_peak_reserved_bytes); });
   row("steady-state fragmentation",
       [](const R& r) { return fmt::format("{:.1f}%", 100 * r.steady_fragmentation); });
+  // The strict figure: what a policy reserves beyond the callers' bytes, its rounding and
+  // unsplit remainders included (those count as live above).
+  row("steady-state reserved not requested", [](const R& r) {
+    return fmt::format("{:.1f}%", 100 * terrace::tools::unused_fraction(r.steady_peak_requested_bytes,
+                                                                         r.steady_peak_reserved_bytes));
+  });
   row("device allocations", [](const R& r) { return std::to_string(r.device_allocs); });
   row("planned hit rate", [](const R& r) {
     return r.plan.enabled ? fmt::format("{:.1f}%", 100 * r.plan.hit_rate()) : std::string("-");
@@ -322,7 +329,7 @@ int run_compare(const compare_args& args) {
   row("events/s", [](const R& r) { return fmt::format("{:.3g}", r.events_per_second); });
   fmt::print("\npeak live = the blocks handed out (each request with its rounding and any remainder "
              "the policy did not split off); fragmentation = 1 - peak live / peak reserved "
-             "(GMLake); ");
+             "(GMLake); reserved not requested = 1 - peak requested / peak reserved; ");
   const std::size_t steady_from = runs.back().second.steady_from_event;
   if (steady_from < imported.events.size()) {
     fmt::print("steady state = from the planned policy's first planned iteration (event {}).\n",
