@@ -49,9 +49,11 @@ void validate(const char_model_config& c) {
                       std::to_string(c.cpu_threads));
   }
   // Every layer's element count, and every activation, must fit the int arguments of BLAS.
+  // context * embed and vocab * embed are products of two ints, so they fit long long; `in` is
+  // bounded first so that the products with width and batch below cannot wrap.
   const auto wide = [](long long v) { return v > (1LL << 31) - 1; };
   const long long in = static_cast<long long>(c.context) * c.embed;
-  if (wide(in * c.width) || wide(static_cast<long long>(c.width) * c.width + c.width) ||
+  if (wide(in) || wide(static_cast<long long>(c.vocab) * c.embed) || wide(in * c.width) || wide(static_cast<long long>(c.width) * c.width + c.width) ||
       wide(static_cast<long long>(c.batch) * std::max<long long>(in, c.width))) {
     throw logic_error("terrace: char_model_config too large: a layer or an activation would exceed "
                       "2^31 elements");

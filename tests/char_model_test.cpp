@@ -460,6 +460,26 @@ TEST(CharModel, BadConfigIsRefused) {
   EXPECT_THROW(init_layer(tiny(), 0, 1, nullptr), logic_error);
 }
 
+// Found in review: validate() multiplied context*embed by width and by batch in long long without
+// first bounding context*embed, so a product past 2^63 wrapped (undefined behaviour) and a config
+// whose input projection has 2^63 + 2^15 elements was accepted, its layer list reporting a
+// wrapped element count. The embedding (vocab x embed) was not bounded at all.
+TEST(CharModel, HugeProductsOfSizesAreRefusedNotWrapped) {
+  char_model_config c = tiny();
+  c.context = 1 << 24;
+  c.embed = 1 << 24;  // context*embed = 2^48
+  c.width = 1 << 15;  // (context*embed)*width = 2^63: wraps in long long
+  c.batch = 1 << 15;  // batch*(context*embed) = 2^63 too
+  EXPECT_THROW(validate(c), logic_error);
+  c = tiny();
+  c.context = 1;
+  c.width = 1;
+  c.batch = 1;
+  c.vocab = 256;
+  c.embed = 1 << 24;  // an embedding of 2^32 elements
+  EXPECT_THROW(validate(c), logic_error);
+}
+
 TEST(CharModel, DevicesWithoutHostMemoryOrAnotherAllocatorAreRefused) {
   auto null_dev = make_device("null", {});
   caching_allocator null_memory(*null_dev);
