@@ -14,6 +14,7 @@
 #include <climits>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -43,7 +44,11 @@ class thread_pool : private fork_guard {
   /// In a child forked without exec, which has none of the workers, every fn(i) runs on the
   /// calling thread, one after another (same parts, same results); the pool can be destroyed there.
   /// A fork while another thread of the parent was inside run() is not supported.
-  /// REQUIRES: fn does not throw; fn(i) for i >= parts does nothing.
+  /// If an fn(i) throws, run() rethrows the first exception caught, once every part it started
+  /// has returned (fn and what it refers to stay alive until then); the pool stays usable.
+  /// A run() from inside an fn(i) of the same pool runs its parts on that thread, one after
+  /// another (its workers are busy with the outer run: waiting for them would never end).
+  /// REQUIRES: fn(i) for i >= parts does nothing.
   template <class Fn>
   void run(Fn&& fn, unsigned parts = UINT_MAX) {
     auto* target = &fn;
@@ -52,7 +57,10 @@ class thread_pool : private fork_guard {
 
  private:
   void run_erased(void (*call)(void*, unsigned), void* fn, unsigned parts);
+  void run_inline(void (*call)(void*, unsigned), void* fn, unsigned parts);
   void work(unsigned index);
+  // Calls call(fn, index), keeping the job's first exception in error_.
+  void call_part(void (*call)(void*, unsigned), void* fn, unsigned index) noexcept;
   void stop_and_join() noexcept;
 
   // Nothing to let go of at a fork: forked_away() is all the child needs (run, stop_and_join).
@@ -70,6 +78,7 @@ class thread_pool : private fork_guard {
   bool stop_ = false;
   void (*call_)(void*, unsigned) = nullptr;
   void* fn_ = nullptr;
+  std::exception_ptr error_;  // the job's first exception, rethrown by run()
   // The caller's floating-point environment, for the workers to take on. A thread inherits its
   // creator's at creation only: a caller that set flush-to-zero afterwards (torch's
   // set_flush_denormal, -ffast-math's startup code in a later-loaded library) had its part of a
