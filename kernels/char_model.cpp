@@ -53,7 +53,8 @@ void validate(const char_model_config& c) {
   // bounded first so that the products with width and batch below cannot wrap.
   const auto wide = [](long long v) { return v > (1LL << 31) - 1; };
   const long long in = static_cast<long long>(c.context) * c.embed;
-  if (wide(in) || wide(static_cast<long long>(c.vocab) * c.embed) || wide(in * c.width) || wide(static_cast<long long>(c.width) * c.width + c.width) ||
+  if (wide(in) || wide(static_cast<long long>(c.vocab) * c.embed) || wide(in * c.width) ||
+      wide(static_cast<long long>(c.width) * c.width + c.width) ||
       wide(static_cast<long long>(c.batch) * std::max<long long>(in, c.width))) {
     throw logic_error("terrace: char_model_config too large: a layer or an activation would exceed "
                       "2^31 elements");
