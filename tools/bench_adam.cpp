@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -221,16 +222,20 @@ double seconds_since(clock_type::time_point t0) {
 
 using terrace::tools::median;
 
-// Runs tools/bench_adam_torch.py; the median seconds per step, or a negative value (and a note).
-double python_step(const std::string& impl, std::size_t n, unsigned threads, int reps, std::string& note) {
+// Runs tools/bench_adam_torch.py: the median seconds per step (negative, with a note, when not
+// measured), and, where libterrace.so is built, the ratio paired step by step with terrace's.
+terrace::tools::python_figures python_step(const std::string& impl, std::size_t n, unsigned threads,
+                                           int reps, std::string& note) {
   std::string env;
   if (impl != "torch") {
     if (const char* path = std::getenv("TERRACE_DEEPSPEED_PYTHONPATH")) env = "PYTHONPATH=" + std::string(path) + " ";
   }
-  return terrace::tools::python_result(
+  std::string paired;
+  if (std::filesystem::exists(TERRACE_C_LIBRARY)) paired = " --terrace-library " TERRACE_C_LIBRARY;
+  return terrace::tools::python_run(
       env + "/usr/bin/python3 " TERRACE_SOURCE_DIR "/tools/bench_adam_torch.py --impl " + impl +
           " --params " + std::to_string(n) + " --threads " + std::to_string(threads) +
-          " --reps " + std::to_string(reps) + " 2>/dev/null",
+          " --reps " + std::to_string(reps) + paired + " 2>/dev/null",
       note);
 }
 
@@ -352,13 +357,20 @@ int main(int argc, char** argv) {
       for (const other& x : {other{"torch", "fp32"}, other{"deepspeed", "fp32"},
                              other{"deepspeed-mixed", "mixed: bf16 grad, unscale+check, bf16 copy"}}) {
         std::string note;
-        const double s = python_step(x.impl, n, threads, std::max(3, reps / 2), note);
+        const auto r = python_step(x.impl, n, threads, std::max(3, reps / 2), note);
+        const double s = r.seconds;
         const double ours = step_seconds[{x.ours, threads}];
         if (s < 0) {
           std::printf("  %-16s %u thr: not measured: %s\n", x.impl, threads, note.c_str());
         } else {
-          std::printf("  %-16s %u thr: %8.3f Gparam/s; terrace '%s' is %.2fx faster\n", x.impl, threads,
+          std::printf("  %-16s %u thr: %8.3f Gparam/s; terrace '%s' is %.2fx faster", x.impl, threads,
                       n / s / 1e9, x.ours, s / ours);
+          // The ratio that the host's drifting bandwidth does not skew (bench_adam_torch.py).
+          if (r.paired > 0) {
+            std::printf("; paired step by step: %.2fx (%.2f-%.2f)", r.paired, r.paired_lowest,
+                        r.paired_highest);
+          }
+          std::printf("\n");
         }
         std::fflush(stdout);
       }

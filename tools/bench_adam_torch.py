@@ -8,7 +8,17 @@ flat tensor of N parameters and prints one line that bench_adam parses:
 impl: torch (torch.optim.AdamW, fp32), deepspeed (DeepSpeedCPUAdam, fp32), deepspeed-mixed
 (DeepSpeed's sequence of separate passes for a mixed-precision step: bf16 grads to fp32,
 overflow check, unscale, DeepSpeedCPUAdam, bf16 copy of the params), torch-cuda
-(torch.optim.AdamW(fused=True) on the GPU, fp32; for tools/bench_adam_gpu)."""
+(torch.optim.AdamW(fused=True) on the GPU, fp32; for tools/bench_adam_gpu).
+
+With --terrace-library PATH (libterrace.so), the CPU impls also time terrace's step of the same
+configuration (fp32 AdamW; for deepspeed-mixed the fused mixed step: bf16 grads, unscale and check,
+bf16 copy) through the C ABI, interleaved with theirs step by step, and print
+
+    PAIRED <impl> <median of their time / terrace's per pair> <lowest> <highest>
+
+The host's memory bandwidth drifts by tens of percent within a minute on a shared machine (two
+runs of minutes apart once gave DeepSpeed 0.58x and 1.08x of terrace): a ratio of adjacent
+steps cancels the drift, where a ratio of medians taken minutes apart does not."""
 import argparse
 import statistics
 import sys
@@ -21,6 +31,7 @@ def main():
     ap.add_argument("--params", type=int, default=100_000_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--terrace-library", default="")
     a = ap.parse_args()
     try:
         import torch
@@ -58,14 +69,62 @@ def main():
                 p.grad.mul_(inv_scale)                  # unscale
                 opt.step()
                 param16.copy_(p.detach())               # bf16 params back for the GPU
+    ours = terrace_step(torch, a) if a.terrace_library else None
     with torch.no_grad():
         run()  # warm-up: state allocation, JIT
-        times = []
+        if ours:
+            ours()
+        times, ratios = [], []
         for _ in range(a.reps):
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
+            if ours:
+                t0 = time.perf_counter()
+                ours()
+                ratios.append(times[-1] / (time.perf_counter() - t0))
     print(f"RESULT {a.impl} {statistics.median(times):.6f}")
+    if ratios:
+        print(f"PAIRED {a.impl} {statistics.median(ratios):.4f} {min(ratios):.4f} {max(ratios):.4f}")
+
+
+def terrace_step(torch, a):
+    """terrace's step of the configuration a.impl stands beside, on buffers of its own, through
+    the C ABI of terrace/optimizer.h (ctypes)."""
+    import ctypes
+    lib = ctypes.CDLL(a.terrace_library)
+    P = ctypes.c_void_p
+    lib.terrace_adam_create.argtypes = [ctypes.c_int] + [ctypes.c_double] * 5 + [
+        ctypes.c_int, ctypes.c_int, ctypes.POINTER(P)]
+    lib.terrace_adam_step.argtypes = [P, ctypes.c_size_t] + [ctypes.POINTER(P)] * 5 + [
+        ctypes.POINTER(ctypes.c_size_t), ctypes.c_int, ctypes.c_int, ctypes.c_float,
+        ctypes.c_float, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.terrace_last_error.restype = ctypes.c_char_p
+    f32, bf16, adamw = 0, 1, 1
+    handle = P()
+    if lib.terrace_adam_create(adamw, 1e-3, 0.9, 0.999, 1e-8, 0.01, f32, a.threads,
+                               ctypes.byref(handle)) != 0:
+        raise RuntimeError(lib.terrace_last_error().decode())
+    n = a.params
+    mixed = a.impl == "deepspeed-mixed"
+    param = torch.randn(n) * 0.1
+    m, v = torch.zeros(n), torch.zeros(n)
+    grad = ((torch.randn(n) * 1024).to(torch.bfloat16) if mixed else torch.randn(n) * 0.01)
+    copy = torch.empty(n, dtype=torch.bfloat16) if mixed else None
+    one = lambda t: (P * 1)(t.data_ptr())
+    sizes = (ctypes.c_size_t * 1)(n)
+    buffers = (param, m, v, grad, copy, handle, lib)  # kept alive by the closure
+
+    def step():
+        stepped = ctypes.c_int(-1)
+        rc = lib.terrace_adam_step(handle, 1, one(param), one(m), one(v), one(grad),
+                                   one(copy) if mixed else None, sizes, bf16 if mixed else f32,
+                                   bf16, 1024.0 if mixed else 1.0, 1.0, int(mixed),
+                                   ctypes.byref(stepped))
+        if rc != 0 or stepped.value != 1:
+            raise RuntimeError(f"terrace_adam_step: {lib.terrace_last_error().decode()}")
+        assert buffers
+    return step
 
 
 def cuda_step(torch, a):
