@@ -310,11 +310,12 @@ std::string render_html_report(const report_input& in) {
        line_chart("live (solid) and reserved (dashed) per policy", timeline, false) + "\n";
   o += "<h2>Fragmentation over time</h2>\n" +
        line_chart("1 - peak live / peak reserved so far", frag, true) + "\n";
-  o += "<h2>Segment map at peak live (caching policy)</h2>\n<p>Red: live blocks; green: free "
-       "cached; amber: waiting on other streams; pink: blocks of several states too small to draw "
-       "apart. Largest segments first.</p>\n" +
+  o += "<h2>Segment map at peak requested (caching policy)</h2>\n<p>When the callers' live bytes "
+       "peaked (the same moment under every policy). Red: live blocks; green: free cached; amber: "
+       "waiting on other streams; pink: blocks of several states too small to draw apart. Largest "
+       "segments first.</p>\n" +
        segment_map(in.segments_at_peak) + "\n";
-  o += "<h2>Largest holders at peak</h2>\n<table><tr><th>size</th><th>address</th><th>tag or "
+  o += "<h2>Largest holders at peak requested</h2>\n<table><tr><th>size</th><th>address</th><th>tag or "
        "frames</th></tr>";
   for (const auto& h : in.holders) {
     o += fmt::format("<tr><td>{}</td><td>0x{:x}</td><td class=\"t\">{}</td></tr>",

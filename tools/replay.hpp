@@ -108,9 +108,12 @@ struct replay_result {
   std::string policy;                    ///< "caching", "expandable" or "planned"
   planner_stats plan{};                  ///< the planner's stats (enabled = false when off)
   std::vector<timeline_point> timeline;  ///< when options.timeline_points > 0
-  /// Trace events replayed when live bytes peaked (the first time): the peak is the state just
-  /// after event peak_live_after_events - 1; 0 = before the first event, the pre-existing blocks
-  /// alone (or nothing ever allocated). Pass it as stop_after_event to see that state.
+  /// Trace events replayed when the callers' live bytes (each rounded to 512 B) peaked, the
+  /// first time: a moment that does not depend on the policy, unlike the peak of the blocks
+  /// handed out (peak_allocated_bytes), which falls where each policy's rounding puts it. The
+  /// peak is the state just after event peak_live_after_events - 1; 0 = before the first event,
+  /// the pre-existing blocks alone (or nothing ever allocated). Pass it as stop_after_event to
+  /// see that state.
   std::size_t peak_live_after_events = 0;
   /// From steady_from_event on: peak allocated bytes and peak reserved bytes (as
   /// peak_allocated_bytes and peak_reserved_bytes count them), and 1 - the first / the second. When there is none (steady_from_event ==
