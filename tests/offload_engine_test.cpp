@@ -309,6 +309,17 @@ struct engine_fixture {
   std::unique_ptr<device_backend> device;
 };
 
+// A corpus shorter than one row (context + 1 bytes) has no batch to give: refused, not read past
+// its end (load_corpus refuses such a file; the function does not count on it).
+TEST(OffloadEngine, ABatchFromACorpusShorterThanARowIsRefused) {
+  const auto config = small_model();
+  const std::size_t row = static_cast<std::size_t>(config.context) + 1;
+  EXPECT_THROW(tools::sample_batch(std::vector<std::uint8_t>(row - 1, 'a'), config, 1, 0), logic_error);
+  EXPECT_THROW(tools::sample_batch({}, config, 1, 0), logic_error);
+  const auto batch = tools::sample_batch(std::vector<std::uint8_t>(row, 'a'), config, 1, 0);
+  EXPECT_EQ(batch.size(), static_cast<std::size_t>(config.batch) * row);
+}
+
 // The loss of one step on a fixed batch: an engine that was made trains.
 float one_step_loss(offload_engine& engine) {
   const auto batch = tools::sample_batch(std::vector<std::uint8_t>(1000, 'a'), small_model(), 1, 0);

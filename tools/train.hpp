@@ -160,13 +160,17 @@ std::vector<std::uint8_t> load_corpus(const std::string& path, int context);
 
 /// @brief Batch number `index` of `config.batch` rows of context + 1 bytes taken from `corpus` at
 /// offsets drawn from (seed, index): the same batch for the same index on every run, which is
-/// what lets a resumed run continue where the checkpoint left off.
+/// what lets a resumed run continue where the checkpoint left off. @throws logic_error for a
+/// corpus shorter than one row.
 std::vector<std::uint8_t> sample_batch(const std::vector<std::uint8_t>& corpus,
                                        const model::char_model_config& config, std::uint64_t seed,
                                        std::uint64_t index);
 
-/// @brief Device bytes the char model's activations and per-call scratch take at most, as the
-/// engine's device allocator rounds them.
+/// @brief Device bytes the char model's activations and per-call scratch take at their peak, as
+/// the engine's device allocator rounds them. Not a strict bound: a request may get a cached
+/// block up to 64 KiB larger than it asked for (with recompute_blocks the peak measured 12-16 KiB
+/// above this, width 1024-2048), which the engine's allocator slack (1 MiB + 1/32 of the budget)
+/// absorbs.
 std::size_t char_model_activation_bytes(const model::char_model_config& config);
 
 /// @brief The char model as the engine's layered_model (init from `seed`).

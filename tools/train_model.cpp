@@ -8,6 +8,7 @@
 #include <string>
 #include <system_error>
 
+#include "terrace/error.hpp"
 #include "tools/train.hpp"
 
 namespace terrace::tools {
@@ -88,6 +89,12 @@ std::vector<std::uint8_t> sample_batch(const std::vector<std::uint8_t>& corpus,
                                        const model::char_model_config& config, std::uint64_t seed,
                                        std::uint64_t index) {
   const std::size_t row = static_cast<std::size_t>(config.context) + 1;
+  // load_corpus refuses such a corpus; anything else would read past its end.
+  if (corpus.size() < row) {
+    throw logic_error("terrace train: a corpus of " + std::to_string(corpus.size()) +
+                      " bytes has no batch: one row is context + 1 = " + std::to_string(row) +
+                      " bytes");
+  }
   const std::size_t starts = corpus.size() - row + 1;
   std::vector<std::uint8_t> out(static_cast<std::size_t>(config.batch) * row);
   std::uint64_t state = seed * 0xd1342543de82ef95ull + index;
