@@ -926,6 +926,13 @@ TEST(Cli, ConfKeysTheCommandWouldOverrideAreRefusedAndTheHelpListsTheRest) {
       {"replay '" + path + "' --device sim --conf device:null", "--device sim contradicts device:null in --conf"},
       {"replay '" + path + "' --conf small_size:4K,small_size:8K", "'small_size' is already set by 'small_size:4K'"},
       {"replay '" + path + "' --conf backend:native", "a PYTORCH_CUDA_ALLOC_CONF key that terrace does not implement"},
+      // replay's --policy and --expandable choose the policy; the same keys in --conf were
+      // overridden (expandable_segments:true under --policy caching ran without them) or
+      // contradicted (policy:planned with --expandable).
+      {"replay '" + path + "' --conf expandable_segments:true --policy caching",
+       "'expandable_segments' cannot be set here: --policy caching chooses the policy"},
+      {"replay '" + path + "' --conf policy:planned --expandable",
+       "'policy' cannot be set here: --expandable chooses the policy"},
   };
   for (const auto& [args, why] : refused) {
     const auto r = run_cli(args);
@@ -936,6 +943,8 @@ TEST(Cli, ConfKeysTheCommandWouldOverrideAreRefusedAndTheHelpListsTheRest) {
   // Agreeing is fine, and so is either alone.
   EXPECT_EQ(run_cli("replay '" + path + "' --device sim --conf device:sim").exit_code, 0);
   EXPECT_EQ(run_cli("replay '" + path + "' --conf device:sim,max_split_size_mb:64").exit_code, 0);
+  EXPECT_EQ(run_cli("replay '" + path + "' --conf max_split_size_mb:64 --policy planned").exit_code, 0);
+  EXPECT_EQ(run_cli("replay '" + path + "' --conf policy:planned").exit_code, 0);
 
   // CLI11 wraps long help lines: compare the help with its whitespace squeezed to one space.
   const auto help_of = [](const std::string& command) {

@@ -144,7 +144,8 @@ CLI::App* setup_replay(CLI::App& app, replay_args& args) {
                       conf_keys_help());
   cmd->add_flag("--json", args.json, "print one JSON object instead of the text report");
   cmd->add_option("--policy", args.policy,
-                  "caching, expandable or planned (overrides `policy` in --conf); all = each in "
+                  "caching, expandable or planned (then --conf may not set policy or "
+                  "expandable_segments); all = each in "
                   "turn (a JSON array with --json)")
       ->check(CLI::IsMember({"caching", "expandable", "planned", "all"}));
   cmd->add_option("--format", args.format, kFormatHelp)
@@ -165,7 +166,17 @@ terrace::tools::replay_options compare_options(const std::string& conf) {
 
 int run_replay(replay_args& args) {
   terrace::tools::replay_options options;
-  options.config = terrace::parse_alloc_conf(args.conf);
+  // With --policy or --expandable, those flags choose the policy: the same choice in --conf
+  // would be overridden or contradicted without a word (expandable_segments:true under
+  // --policy caching was dropped).
+  const std::string chosen_by =
+      (!args.policy.empty() ? "--policy " + args.policy : std::string("--expandable")) +
+      " chooses the policy";  // outlives set_by_flags, which views it
+  std::vector<terrace::alloc_conf_reserved_key> set_by_flags;
+  if (!args.policy.empty() || args.expandable) {
+    set_by_flags = {{"policy", chosen_by}, {"expandable_segments", chosen_by}};
+  }
+  options.config = terrace::parse_alloc_conf(args.conf, {}, set_by_flags);
   // An explicit --device, or a `device:` key in --conf (not both, unless they agree); otherwise null.
   if (args.device_option->count() != 0 || options.config.device == "auto") {
     if (options.config.device != "auto" && options.config.device != args.device) {
