@@ -289,8 +289,7 @@ std::string render_html_report(const report_input& in) {
       // Fragmentation so far: 1 - peak live / peak reserved up to this event (GMLake's figure).
       peak_live = std::max(peak_live, p.live_bytes);
       peak_res = std::max(peak_res, p.reserved_bytes);
-      f.pts.emplace_back(static_cast<double>(p.event),
-                         peak_res > 0 ? 1.0 - static_cast<double>(peak_live) / static_cast<double>(peak_res) : 0.0);
+      f.pts.emplace_back(static_cast<double>(p.event), unused_fraction(peak_live, peak_res));
     }
     if (c == 1) timeline.push_back(live);
     timeline.push_back(res);

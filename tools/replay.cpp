@@ -190,10 +190,8 @@ class window_peaks {
     TERRACE_POOL_STATS(TERRACE_WHOLE_PEAK)
 #undef TERRACE_WHOLE_PEAK
     const auto all = static_cast<int>(stat_pool::all);
-    const auto& rb = now.reserved_bytes[all];
     now.peak_fragmentation =
-        rb.peak > 0 ? 1.0 - static_cast<double>(now.active_bytes[all].peak) / static_cast<double>(rb.peak)
-                    : 0.0;
+        unused_fraction(now.active_bytes[all].peak, now.reserved_bytes[all].peak);
     return now;
   }
 

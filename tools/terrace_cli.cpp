@@ -303,8 +303,8 @@ int run_compare(const compare_args& args) {
       torch_known ? format_bytes(*imported.torch_reserved_peak) : "");
   row("fragmentation", [](const R& r) { return fmt::format("{:.1f}%", 100 * r.fragmentation); },
       torch_known
-          ? fmt::format("{:.1f}%", 100 * (1.0 - static_cast<double>(runs[0].second.peak_allocated_bytes) /
-                                                    static_cast<double>(*imported.torch_reserved_peak)))
+          ? fmt::format("{:.1f}%", 100 * terrace::tools::unused_fraction(runs[0].second.peak_allocated_bytes,
+                                                                          *imported.torch_reserved_peak))
           : "");
   row("steady-state peak requested", [](const R& r) { return format_bytes(r.steady_peak_requested_bytes); });
   row("steady-state peak live", [](const R& r) { return format_bytes(r.steady_peak_live_bytes); });

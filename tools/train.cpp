@@ -675,10 +675,7 @@ std::string format_train_summary(const train_options& o, const train_result& r) 
       bytes(static_cast<std::int64_t>(r.store_used)).c_str(),
       bytes(static_cast<std::int64_t>(r.store_capacity)).c_str());
   if (r.steady_from_step > 0) {
-    const double unused = r.steady_peak_reserved > 0
-                              ? 1.0 - static_cast<double>(r.steady_peak_allocated) /
-                                          static_cast<double>(r.steady_peak_reserved)
-                              : 0.0;
+    const double unused = unused_fraction(r.steady_peak_allocated, r.steady_peak_reserved);
     add("  steady state    steps %lld..%lld: device peak reserved %s, peak allocated %s (%s unused)\n",
         static_cast<long long>(r.steady_from_step), static_cast<long long>(o.steps),
         bytes(r.steady_peak_reserved).c_str(), bytes(r.steady_peak_allocated).c_str(),
