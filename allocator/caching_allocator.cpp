@@ -1223,6 +1223,7 @@ class allocator_impl {
           sb.state = "active_allocated";
           out.allocated_size += b->size;
           out.active_size += b->size;
+          out.requested_size += b->requested;
         } else if (b->pending_events > 0) {
           sb.state = "active_pending_free";
           out.active_size += b->size;

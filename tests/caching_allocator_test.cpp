@@ -598,6 +598,23 @@ TEST(CachingAllocator, SnapshotShowsSegmentsAndBlockStates) {
   a.deallocate(p);
 }
 
+// A segment's requested_size is what its live callers asked for, as PyTorch's snapshot gives it
+// (the blocks' sizes are rounded): memory_viz and `terrace report` read it.
+TEST(CachingAllocator, SnapshotSegmentsSumTheirLiveRequests) {
+  auto dev = sim();
+  caching_allocator a(*dev);
+  void* p = a.allocate(3000);
+  void* q = a.allocate(5000);
+  void* r = a.allocate(700);
+  a.deallocate(q);
+  const auto snap = a.snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_EQ(snap.segments[0].requested_size, 3000u + 700u);
+  EXPECT_GT(snap.segments[0].allocated_size, 3000u + 700u);  // rounded to 512 B each
+  a.deallocate(p);
+  a.deallocate(r);
+}
+
 TEST(CachingAllocator, ExpandableSegmentsGrowInPlaceAndUnmapOnEmptyCache) {
   auto dev = paged_sim();
   caching_allocator a(*dev, expandable_config());
