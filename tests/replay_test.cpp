@@ -544,6 +544,25 @@ TEST(Replay, ADoubleFreeIsAnInconsistentTrace) {
       {ev(trace_action::alloc, 0x2000, MiB), ev(trace_action::alloc, 0x1000, 0),
        ev(trace_action::free_requested, 0x1000, 0), ev(trace_action::free_requested, 0x1000, 0)}};
   const std::size_t second_free[] = {2, 2, 3};
+  // Found in review: a free that is skipped (a block from before the window with no size, or
+  // any such free without account_preexisting) was not remembered, so its second free was
+  // skipped again instead of refused.
+  auto skipped_twice = double_frees;
+  skipped_twice[1][1].size = skipped_twice[1][1].requested = 0;
+  skipped_twice[1][2].size = skipped_twice[1][2].requested = 0;
+  const std::pair<std::vector<trace_event>, bool> skipped[] = {
+      {skipped_twice[1], true}, {skipped_twice[1], false}, {double_frees[1], false}};
+  for (const auto& [trace, account] : skipped) {
+    tr::replay_options opts;
+    opts.account_preexisting = account;
+    try {
+      tr::replay(trace, opts);
+      FAIL() << "expected logic_error for a skipped free repeated, account_preexisting=" << account;
+    } catch (const terrace::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find("trace event 2: free_requested of 0x1000"),
+                std::string::npos) << e.what();
+    }
+  }
   for (std::size_t k = 0; k < double_frees.size(); ++k) {
     try {
       tr::replay(double_frees[k]);

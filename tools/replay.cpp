@@ -145,10 +145,14 @@ resolved_trace resolve(const std::vector<trace_event>& events, bool account_pree
       } else if (auto f = freed.find(e.addr); f != freed.end()) {
         inconsistent(i, f->second);
         break;
-      } else if (account_preexisting && (e.requested != 0 || e.size != 0)) {
-        t.slot_of_event[i] = static_cast<std::uint32_t>(t.slots.size());
-        t.slots.push_back({nullptr, SIZE_MAX, 0, false});
-        t.preexisting.push_back(i);
+      } else {
+        // A block from before the window: accounted when its size is known and wanted, skipped
+        // otherwise; either way its address is now freed, and a second free of it is refused.
+        if (account_preexisting && (e.requested != 0 || e.size != 0)) {
+          t.slot_of_event[i] = static_cast<std::uint32_t>(t.slots.size());
+          t.slots.push_back({nullptr, SIZE_MAX, 0, false});
+          t.preexisting.push_back(i);
+        }
         freed[e.addr] = i;
       }
     }
