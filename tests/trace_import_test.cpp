@@ -952,6 +952,33 @@ TEST(Report, TheTimelineKeepsAPeakBetweenSamples) {
   }
 }
 
+// Found in review: a sample's label was documented as the event just replayed while the samples
+// inside the loop gave the count of events replayed, and the last gave the last event's index (1999
+// of 2000): the chart ended one event short. A sample now says how many events it follows.
+TEST(Report, TheTimelineSaysHowManyEventsEachSampleFollows) {
+  constexpr std::uint64_t MiB = 1 << 20;
+  std::vector<trace_event> ev(2000);
+  for (std::size_t i = 0; i < ev.size(); ++i) {
+    ev[i].action = i % 2 == 0 ? trace_action::alloc : trace_action::free_requested;
+    ev[i].addr = 0x1000, ev[i].size = ev[i].requested = MiB;
+  }
+  ev[1000].addr = ev[1001].addr = 0x80000000, ev[1000].size = ev[1000].requested = 1024 * MiB;
+  ev[1001].size = ev[1001].requested = 1024 * MiB;
+  const auto in = tr::make_report_input(ev, {}, "t.jsonl", "terrace-jsonl");
+  for (const auto& [name, r] : in.runs) {
+    ASSERT_GE(r.timeline.size(), 3u) << name;
+    EXPECT_EQ(r.timeline.front().after_events, 0u) << name;
+    EXPECT_EQ(r.timeline.back().after_events, ev.size()) << name;
+    for (std::size_t k = 1; k < r.timeline.size(); ++k) {
+      const auto& p = r.timeline[k];
+      EXPECT_GT(p.after_events, r.timeline[k - 1].after_events) << name;
+      // The spike's sample is the first that follows event 1000 (the alloc), and only it.
+      const bool covers_spike = r.timeline[k - 1].after_events <= 1000 && p.after_events > 1000;
+      EXPECT_EQ(p.live_bytes == std::int64_t{1024 * MiB}, covers_spike) << name << " sample " << k;
+    }
+  }
+}
+
 // Found in review: the timeline counted live bytes as requests rounded to 512 B, while the
 // summary above the charts gives peak live as the blocks handed out: the fragmentation curve
 // ended at another figure than the summary's (a 19.5 MiB request holds a 20 MiB block).

@@ -284,12 +284,12 @@ std::string render_html_report(const report_input& in) {
     series f{name, color, false, {}};
     std::int64_t peak_live = 0, peak_res = 0;
     for (const auto& p : r.timeline) {
-      live.pts.emplace_back(static_cast<double>(p.event), static_cast<double>(p.live_bytes));
-      res.pts.emplace_back(static_cast<double>(p.event), static_cast<double>(p.reserved_bytes));
+      live.pts.emplace_back(static_cast<double>(p.after_events), static_cast<double>(p.live_bytes));
+      res.pts.emplace_back(static_cast<double>(p.after_events), static_cast<double>(p.reserved_bytes));
       // Fragmentation so far: 1 - peak live / peak reserved up to this event (GMLake's figure).
       peak_live = std::max(peak_live, p.live_bytes);
       peak_res = std::max(peak_res, p.reserved_bytes);
-      f.pts.emplace_back(static_cast<double>(p.event), unused_fraction(peak_live, peak_res));
+      f.pts.emplace_back(static_cast<double>(p.after_events), unused_fraction(peak_live, peak_res));
     }
     if (c == 1) timeline.push_back(live);
     timeline.push_back(res);

@@ -378,7 +378,7 @@ replay_result replay(const std::vector<trace_event>& events, const replay_option
     r.snapshot_at_stop = alloc.snapshot();
   }
   if (stride != 0) {
-    sample(events.empty() ? 0 : events.size() - 1);
+    sample(stopped ? options.stop_after_event : end);
   } else {
     close_window();
   }

@@ -68,7 +68,10 @@ struct replay_options {
 /// @brief One sample of the replay's memory over time: the most at any event since the sample
 /// before (so that no peak falls between two samples).
 struct timeline_point {
-  std::size_t event = 0;          ///< index of the trace event just replayed
+  /// The trace's events before this one have been replayed: the sample covers the events since
+  /// the sample before, up to index after_events - 1 (0: before the first event, the
+  /// pre-existing blocks alone; the last sample: the trace's length, or where the replay stopped).
+  std::size_t after_events = 0;
   std::int64_t live_bytes = 0;    ///< the blocks handed out, as peak_allocated_bytes counts them
   std::int64_t reserved_bytes = 0;///< what the allocator holds, as peak_reserved_bytes counts it
 };
