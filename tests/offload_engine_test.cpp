@@ -414,6 +414,30 @@ TEST(OffloadEngine, AHostBudgetAboveThePinnedLimitTrains) {
   EXPECT_TRUE(std::isfinite(one_step_loss(*engine)));
 }
 
+// The optimizer's NVMe staging buffers are made once, for the largest group that goes to NVMe,
+// before any layer's buffers. Grown group by group instead (a 1.5 MiB chunk for 'input', then 3
+// MiB for each block), the smaller buffers were freed after the tier manager had placed the
+// input layer's home copies behind them: their 4.5 MiB hole, stranded between live buffers, held
+// one of the three larger buffers, and a pinned limit of 22 MiB (found with `terrace train`) was
+// refused with 4.5 MiB free, no piece of it large enough. 24 MiB was the least that trained.
+TEST(OffloadEngine, GrowingOptimizerStagingStrandsNoPinnedHole) {
+  testing::scratch_dir dir("engine-staging-hole");
+  train_options o = base_options(dir.path(), 2);
+  o.model.width = 512;
+  o.model.embed = 32;  // 8 Ki elements of embedding: its state fits the optimizer's host budget
+  o.model.batch = 64;
+  o.chunk_elements = std::size_t{1} << 19;  // one chunk per group: each group's own size
+  o.device_memory = 8u << 20;
+  o.host_budget = 6u << 20;
+  o.optimizer_host_budget = 256u << 10;  // the embedding's state on the host, the rest on NVMe
+  o.pinned_limit = 22u << 20;
+  const train_result r = tools::run_train(o);
+  ASSERT_EQ(r.steps.size(), 2u);
+  EXPECT_TRUE(std::isfinite(r.steps.back().loss));
+  EXPECT_GT(r.optimizer.nvme_state_bytes, 0u);
+  EXPECT_LE(r.pinned_bytes, o.pinned_limit);
+}
+
 // ----------------------------------------------------------------------------- overlap
 
 // With a copy engine far faster than the step needs, the host hardly waits on copies: the
