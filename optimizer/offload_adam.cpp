@@ -230,6 +230,13 @@ struct offload_adam::impl {
       if (s.buffer == nullptr) s.buffer = static_cast<std::byte*>(pool.allocate(staging_bytes));
   }
 
+  // Staging for a group of `group_elements` (see the header); its chunks are at most
+  // chunk_elements, so at most that many elements' state is needed.
+  void reserve_staging(std::size_t group_elements) {
+    if (store == nullptr || group_elements == 0) return;
+    ensure_staging(std::min(group_elements, options.chunk_elements) * element_bytes);
+  }
+
   // Waits for every transfer still on a slot, ignoring their errors (the caller is already
   // handling one); returns nothing about them. Used on error paths where buffers must be quiet.
   void quiesce_slots() {
@@ -951,6 +958,11 @@ offload_adam::~offload_adam() = default;
 group_id offload_adam::add(const std::string& name, std::size_t elements, const float* initial_master) {
   std::lock_guard lock(impl_->mutex);
   return impl_->add(name, elements, initial_master);
+}
+
+void offload_adam::reserve_staging(std::size_t group_elements) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->reserve_staging(group_elements);
 }
 
 grad_norm_result offload_adam::grad_norm(std::span<const offload_group_step> groups, dtype grad_dtype,

@@ -328,17 +328,10 @@ struct offload_engine::impl {
   std::uint64_t optimizer_store_bytes(bool all) const {
     const std::size_t per = 4 + 2 * size_of(options.optimizer.adam.state_dtype);
     const std::size_t chunk = options.optimizer.chunk_elements;
-    std::uint64_t on_host = 0, in_store = 0;
-    bool spilled = false;
+    const std::vector<bool> nvme_state = optimizer_state_on_nvme();
+    std::uint64_t in_store = 0;
     for (const layer& l : layers) {
-      const std::uint64_t bytes = std::uint64_t{l.elements} * per;
-      if (!spilled && (options.optimizer_host_budget == SIZE_MAX ||
-                       on_host + bytes <= options.optimizer_host_budget)) {
-        on_host += bytes;
-        if (!all) continue;
-      } else {
-        spilled = true;
-      }
+      if (!nvme_state[static_cast<std::size_t>(&l - layers.data())] && !all) continue;
       // One store tensor per chunk of master, m and v, each rounded to whole extents.
       for (std::size_t first = 0; first < l.elements; first += chunk) {
         const std::size_t n = std::min(chunk, l.elements - first);
@@ -346,6 +339,24 @@ struct offload_engine::impl {
       }
     }
     return in_store;
+  }
+
+  // Per layer, whether offload_adam will keep its optimizer state on NVMe (given a store): it
+  // keeps groups on the host in add order while the budget allows, and puts the first that does
+  // not fit and every later one on NVMe.
+  std::vector<bool> optimizer_state_on_nvme() const {
+    const std::size_t per = 4 + 2 * size_of(options.optimizer.adam.state_dtype);
+    std::vector<bool> out;
+    std::uint64_t on_host = 0;
+    bool spilled = false;
+    for (const layer& l : layers) {
+      const std::uint64_t bytes = std::uint64_t{l.elements} * per;
+      spilled = spilled || (options.optimizer_host_budget != SIZE_MAX &&
+                            on_host + bytes > options.optimizer_host_budget);
+      if (!spilled) on_host += bytes;
+      out.push_back(spilled);
+    }
+    return out;
   }
 
   std::uint64_t compute_store_bytes() const { return compute_store_bytes(options.checkpoints); }
@@ -587,6 +598,22 @@ struct offload_engine::impl {
     tm = std::make_unique<tier_manager>(device, memory, *pinned, to, nvme ? &*nvme : nullptr);
 
     adam = std::make_unique<offload_adam>(optimizer_options(), *pinned, nvme ? &*nvme : nullptr);
+
+    // The optimizer's NVMe staging, made now for the largest group that goes to NVMe, ahead of
+    // every layer's buffers. Left to grow as the groups are added, each growth freed the smaller
+    // buffers after the tier manager had placed a layer's home copies behind them, and their
+    // hole, too small for the larger buffers, stayed stranded: `terrace train --pinned-limit
+    // 22MiB` was refused with 4.5 MiB free, none of it in one piece of 3 MiB. The first step
+    // makes the staging this large anyway: only the order changes, not the pinned bytes.
+    if (nvme) {
+      const std::vector<bool> nvme_state = optimizer_state_on_nvme();
+      std::size_t largest = 0;
+      for (std::size_t i = 0; i < layers.size(); ++i)
+        if (nvme_state[i]) largest = std::max(largest, layers[i].elements);
+      if (largest != 0) {
+        placing("the optimizer's NVMe staging", [&] { adam->reserve_staging(largest); });
+      }
+    }
 
     if (options.resume) read_record();
 

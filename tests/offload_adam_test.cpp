@@ -243,6 +243,38 @@ TEST(OffloadAdam, AGroupNameTooLongForItsChunkIdsIsRefusedWhenAdded) {
   EXPECT_NO_THROW(opt.add(std::string(tensor_store::max_id_bytes - 21, 'g'), 16, initial.data()));
 }
 
+// Staging reserved for the largest NVMe group is made once: adding and stepping smaller and
+// equal groups takes no other pinned buffer, so nothing a caller places after it can end up
+// behind a freed smaller staging buffer (offload_engine's stranded hole). Chunks bound it: a
+// group larger than chunk_elements needs staging of one chunk only.
+TEST(OffloadAdam, ReservedStagingIsNotRegrownByLaterGroups) {
+  scratch_dir dir("offload_adam_reserve_staging");
+  host_rig host;
+  auto store = tensor_store::create(dir.path(), store_options());
+  offload_adam_options o;
+  o.chunk_elements = 4096;
+  offload_adam opt(o, *host.pool, &store);  // no host budget: every group on NVMe
+  opt.reserve_staging(1u << 20);            // more than a chunk: staging of one chunk
+  const auto staged = host.pool->stats();
+  EXPECT_EQ(staged.allocation.current, 3);  // pipeline_depth buffers
+  EXPECT_EQ(staged.allocated_bytes.current, 3 * static_cast<std::int64_t>(4096 * 12));
+  std::vector<float> initial(3 * 4096 + 64, 0.5f);
+  const group_id small = opt.add("small", 64, initial.data());
+  const group_id large = opt.add("large", initial.size(), initial.data());
+  const auto g_small = gradient(64, 0, 1, dtype::f32), g_large = gradient(initial.size(), 1, 1, dtype::f32);
+  const offload_group_step steps[] = {{small, g_small.data(), nullptr}, {large, g_large.data(), nullptr}};
+  ASSERT_TRUE(opt.step(steps));
+  const auto after = host.pool->stats();
+  EXPECT_EQ(after.allocation.allocated, staged.allocation.allocated);  // nothing taken since
+  EXPECT_EQ(after.allocated_bytes.current, staged.allocated_bytes.current);
+
+  // Without a store there is no staging to make.
+  host_rig bare;
+  offload_adam on_host(offload_adam_options{}, *bare.pool);
+  on_host.reserve_staging(1u << 20);
+  EXPECT_EQ(bare.pool->stats().allocation.current, 0);
+}
+
 TEST(OffloadAdam, AllOnTheHostIsBitwiseAdam) {
   config c;
   c.sizes = kOddSizes;

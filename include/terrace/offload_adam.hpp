@@ -105,6 +105,16 @@ class offload_adam {
   ///         added when add throws, and nothing of it stays in the store.
   group_id add(const std::string& name, std::size_t elements, const float* initial_master = nullptr);
 
+  /// @brief Makes the NVMe pipeline's staging buffers (pipeline_depth of them, from the pinned
+  /// pool) large enough now for the chunks of a group of `group_elements`, instead of as groups
+  /// that large are added or stepped. Growing frees the smaller buffers and takes larger ones:
+  /// whatever the caller placed in the pool in between sits behind the freed buffers, and their
+  /// hole, too small for the larger ones, is stranded between live buffers. A caller that knows
+  /// its largest NVMe group calls this before placing anything else. Nothing without a store.
+  /// @throws out_of_memory when the pool refuses (buffers not taken are taken by the next call
+  ///         that needs them, as after any refusal).
+  void reserve_staging(std::size_t group_elements);
+
   /// @brief Global L2 norm and finiteness of the gradients (only `grad` is read).
   /// @throws logic_error for an unknown group, and as adam_optimizer::grad_norm.
   grad_norm_result grad_norm(std::span<const offload_group_step> groups, dtype grad_dtype,
