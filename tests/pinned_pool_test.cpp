@@ -223,6 +223,25 @@ TEST(PinnedPool, ACapacityBelowTheRegionSizeIsOneRegionNotOnePerRequest) {
   pool.check_invariants();
 }
 
+// The region that reaches the capacity takes all of it, not all of it rounded down to 2 MiB:
+// regions never merge, so the rest would be a region of its own that serves only requests that
+// fit in it alone. Found with `terrace train --pinned-limit 21MiB`: a 20 MiB region, and a 1 MiB
+// + 4 KiB gradient refused with 1.3 MiB of the limit unused.
+TEST(PinnedPool, TheRegionThatReachesTheCapacityTakesAllOfIt) {
+  auto dev = sim();
+  pinned_pool_options o;
+  o.region_size = 64 * MiB;
+  o.capacity = 5 * MiB;
+  pinned_host_pool pool(*dev, o);
+  void* a = pool.allocate(1 * MiB);
+  EXPECT_EQ(pool.stats().reserved_bytes.current, static_cast<std::int64_t>(5 * MiB));
+  void* b = pool.allocate(3 * MiB + 512 * KiB);  // 4.5 MiB in all: more than 4, less than 5
+  EXPECT_EQ(pool.stats().segment.current, 1);
+  pool.deallocate(a);
+  pool.deallocate(b);
+  pool.check_invariants();
+}
+
 TEST(PinnedPool, ADeviceErrorPropagatesAndLeavesThePoolUsable) {
   auto dev = sim();
   pinned_host_pool pool(*dev, small_regions());
