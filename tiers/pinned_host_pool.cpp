@@ -179,21 +179,22 @@ struct pinned_host_pool::impl : private detail::fork_guard {
     const std::size_t committed = reserved() + reserving;
     const std::size_t left = options.capacity - std::min(committed, options.capacity);
     if (options.capacity == 0 || size <= left) return size;
-    // A smaller region that still fits the request may be within the cap: all that is left in
-    // whole huge pages if the request fits there, else whole pages. All, not just the request's
-    // own: one region per request, each rounded up to 2 MiB, left a cap of 24 MiB 6.5 MiB
-    // short for 3 MiB buffers. The cap is the caller's number; rounded down to 2 MiB, a
-    // capacity of 1 MiB served nothing and one of 5 MiB held 4.
-    if (tight <= left) return left / kRegionGranule * kRegionGranule;
-    const std::size_t pages = tight_region(rounded, kMinPage);
-    if (pages > left) {
+    // A smaller region that still fits the request may be within the cap: all that is left, in
+    // whole pages. All, not just the request's own: one region per request, each rounded up to
+    // 2 MiB, left a cap of 24 MiB 6.5 MiB short for 3 MiB buffers. Not rounded down to whole
+    // 2 MiB either: regions never merge, so the rest became a region of its own that served only
+    // requests that fit in it alone (a cap of 21 MiB: a 20 MiB region, then a 1 MiB + 4 KiB
+    // buffer refused with 1.3 MiB of the cap unused; a cap of 1 MiB served nothing). The host
+    // still backs the region's whole 2 MiB stretches with huge pages where it can.
+    const std::size_t all = left / kMinPage * kMinPage;
+    if (tight_region(rounded, kMinPage) > all) {
       throw out_of_memory("the pool's capacity of " + detail::describe_bytes(options.capacity) +
                           " would be exceeded" +
                           (reserving == 0 ? std::string()
                                           : " (" + detail::describe_bytes(reserving) +
                                                 " of it being reserved by other threads)"));
     }
-    return pages;
+    return all;
   }
 
   // A new region big enough for `rounded`, reserved with `lock` released: mmap + mlock populate
