@@ -60,7 +60,8 @@ struct io_fault {
     none,
     eio,        ///< the transfer completes with -EIO
     enospc,     ///< the transfer completes with -ENOSPC
-    short_io,   ///< the transfer reports half its bytes; the engine must carry on with the rest
+    short_io,   ///< the transfer goes to the kernel with half its length (a real short transfer);
+                ///< the engine must carry on with the rest
     eagain,     ///< the transfer completes with -EAGAIN; the engine must resubmit it
     /// the next checkpoint's fdatasync fails with EIO (faked by the store; reads, writes, skip
     /// and count do not apply)
