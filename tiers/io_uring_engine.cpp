@@ -594,18 +594,20 @@ class uring_engine final : public io_engine, private fork_guard {
     if (!fault_armed_.load(std::memory_order_acquire)) return res;
     std::lock_guard lock(fault_mutex_);
     const bool write = p->b->r->req.op == io_op::write;
+    // Applied at submission (short_fault) or to the ring as a whole (submit_fault), which count
+    // their own skips: before the skip below, or each transfer would spend two of them.
+    if (fault_.what == io_fault::kind::short_io || fault_.what == io_fault::kind::submit_enomem) return res;
     if (fault_.count <= 0 || (write ? !fault_.writes : !fault_.reads)) return res;
     if (fault_.skip > 0) {
       --fault_.skip;
       return res;
     }
-    // Applied at submission (short_fault) or to the ring as a whole (submit_fault).
-    if (fault_.what == io_fault::kind::short_io || fault_.what == io_fault::kind::submit_enomem) return res;
     if (--fault_.count == 0) fault_armed_.store(false, std::memory_order_release);
     switch (fault_.what) {
       case io_fault::kind::eio: return -EIO;
       case io_fault::kind::enospc: return -ENOSPC;
       case io_fault::kind::eagain: return -EAGAIN;
+      case io_fault::kind::eintr: return -EINTR;
       case io_fault::kind::lost_completion: return kLostCompletion;
       case io_fault::kind::none:
       case io_fault::kind::short_io:

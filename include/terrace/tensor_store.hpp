@@ -77,6 +77,9 @@ struct io_fault {
     /// and the ring's next wait reports EBADR: the engine fails the request that lost it with
     /// EBADR, once everything submitted before has finished
     lost_completion,
+    /// the transfer completes with -EINTR; the engine resubmits it at once, and fails the request
+    /// with EINTR when one piece is interrupted more than 10,000 times in a row
+    eintr,
   };
   kind what = kind::none;
   bool reads = true;    ///< applies to reads
