@@ -156,6 +156,36 @@ TEST(CApi, SizeZeroReturnsNullWithoutError) {
   EXPECT_STREQ(terrace_last_error(), "");
 }
 
+// Found in review: a negative size (PyTorch's hook type is ssize_t; a C caller's signed
+// arithmetic gone wrong) arrives as a size above PTRDIFF_MAX and was reported as the device
+// running out of memory: TERRACE_ENOMEM, counted in num_ooms, and through PyTorch's hook a
+// "CUDA out of memory." that batch-size finders catch and answer by retrying smaller, hiding the
+// caller's bug. It is a bad argument, and no allocator is asked.
+TEST(CApi, NegativeSizeIsABadArgumentNotOutOfMemory) {
+  const std::int64_t ooms = stat(kShared, "num_ooms");
+  for (const std::ptrdiff_t negative : {std::ptrdiff_t{-1}, std::ptrdiff_t{-4096}, PTRDIFF_MIN}) {
+    const auto size = static_cast<std::size_t>(negative);
+    EXPECT_EQ(terrace_malloc(size, kShared, nullptr), nullptr);
+    const std::string err = terrace_last_error();
+    EXPECT_TRUE(contains(err, "negative")) << err;
+    EXPECT_TRUE(contains(err, std::to_string(negative))) << err;
+    EXPECT_FALSE(contains(err, "out of memory")) << err;
+    try {
+      terrace_torch_malloc(size, kShared, nullptr);
+      ADD_FAILURE() << "expected std::runtime_error for " << negative;
+    } catch (const std::runtime_error& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.rfind("CUDA out of memory.", 0), 0u) << m;
+      EXPECT_TRUE(contains(m, "negative")) << m;
+    }
+  }
+  EXPECT_EQ(stat(kShared, "num_ooms"), ooms);
+  // The largest size that is not negative as a signed size stays the device's concern.
+  EXPECT_EQ(terrace_malloc(static_cast<std::size_t>(PTRDIFF_MAX), kShared, nullptr), nullptr);
+  EXPECT_TRUE(contains(terrace_last_error(), "out of memory")) << terrace_last_error();
+  EXPECT_EQ(stat(kShared, "num_ooms"), ooms + 1);
+}
+
 TEST(CApi, DoubleFreeIsRefusedDescribedAndCounted) {
   const std::int64_t bad_before = stat(kShared, "num_bad_frees");
   void* p = terrace_malloc(4 * KiB, kShared, nullptr);
