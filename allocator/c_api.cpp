@@ -10,6 +10,7 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -386,6 +387,14 @@ namespace {
 // malloc's body, shared by terrace_malloc and terrace_torch_malloc.
 void* allocate_recorded(size_t size, int device, void* stream) {
   if (size == 0) return nullptr;  // PyTorch's convention: no memory, no error
+  // PyTorch's hook type is ssize_t, and C callers compute sizes in signed arithmetic too: a size
+  // above PTRDIFF_MAX is a negative one converted. It is the caller's bug, not the device running
+  // out of memory, which is what the allocator would report (counted in num_ooms, and raised
+  // through PyTorch's hook as "CUDA out of memory.", which batch-size finders retry smaller).
+  if (size > static_cast<size_t>(PTRDIFF_MAX)) {
+    fail("terrace: size " + std::to_string(size) + " is negative as a signed size (" +
+         std::to_string(static_cast<std::ptrdiff_t>(size)) + "): refused");
+  }
   device_slot& slot = slot_for(device);
   void* p = slot.allocator->allocate(size, stream_ref{stream});
   try {

@@ -64,7 +64,8 @@ enum terrace_status {
 
 /* ---- The CUDAPluggableAllocator ABI ------------------------------------------------------- */
 
-/** @brief Allocates `size` bytes usable in stream order on `stream`. NULL on failure (size 0 too). */
+/** @brief Allocates `size` bytes usable in stream order on `stream`. NULL on failure (size 0 too).
+ *  A size above PTRDIFF_MAX, negative as PyTorch's ssize_t, is a bad argument (not out of memory). */
 TERRACE_API void* terrace_malloc(size_t size, int device, void* stream);
 /** @brief Frees what terrace_malloc returned. `size` 0 skips the size check. */
 TERRACE_API void terrace_free(void* ptr, size_t size, int device, void* stream);
