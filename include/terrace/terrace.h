@@ -67,7 +67,10 @@ enum terrace_status {
 /** @brief Allocates `size` bytes usable in stream order on `stream`. NULL on failure (size 0 too).
  *  A size above PTRDIFF_MAX, negative as PyTorch's ssize_t, is a bad argument (not out of memory). */
 TERRACE_API void* terrace_malloc(size_t size, int device, void* stream);
-/** @brief Frees what terrace_malloc returned. `size` 0 skips the size check. */
+/** @brief Frees what terrace_malloc returned. `size` 0 skips the size check. `stream` is
+ *  informational, as in PyTorch: the block goes back to the stream it was allocated on at once,
+ *  not in order on `stream` as cudaFreeAsync would. A block used on other streams must be named
+ *  to terrace_record_stream first, or those streams' queued work may meet its next owner. */
 TERRACE_API void terrace_free(void* ptr, size_t size, int device, void* stream);
 /** @brief PyTorch's malloc hook: as terrace_malloc, but a failure throws a std::runtime_error
  *  carrying terrace_last_error()'s text (PyTorch raises it as a Python RuntimeError) instead of
