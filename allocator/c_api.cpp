@@ -565,10 +565,21 @@ TERRACE_API void terrace_record_stream(void* ptr, void* stream) {
   const auto call = [&] { return describe_call("terrace_record_stream", ptr, stream); };
   const int rc = guarded(call, [&] {
     if (ptr == nullptr) return;  // an empty tensor: PyTorch's own allocator ignores it too
-    // PyTorch passes no device: the owner is the device whose live table holds the pointer.
+    // PyTorch passes no device: the owner is the device whose live table holds the pointer. Every
+    // device is asked: where addresses can coincide across devices (the null backend's fake
+    // address space), taking the first holder would make the wrong block wait for `stream` and
+    // let the intended one be reused under it.
     device_slot* owner = nullptr;
-    for_each_slot([&](int, device_slot& s) {
-      if (owner == nullptr && s.live.contains(ptr)) owner = &s;
+    int owner_device = -1;
+    for_each_slot([&](int d, device_slot& s) {
+      if (!s.live.contains(ptr)) return;
+      if (owner != nullptr) {
+        fail("terrace: record_stream of a pointer that is a live allocation on devices " +
+             std::to_string(owner_device) + " and " + std::to_string(d) +
+             " (a backend whose devices share addresses); nothing was recorded");
+      }
+      owner = &s;
+      owner_device = d;
     });
     if (owner == nullptr) {
       fail(

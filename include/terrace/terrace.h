@@ -90,7 +90,9 @@ TERRACE_API void terrace_init(int device_count);
 TERRACE_API void terrace_empty_cache(void);
 /** @brief memory-fraction hook: caps reserved memory on `device`. */
 TERRACE_API void terrace_set_memory_fraction(double fraction, int device);
-/** @brief record-stream hook: `ptr` is also used on `stream`. NULL (an empty tensor) is ignored. */
+/** @brief record-stream hook: `ptr` is also used on `stream`. NULL (an empty tensor) is ignored.
+ *  The owning device is found by the pointer: one live on several devices (only the null
+ *  backend's fake addresses coincide) is refused. */
 TERRACE_API void terrace_record_stream(void* ptr, void* stream);
 #ifdef __cplusplus
 /** @brief CUDA graph hook (set_begin_allocate_to_pool), with PyTorch's C++ signature: device,
