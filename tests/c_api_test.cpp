@@ -502,6 +502,15 @@ TEST(CApi, StatsJsonReportsERangeAndTheNeededSize) {
   EXPECT_STREQ(terrace_last_error(), "");
 }
 
+// Found in review: terrace.h promises that *needed "always receives the size", but a refused
+// call (a bad device) left it as it was: a caller sizing its buffer from it read its own garbage.
+TEST(CApi, StatsJsonOfABadDeviceSetsNeededToZero) {
+  std::size_t needed = 12345;
+  EXPECT_EQ(terrace_stats_json(-1, nullptr, 0, &needed), TERRACE_EINVAL);
+  EXPECT_TRUE(contains(terrace_last_error(), "out of range")) << terrace_last_error();
+  EXPECT_EQ(needed, 0u);
+}
+
 TEST(CApi, StatsOfANeverUsedDeviceAreZeros) {
   const nlohmann::json j = stats(kNeverUsed);
   EXPECT_EQ(j.at("reserved_bytes.all.current").get<std::int64_t>(), 0);
