@@ -616,6 +616,9 @@ TERRACE_API int terrace_configure(const char* conf) {
 
 TERRACE_API int terrace_stats_json(int device, char* buf, size_t capacity, size_t* needed) {
   const auto call = [&] { return describe_call("terrace_stats_json", device, capacity); };
+  // Zero until the size is known: a refused call (a bad device) must not leave the caller's
+  // variable as it was, where a caller sizing its buffer from it would read its own garbage.
+  if (needed != nullptr) *needed = 0;
   return guarded(call, [&] {
     const std::string json = stats_json_for(device);
     const std::size_t size = json.size() + 1;

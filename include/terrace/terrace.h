@@ -115,7 +115,7 @@ TERRACE_API void terrace_torch_begin_allocate_to_pool(
 TERRACE_API int terrace_configure(const char* conf);
 /** @brief Writes device `device`'s stats as a JSON object keyed like torch.cuda.memory_stats() into
  *  `buf` (NUL-terminated). If `capacity` is too small returns TERRACE_ERANGE; `*needed` (if not NULL)
- *  always receives the size including the NUL. */
+ *  always receives the size including the NUL, or 0 when the call fails otherwise. */
 TERRACE_API int terrace_stats_json(int device, char* buf, size_t capacity, size_t* needed);
 /** @brief Marks the start / end of a training iteration on `device` for the planned policy
  *  (TERRACE_ALLOC_CONF policy:planned): an iteration equal to one of the last four is planned and
