@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <tuple>
 #include <unordered_map>
 
 #include "allocator/block.hpp"
@@ -157,6 +158,13 @@ class allocator_impl {
     return rounded < config_.max_split_size && remaining > config_.small_size;
   }
 
+  // PyTorch's oversize_segments: a plain segment of at least max_split_size, whose blocks serve
+  // only oversize requests. Expandable segments are not (they ignore max_split_size, and their
+  // size changes as they grow).
+  bool is_oversize(const segment& seg) const noexcept {
+    return !seg.expandable && seg.size >= config_.max_split_size;
+  }
+
   std::size_t allowed_bytes() const noexcept {
     const std::size_t capacity = device_.properties().capacity;
     const double allowed = static_cast<double>(capacity) * memory_fraction_;
@@ -235,6 +243,7 @@ class allocator_impl {
   void hand_out(block* b, std::size_t requested) noexcept {
     b->allocated = true;
     b->requested = requested;
+    if (b->size >= config_.max_split_size) stats_.oversize_allocations.increase(1);
     for (int i : {0, pool_index(b->seg->small_pool)}) {
       stats_.allocation[i].increase(1);
       stats_.allocated_bytes[i].increase(static_cast<std::int64_t>(b->size));
@@ -356,6 +365,7 @@ class allocator_impl {
     }
     segment* raw = seg.release();
     const int p = pool_index(small);
+    if (is_oversize(*raw)) stats_.oversize_segments.increase(1);
     stats_.segment[0].increase(1);
     stats_.segment[p].increase(1);
     return raw;
@@ -413,6 +423,7 @@ class allocator_impl {
     }
     live_.erase(it);
     b->allocated = false;
+    if (b->size >= config_.max_split_size) stats_.oversize_allocations.decrease(1);
     const bool small = b->seg->small_pool;
     const int pi = pool_index(small);
     for (int i : {0, pi}) {
@@ -802,6 +813,7 @@ class allocator_impl {
     }
     count_reserved(seg, -static_cast<std::int64_t>(seg->reserved()));
     const int p = pool_index(seg->small_pool);
+    if (is_oversize(*seg)) stats_.oversize_segments.decrease(1);
     stats_.segment[0].decrease(1);
     stats_.segment[p].decrease(1);
     for (block* b = seg->head; b != nullptr;) {
@@ -1098,6 +1110,9 @@ class allocator_impl {
   for (stat & s : stats_.field) s.reset_peak();
     TERRACE_POOL_STATS(TERRACE_RESET_PEAK)
 #undef TERRACE_RESET_PEAK
+#define TERRACE_RESET_SINGLE_PEAK(field, name) stats_.field.reset_peak();
+    TERRACE_SINGLE_STATS(TERRACE_RESET_SINGLE_PEAK)
+#undef TERRACE_RESET_SINGLE_PEAK
   }
 
   void reset_accumulated_stats() {
@@ -1107,6 +1122,9 @@ class allocator_impl {
   for (stat & s : stats_.field) s.reset_accumulated();
     TERRACE_POOL_STATS(TERRACE_RESET_ACC)
 #undef TERRACE_RESET_ACC
+#define TERRACE_RESET_SINGLE_ACC(field, name) stats_.field.reset_accumulated();
+    TERRACE_SINGLE_STATS(TERRACE_RESET_SINGLE_ACC)
+#undef TERRACE_RESET_SINGLE_ACC
 #define TERRACE_RESET_COUNTER(field, name) stats_.field = 0;
     TERRACE_EVENT_COUNTERS(TERRACE_RESET_COUNTER)
 #undef TERRACE_RESET_COUNTER
@@ -1257,6 +1275,7 @@ class allocator_impl {
   void check_invariants() const {
     std::lock_guard<std::mutex> lock(mutex_);
     auto fail = [](const std::string& what) { throw logic_error("terrace invariant: " + what); };
+    std::int64_t oversize_allocs = 0, oversize_segs = 0;
     std::int64_t alloc_n[3] = {}, alloc_b[3] = {}, req_b[3] = {}, active_n[3] = {},
                  active_b[3] = {}, split_n[3] = {}, split_b[3] = {}, reserved[3] = {}, segs[3] = {};
     std::uintptr_t prev_end = 0;
@@ -1286,6 +1305,7 @@ class allocator_impl {
           if (in_set) fail("allocated block " + format_addr(b->addr) + " is in a free set");
           if (b->pending_events) fail("allocated block with pending events");
           if (!b->mapped) fail("allocated block is unmapped");
+          if (b->size >= config_.max_split_size) ++oversize_allocs;
           for (int i : {0, p}) {
             ++alloc_n[i];
             alloc_b[i] += static_cast<std::int64_t>(b->size);
@@ -1332,11 +1352,25 @@ class allocator_impl {
         reserved[i] += static_cast<std::int64_t>(seg->reserved());
         ++segs[i];
       }
+      if (is_oversize(*seg)) ++oversize_segs;
     }
     if (free_in_sets != small_free_.size() + large_free_.size()) {
       fail("a free set holds a block that is not free");
     }
     if (live_blocks != live_.size()) fail("live map holds blocks that are not allocated");
+    for (const auto& [s, at_reset, want, name] :
+         {std::tuple{&stats_.oversize_allocations, &stats_at_reset_.oversize_allocations, oversize_allocs,
+                     "oversize_allocations"},
+          std::tuple{&stats_.oversize_segments, &stats_at_reset_.oversize_segments, oversize_segs,
+                     "oversize_segments"}}) {
+      if (s->current != want) {
+        fail(std::string(name) + ".current is " + std::to_string(s->current) + ", recount gives " +
+             std::to_string(want));
+      }
+      if (s->current != at_reset->current + s->allocated - s->freed || s->peak < s->current) {
+        fail(std::string(name) + " disagrees with its own allocated, freed or peak");
+      }
+    }
     if (pending_blocks != pending_.size()) fail("pending list disagrees with block states");
     for (int i = 0; i < 3; ++i) {
       const std::string pool = stat_pool_names[i];

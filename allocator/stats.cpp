@@ -32,6 +32,13 @@ void for_each_family(const allocator_stats& s, Fn&& fn) {
 }
 
 template <class Fn>
+void for_each_single(const allocator_stats& s, Fn&& fn) {
+#define TERRACE_VISIT_SINGLE(field, name) fn(std::string_view{name}, s.field);
+  TERRACE_SINGLE_STATS(TERRACE_VISIT_SINGLE)
+#undef TERRACE_VISIT_SINGLE
+}
+
+template <class Fn>
 void for_each_counter(const allocator_stats& s, Fn&& fn) {
 #define TERRACE_VISIT_COUNTER(field, name) fn(std::string_view{name}, s.field);
   TERRACE_EVENT_COUNTERS(TERRACE_VISIT_COUNTER)
@@ -104,6 +111,13 @@ std::string to_json(const allocator_stats& s) {
       j[prefix + "freed"] = st.freed;
     }
   });
+  for_each_single(s, [&](std::string_view name, const stat& st) {
+    const std::string prefix = std::string(name) + ".";
+    j[prefix + "current"] = st.current;
+    j[prefix + "peak"] = st.peak;
+    j[prefix + "allocated"] = st.allocated;
+    j[prefix + "freed"] = st.freed;
+  });
   for_each_counter(s, [&](std::string_view name, std::int64_t v) { j[std::string(name)] = v; });
   j["largest_free_block"] = s.largest_free_block;
   j["cached_free_bytes"] = s.cached_free_bytes;
@@ -124,6 +138,10 @@ std::string to_text(const allocator_stats& s) {
                  format_value(st.current, bytes), format_value(st.peak, bytes),
                  format_value(st.allocated, bytes), format_value(st.freed, bytes));
     }
+  });
+  for_each_single(s, [&](std::string_view name, const stat& st) {
+    append_row(out, name, "", std::to_string(st.current), std::to_string(st.peak),
+               std::to_string(st.allocated), std::to_string(st.freed));
   });
   out += "\n";
   char buf[160];

@@ -439,6 +439,46 @@ TEST(CachingAllocator, MaxSplitSizeKeepsOversizeBlocksWhole) {
   a.check_invariants();
 }
 
+// PyTorch's oversize_allocations and oversize_segments (which torch.cuda.memory_summary() reads):
+// the live blocks and the plain segments of at least max_split_size, with peaks and totals.
+TEST(CachingAllocator, OversizeBlocksAndSegmentsAreCounted) {
+  auto dev = sim();
+  allocator_config cfg;
+  cfg.max_split_size = 32 * MiB;
+  caching_allocator a(*dev, cfg);
+  void* big = a.allocate(40 * MiB);
+  void* small = a.allocate(2 * MiB);  // a 20 MiB segment: neither counts
+  auto s = a.stats();
+  EXPECT_EQ(s.oversize_allocations.current, 1);
+  EXPECT_EQ(s.oversize_segments.current, 1);
+  a.check_invariants();
+  a.deallocate(big);
+  s = a.stats();
+  EXPECT_EQ(s.oversize_allocations.current, 0);
+  EXPECT_EQ(s.oversize_allocations.peak, 1);
+  EXPECT_EQ(s.oversize_allocations.freed, 1);
+  EXPECT_EQ(s.oversize_segments.current, 1);  // cached, not given back
+  big = a.allocate(40 * MiB);  // from the cached segment
+  EXPECT_EQ(a.stats().oversize_allocations.allocated, 2);
+  a.deallocate(big);
+  a.reset_peak_stats();
+  a.reset_accumulated_stats();
+  a.empty_cache();
+  s = a.stats();
+  EXPECT_EQ(s.oversize_segments.current, 0);
+  EXPECT_EQ(s.oversize_segments.peak, 1);  // the peak was reset while the segment was held
+  EXPECT_EQ(s.oversize_segments.freed, 1);
+  EXPECT_EQ(s.oversize_allocations.allocated, 0);
+  a.check_invariants();
+  a.deallocate(small);
+  // Unlimited (the default), nothing is oversize.
+  caching_allocator plain(*dev, allocator_config{});
+  void* p = plain.allocate(40 * MiB);
+  EXPECT_EQ(plain.stats().oversize_allocations.current, 0);
+  EXPECT_EQ(plain.stats().oversize_segments.current, 0);
+  plain.deallocate(p);
+}
+
 TEST(CachingAllocator, RoundupPowerOfTwoDivisions) {
   auto dev = sim();
   allocator_config cfg;

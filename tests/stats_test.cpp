@@ -27,6 +27,14 @@ std::vector<std::string> family_names() {
   return v;
 }
 
+std::vector<std::string> single_names() {
+  std::vector<std::string> v;
+#define TERRACE_TEST_SINGLE(field, name) v.emplace_back(name);
+  TERRACE_SINGLE_STATS(TERRACE_TEST_SINGLE)
+#undef TERRACE_TEST_SINGLE
+  return v;
+}
+
 std::vector<std::string> counter_names() {
   std::vector<std::string> v;
 #define TERRACE_TEST_COUNTER(field, name) v.emplace_back(name);
@@ -41,6 +49,9 @@ std::set<std::string> expected_keys() {
     for (const char* pool : stat_pool_names) {
       for (const char* field : kFields) keys.insert(f + "." + pool + "." + field);
     }
+  }
+  for (const auto& f : single_names()) {
+    for (const char* field : kFields) keys.insert(f + "." + field);
   }
   for (const auto& c : counter_names()) keys.insert(c);
   for (const char* k : {"largest_free_block", "cached_free_bytes", "external_fragmentation",
@@ -65,6 +76,11 @@ allocator_stats distinct_stats() {
 #define TERRACE_TEST_FILL(field, name) fill(s.field);
   TERRACE_POOL_STATS(TERRACE_TEST_FILL)
 #undef TERRACE_TEST_FILL
+#define TERRACE_TEST_FILL_SINGLE(field, name) \
+  s.field = {next, next + 1, next + 2, next + 3};  \
+  next += 4;
+  TERRACE_SINGLE_STATS(TERRACE_TEST_FILL_SINGLE)
+#undef TERRACE_TEST_FILL_SINGLE
 #define TERRACE_TEST_FILL_COUNTER(field, name) s.field = 1000 + next++;
   TERRACE_EVENT_COUNTERS(TERRACE_TEST_FILL_COUNTER)
 #undef TERRACE_TEST_FILL_COUNTER
@@ -85,8 +101,10 @@ TEST(StatsJson, HasExactlyPyTorchsKeysPlusTheFragmentationFigures) {
     EXPECT_TRUE(value.is_number()) << key;
   }
   EXPECT_EQ(got, expected_keys());
-  // 9 families x 3 pools x 4 fields + 5 counters + 5 figures, as in the header today.
-  EXPECT_EQ(got.size(), family_names().size() * 12 + counter_names().size() + 5);
+  // 9 families x 3 pools x 4 fields + 2 families without pools x 4 fields + 5 counters + 5
+  // figures, as in the header today.
+  EXPECT_EQ(got.size(), family_names().size() * 12 + single_names().size() * 4 + counter_names().size() + 5);
+  EXPECT_TRUE(got.count("oversize_allocations.current"));  // torch.cuda.memory_summary() reads it
   EXPECT_TRUE(got.count("allocated_bytes.large_pool.peak"));
   EXPECT_TRUE(got.count("num_device_alloc"));
 }
@@ -106,6 +124,13 @@ TEST(StatsJson, RoundTripsEveryValueUnderItsOwnKey) {
 #define TERRACE_TEST_CHECK(field, name) check_family(name, s.field);
   TERRACE_POOL_STATS(TERRACE_TEST_CHECK)
 #undef TERRACE_TEST_CHECK
+#define TERRACE_TEST_CHECK_SINGLE(field, name)                                    \
+  EXPECT_EQ(j.at(name ".current").get<std::int64_t>(), s.field.current) << name;     \
+  EXPECT_EQ(j.at(name ".peak").get<std::int64_t>(), s.field.peak) << name;           \
+  EXPECT_EQ(j.at(name ".allocated").get<std::int64_t>(), s.field.allocated) << name; \
+  EXPECT_EQ(j.at(name ".freed").get<std::int64_t>(), s.field.freed) << name;
+  TERRACE_SINGLE_STATS(TERRACE_TEST_CHECK_SINGLE)
+#undef TERRACE_TEST_CHECK_SINGLE
 #define TERRACE_TEST_CHECK_COUNTER(field, name) \
   EXPECT_EQ(j.at(name).get<std::int64_t>(), s.field) << name;
   TERRACE_EVENT_COUNTERS(TERRACE_TEST_CHECK_COUNTER)

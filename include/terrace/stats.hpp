@@ -61,12 +61,24 @@ inline constexpr const char* stat_pool_names[] = {"all", "small_pool", "large_po
   X(num_device_free, "num_device_free")      \
   X(num_sync_all_streams, "num_sync_all_streams")
 
+/// @brief The stat families PyTorch keeps without pools, in its order: X(field, "name"). Both
+/// count against max_split_size, so they stay 0 while it is unlimited (the default):
+/// oversize_allocations the live blocks of at least max_split_size, oversize_segments the plain
+/// segments of at least that size (expandable segments ignore max_split_size). Under
+/// policy:planned they count the caching fallback's blocks and segments (the arena is neither).
+#define TERRACE_SINGLE_STATS(X)                    \
+  X(oversize_allocations, "oversize_allocations")  \
+  X(oversize_segments, "oversize_segments")
+
 using stat_array = std::array<stat, 3>;
 
 struct allocator_stats {
 #define TERRACE_DECLARE_POOL_STAT(field, name) stat_array field{};
   TERRACE_POOL_STATS(TERRACE_DECLARE_POOL_STAT)
 #undef TERRACE_DECLARE_POOL_STAT
+#define TERRACE_DECLARE_SINGLE_STAT(field, name) stat field{};
+  TERRACE_SINGLE_STATS(TERRACE_DECLARE_SINGLE_STAT)
+#undef TERRACE_DECLARE_SINGLE_STAT
 #define TERRACE_DECLARE_COUNTER(field, name) std::int64_t field = 0;
   TERRACE_EVENT_COUNTERS(TERRACE_DECLARE_COUNTER)
 #undef TERRACE_DECLARE_COUNTER
