@@ -66,9 +66,15 @@ def fake_torch(with_graph_hook=True, initialized=False):
             raise RuntimeError("Can't swap an already initialized allocator")
         state.current = allocator
 
+    def get_device_index(device, optional=False):
+        # As torch.cuda._utils._get_device_index for what these tests pass: an int, or None for
+        # the current device (0 here).
+        return 0 if device is None else int(device)
+
     torch.cuda.memory = types.SimpleNamespace(
         CUDAPluggableAllocator=CUDAPluggableAllocator,
-        change_current_allocator=change_current_allocator)
+        change_current_allocator=change_current_allocator,
+        _get_device_index=get_device_index)
     return torch, state
 
 
@@ -151,6 +157,21 @@ class Install(unittest.TestCase):
         installed = self.install()
         self.assertEqual(example.loaded, installed.loaded)
         self.assertEqual(example.current.native.hooks, installed.current.native.hooks)
+
+    def test_torchs_memory_statistics_read_terraces(self):
+        # PyTorch's own raise under a pluggable allocator; install() routes the three functions
+        # every torch.cuda statistic goes through (tests/test_terrace_torch_stats.py runs them
+        # inside a real torch.cuda.memory).
+        torch, _ = fake_torch()
+        sys.modules["torch"] = torch
+        self.tt.install(LIBRARY)
+        for module in (torch.cuda.memory, torch.cuda):
+            nested = module.memory_stats_as_nested_dict(None)
+            self.assertEqual(nested["allocated_bytes"]["all"]["current"],
+                             self.lib.stats(0)["allocated_bytes.all.current"])
+            self.assertIn("current", nested["oversize_allocations"])
+            module.reset_peak_memory_stats(0)
+            module.reset_accumulated_memory_stats(0)
 
     def test_a_second_install_swaps_nothing(self):
         # Found in review: install() made and swapped in a second allocator, which PyTorch

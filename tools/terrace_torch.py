@@ -188,6 +188,8 @@ def install(path=None, conf=None):
     torch.OutOfMemoryError, a RuntimeError subclass that a pluggable allocator cannot raise).
     CUDA graph capture (torch.cuda.graph, torch.compile(mode="reduce-overhead")) is not
     supported, as terrace has no private pools: it raises RuntimeError before the capture begins.
+    torch.cuda.memory_allocated(), memory_stats() and the other statistics then read terrace's
+    (route_torch_memory_stats), where PyTorch's own would raise under a pluggable allocator.
     """
     global _allocator
     import torch  # only install() needs PyTorch
@@ -236,7 +238,49 @@ def install(path=None, conf=None):
                       "CUDA graph capture, which it does not support; do not capture graphs")
     torch.cuda.memory.change_current_allocator(alloc)
     _allocator = alloc
+    route_torch_memory_stats(torch, lib)
     return lib
+
+
+def _nested(flat):
+    """{"a.b.c": 1} -> {"a": {"b": {"c": 1}}}: memory_stats_as_nested_dict()'s shape, which
+    torch.cuda.memory_stats() flattens again with the same dots."""
+    nested = {}
+    for key, value in flat.items():
+        node = nested
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+def route_torch_memory_stats(torch, lib=None):
+    """Makes torch.cuda's memory statistics terrace's. Under any pluggable allocator PyTorch's
+    own raise ("CUDAPluggableAllocator does not yet support getDeviceStats"), and training code
+    calls them: torch.cuda.memory_allocated(), max_memory_allocated(), memory_reserved(),
+    memory_stats(), memory_summary(), reset_peak_memory_stats() (Trainer and Lightning logging,
+    torch.compile's autotuning). All of them go through three functions of torch.cuda.memory,
+    which this replaces, there and under torch.cuda: memory_stats_as_nested_dict and the two
+    resets. install() calls it; code that took a reference to one of the three before keeps
+    PyTorch's. C++ callers of the allocator's getDeviceStats still meet PyTorch's error."""
+    lib = lib or load()
+    memory = torch.cuda.memory
+    device_index = memory._get_device_index  # None: the current device, as PyTorch resolves it
+
+    def memory_stats_as_nested_dict(device=None):
+        return _nested(lib.stats(device_index(device, optional=True)))
+
+    def reset_peak_memory_stats(device=None):
+        lib.reset_peak_stats(device_index(device, optional=True))
+
+    def reset_accumulated_memory_stats(device=None):
+        lib.reset_accumulated_stats(device_index(device, optional=True))
+
+    for module in (memory, torch.cuda):
+        module.memory_stats_as_nested_dict = memory_stats_as_nested_dict
+        module.reset_peak_memory_stats = reset_peak_memory_stats
+        module.reset_accumulated_memory_stats = reset_accumulated_memory_stats
 
 
 def configure(conf):
