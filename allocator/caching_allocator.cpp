@@ -976,16 +976,23 @@ class allocator_impl {
 
   std::string describe_bad_pointer(std::uintptr_t addr, const char* op) const {
     if (const segment* seg = segment_containing(addr)) {
-      for (const block* b = seg->head; b != nullptr; b = b->next) {
-        if (b->addr == addr && !b->allocated) {
-          return std::string("terrace: ") + op + " of " + format_addr(addr) +
-                 ", which is not allocated (double free? its block of " + format_bytes(b->size) +
-                 " is " + (b->pending_events ? "pending free" : "free") + ")";
-        }
+      // The block holding addr, not only one starting there: a freed block merges into a free
+      // neighbour below it, and a second free of it then lands inside that neighbour. Only the
+      // inside of a live block is an interior pointer; inside free memory nothing is allocated.
+      const block* b = seg->head;
+      while (b->next != nullptr && b->addr + b->size <= addr) b = b->next;
+      if (!b->allocated) {
+        const char* state = !b->mapped ? "unmapped" : b->pending_events ? "pending free" : "free";
+        const std::string where = b->addr == addr ? "its block of " + format_bytes(b->size)
+                                                  : "it lies in a block of " + format_bytes(b->size) +
+                                                        " at " + format_addr(b->addr) + " that";
+        return std::string("terrace: ") + op + " of " + format_addr(addr) +
+               ", which is not allocated (double free? " + where + " is " + state + ")";
       }
       return std::string("terrace: ") + op + " of " + format_addr(addr) +
              ", which points inside a segment of this allocator but not at the start of an "
-             "allocation";
+             "allocation (it is " + std::to_string(addr - b->addr) +
+             " bytes into the live block at " + format_addr(b->addr) + ")";
     }
     return std::string("terrace: ") + op + " of " + format_addr(addr) +
            ", a pointer this allocator never handed out (foreign pointer)";
