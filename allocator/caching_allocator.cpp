@@ -1602,6 +1602,8 @@ void caching_allocator::deallocate(void* p, stream_ref) {
   plan_->note_totals(impl_->totals());
 }
 void caching_allocator::record_stream(void* p, stream_ref stream) {
+  // An empty tensor's data pointer: no block, so nothing waits for the stream.
+  if (p == nullptr) return;
   if (plan_) {
     std::lock_guard<std::mutex> lock(plan_->mutex());
     if (plan_->record_stream(p, stream)) return;

@@ -61,7 +61,8 @@ class caching_allocator {
   void deallocate(void* p, stream_ref stream = {});
 
   /// @brief Marks `p` as used on `stream` too: its reuse waits for the work queued there until free.
-  /// @throws terrace::logic_error for a pointer that is not a live allocation.
+  /// nullptr (what allocate(0) returns) is ignored, as deallocate and PyTorch ignore it.
+  /// @throws terrace::logic_error for any other pointer that is not a live allocation.
   void record_stream(void* p, stream_ref stream);
 
   /// @brief Returns every cached, fully free segment (and free expandable pages) to the device.
