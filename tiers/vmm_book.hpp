@@ -105,7 +105,9 @@ class vmm_book {
     nodes_needed_ = needed;
     if (joins_prev) {
       prev->second = joins_next ? next->second : end;
-      if (joins_next) mapped_.erase(next);
+      // The joined run's node stays spare: `needed` counts it for an unmap that cuts the run in
+      // two again (erasing it left that unmap, which cannot allocate, without a node).
+      if (joins_next) nodes_.keep(mapped_, next);
     } else if (joins_next) {
       auto node = mapped_.extract(next);
       node.key() = p;
