@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// A device whose next copies up, reserves, event records or event synchronizes can be refused (device_error at the call), as a
+// A device whose next copies up, reserves, event records, stream waits or event synchronizes can be refused (device_error at the call), as a
 // CUDA call can be (an invalid argument, a launch queue that is full); everything else goes to the
 // device it wraps. The sim device's own fault injection covers reserves, maps and pinned memory,
 // but a test cannot see whether it was used.
@@ -25,6 +25,7 @@ class refusing_device final : public device_backend {
   int records_before_refusing = 0;  // records that pass before refuse_records applies
   int refuse_event_syncs = 0;
   int event_syncs_before_refusing = 0;  // as records_before_refusing, for refuse_event_syncs
+  int refuse_waits = 0;  // a stream's wait for an event (cudaStreamWaitEvent)
   device_backend& inner() { return *inner_; }  // for enqueue_host_function
 
  private:
@@ -59,7 +60,13 @@ class refusing_device final : public device_backend {
     inner_->record(e, s);
   }
   bool do_query(event_ref e) override { return inner_->query(e); }
-  void do_wait(stream_ref s, event_ref e) override { inner_->wait(s, e); }
+  void do_wait(stream_ref s, event_ref e) override {
+    if (refuse_waits > 0) {
+      --refuse_waits;
+      throw device_error("test: stream wait refused");
+    }
+    inner_->wait(s, e);
+  }
   void do_synchronize_event(event_ref e) override {
     if (refuse_event_syncs > 0 && event_syncs_before_refusing > 0) {
       --event_syncs_before_refusing;
