@@ -1010,6 +1010,36 @@ struct tier_manager::impl {
       empty_block = !t.up_pending;
     }
     t.prefetched = false;
+    try {
+      order_stream(t, stream, mode);
+    } catch (...) {
+      // A refused wait: the block this acquire took for the caller to fill must not stay as the
+      // device copy (the next acquire would hand out what its last owner left there).
+      if (empty_block) drop_empty_block(id);
+      throw;
+    }
+    ++t.pins;
+    const bool was_newer = t.dev_newer;
+    if (mode != access::read) t.dev_newer = true;
+    try {
+      prefetch();
+      prefetch_from_nvme();
+    } catch (...) {
+      // A failure in another tensor's prefetch (a device error, say; not a failed read ahead:
+      // finish_read_ahead) fails this acquire, which then must leave nothing pinned: the caller
+      // gets no pointer and will not release it.
+      --t.pins;
+      t.dev_newer = was_newer;
+      if (empty_block) drop_empty_block(id);
+      throw;
+    }
+    return t.dev;
+  }
+
+  // Orders `stream` after the copies that t's block needs done before the caller's work: its copy
+  // up, the copies that used its memory before it became t's, and for a caller that changes it, a
+  // copy down still reading it. The host does not block.
+  void order_stream(tensor& t, stream_ref stream, access mode) {
     bool after_copy_up = false;
     if (t.up_pending) {
       if (device.query(t.up)) {
@@ -1031,27 +1061,14 @@ struct tier_manager::impl {
       }
     }
     if (stream.native != copy.native) memory.record_stream(t.dev, stream);
-    ++t.pins;
-    const bool was_newer = t.dev_newer;
-    if (mode != access::read) t.dev_newer = true;
-    try {
-      prefetch();
-      prefetch_from_nvme();
-    } catch (...) {
-      // A failure in another tensor's prefetch (a device error, say; not a failed read ahead:
-      // finish_read_ahead) fails this acquire, which then must leave nothing pinned: the caller
-      // gets no pointer and will not release it.
-      --t.pins;
-      t.dev_newer = was_newer;
-      if (empty_block) {
-        // The caller was to fill it (access::write) and never will: kept, the block would pass
-        // for the tensor's data, and so would a home buffer taken without reading the data in.
-        drop_device_copy(id);
-        give_back_unfilled_home(t);
-      }
-      throw;
-    }
-    return t.dev;
+  }
+
+  // An acquire that gave `id` a block with none of its data (the caller was to fill it) failed:
+  // the caller never will. Kept, the block would pass for the tensor's data, and so would a home
+  // buffer taken without reading the data in.
+  void drop_empty_block(tensor_id id) {
+    drop_device_copy(id);
+    give_back_unfilled_home(tensors[id]);
   }
 
   std::size_t pinned_count() const {
