@@ -1155,15 +1155,17 @@ struct tier_manager::impl {
   // host_data(id, access::write): a home buffer whose old contents nobody needs.
   void* overwrite_home(tensor_id id) {
     tensor& t = tensors[id];
-    ensure_home(id, /*need_data=*/false);
     // A copy up still reading the buffer, or a copy down (a flush) still writing it, must be done
-    // before the caller writes it.
+    // before the caller writes it. Waited for before a buffer is taken for a home copy on NVMe
+    // (no copy touches that one): a wait that fails would otherwise leave it holding none of the
+    // data, in the host budget, as if it were the home copy.
     if (t.up.native != nullptr) device.synchronize(t.up);
     t.up_pending = false;
     if (t.down_pending) {
       device.synchronize(t.down);
       t.down_pending = false;
     }
+    ensure_home(id, /*need_data=*/false);
     if (t.dev != nullptr) drop_device_copy(id);
     t.host_written = true;
     t.nvme_current = false;
