@@ -11,19 +11,10 @@ import os
 import sys
 import unittest
 
-SKIP = 77
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_test_support import torch_and_library  # noqa: E402
 
-try:
-    import torch
-except ImportError as e:  # not a pass: ctest reports the test as skipped, with this reason
-    print(f"SKIP: torch is not importable by {sys.executable}: {e}")
-    sys.exit(SKIP)
-
-LIB_PATH = os.environ.get("TERRACE_LIBRARY", "")
-if not LIB_PATH or not os.path.exists(LIB_PATH):
-    print(f"SKIP: TERRACE_LIBRARY ('{LIB_PATH}') does not name libterrace.so "
-          "(a sanitized build cannot be loaded into an uninstrumented python)")
-    sys.exit(SKIP)
+torch, LIB_PATH = torch_and_library()
 
 lib = ctypes.CDLL(LIB_PATH)
 F32, BF16, F16 = 0, 1, 2

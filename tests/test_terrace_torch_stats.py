@@ -12,18 +12,10 @@ import os
 import sys
 import unittest
 
-SKIP = 77
-try:
-    import torch
-except ImportError as e:  # not a pass: ctest reports the test as skipped, with this reason
-    print(f"SKIP: torch is not importable by {sys.executable}: {e}")
-    sys.exit(SKIP)
-LIB_PATH = os.environ.get("TERRACE_LIBRARY", "")
-if not LIB_PATH or not os.path.exists(LIB_PATH):
-    print(f"SKIP: TERRACE_LIBRARY ('{LIB_PATH}') does not name libterrace.so "
-          "(ctest sets it, except in sanitizer builds, whose library python3 cannot load)")
-    sys.exit(SKIP)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_test_support import torch_and_library  # noqa: E402
 
+torch, LIB_PATH = torch_and_library()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 import terrace_torch as tt  # noqa: E402
 

@@ -930,19 +930,28 @@ TEST(Report, TheSummarySaysWhenAllocationsFailed) {
   EXPECT_EQ(tr::report_summary(tr::make_report_input(ev, {}, "t", "f")).find("OOM"), std::string::npos);
 }
 
-// Found in review: the timeline kept every n-th event's state, so a peak between two samples
-// was missing from the live/reserved chart (and the fragmentation curve, drawn from the same
-// points) while the summary above it gave the peak.
-TEST(Report, TheTimelineKeepsAPeakBetweenSamples) {
+// 2000 events of a 1 MiB block allocated and freed in turn, with a 1 GiB spike from event 1000 to
+// 1001: 2000 events over the report's 400 points sample every 5th.
+namespace {
+std::vector<trace_event> spike_trace() {
   constexpr std::uint64_t MiB = 1 << 20;
   std::vector<trace_event> ev(2000);
   for (std::size_t i = 0; i < ev.size(); ++i) {
     ev[i].action = i % 2 == 0 ? trace_action::alloc : trace_action::free_requested;
     ev[i].addr = 0x1000, ev[i].size = ev[i].requested = MiB;
   }
-  // A 1 GiB spike from event 1000 to 1001: 2000 events over 400 points sample every 5th.
   ev[1000].addr = ev[1001].addr = 0x80000000, ev[1000].size = ev[1000].requested = 1024 * MiB;
   ev[1001].size = ev[1001].requested = 1024 * MiB;
+  return ev;
+}
+}  // namespace
+
+// Found in review: the timeline kept every n-th event's state, so a peak between two samples
+// was missing from the live/reserved chart (and the fragmentation curve, drawn from the same
+// points) while the summary above it gave the peak.
+TEST(Report, TheTimelineKeepsAPeakBetweenSamples) {
+  constexpr std::uint64_t MiB = 1 << 20;
+  const std::vector<trace_event> ev = spike_trace();
   const auto in = tr::make_report_input(ev, {}, "t.jsonl", "terrace-jsonl");
   for (const auto& [name, r] : in.runs) {
     std::int64_t live = 0, reserved = 0;
@@ -957,13 +966,7 @@ TEST(Report, TheTimelineKeepsAPeakBetweenSamples) {
 // of 2000): the chart ended one event short. A sample now says how many events it follows.
 TEST(Report, TheTimelineSaysHowManyEventsEachSampleFollows) {
   constexpr std::uint64_t MiB = 1 << 20;
-  std::vector<trace_event> ev(2000);
-  for (std::size_t i = 0; i < ev.size(); ++i) {
-    ev[i].action = i % 2 == 0 ? trace_action::alloc : trace_action::free_requested;
-    ev[i].addr = 0x1000, ev[i].size = ev[i].requested = MiB;
-  }
-  ev[1000].addr = ev[1001].addr = 0x80000000, ev[1000].size = ev[1000].requested = 1024 * MiB;
-  ev[1001].size = ev[1001].requested = 1024 * MiB;
+  const std::vector<trace_event> ev = spike_trace();
   const auto in = tr::make_report_input(ev, {}, "t.jsonl", "terrace-jsonl");
   for (const auto& [name, r] : in.runs) {
     ASSERT_GE(r.timeline.size(), 3u) << name;
