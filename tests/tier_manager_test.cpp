@@ -1187,6 +1187,44 @@ TEST(TierManager, ACopyUpWhoseBlockEventRecordFailsLeavesNoDeviceCopyWithoutTheD
   EXPECT_TRUE(seen == pattern(kBytes, 3)) << "the kernel read a's block before its copy up";
 }
 
+// Found in review: a write acquire takes a block and puts none of its tensor's data there (the
+// caller was to fill it); the stream is then ordered after the copies still using that memory (a
+// fence). When the device refused that wait (cudaStreamWaitEvent failing) the acquire failed but
+// the block stayed as the device copy, and the next acquire for reading handed out what the
+// block's previous owner left there.
+TEST(TierManager, AWriteAcquireWhoseFenceWaitIsRefusedLeavesNoBlockStandingForTheData) {
+  constexpr std::size_t kBytes = 2 * MiB;
+  refusing_rig r(/*copy_bandwidth=*/100e6);  // 2 MiB: ~21 ms per copy, so a copy stays queued
+  tier_manager tm(r.dev, r.memory, r.host, {});
+  const tensor_id slow = tm.add("slow", kBytes, pattern(kBytes, 1).data());
+  const tensor_id old_owner = tm.add("old", kBytes, pattern(kBytes, 2).data());
+  const tensor_id c = tm.add("c", kBytes, pattern(kBytes, 3).data());
+  write_on_device(tm, r, slow, 0x5a, kBytes);
+  write_on_device(tm, r, old_owner, 0x77, kBytes);
+  tm.flush(slow);  // holds the copy stream: old's copy down waits its turn behind it
+  r.dev.synchronize(r.compute);  // the block's compute work is done: reusable once given back
+  tm.offload(old_owner);         // its block goes back fenced by the queued copy down
+
+  r.dev.refuse_waits = 1;  // the write acquire's wait for that fence
+  EXPECT_THROW(tm.acquire(c, r.compute, access::write), device_error);
+  ASSERT_EQ(r.dev.refuse_waits, 0) << "the test does not test: no wait was refused";
+  tm.check_invariants();
+  EXPECT_THROW(tm.release(c, r.compute), logic_error) << "c was left pinned";
+  EXPECT_FALSE(tm.on_device(c)) << "the failed write acquire's empty block stayed as c's device copy";
+  // What a kernel reading each tensor on the compute stream sees.
+  auto seen_by_kernel = [&](tensor_id id) {
+    auto* p = static_cast<unsigned char*>(tm.acquire(id, r.compute, access::read));
+    std::vector<unsigned char> seen(kBytes);
+    enqueue_host_function(r.dev.inner(), r.compute, [p, &seen] { std::memcpy(seen.data(), p, seen.size()); });
+    tm.release(id, r.compute);
+    r.dev.synchronize_device();
+    return seen;
+  };
+  EXPECT_TRUE(seen_by_kernel(c) == pattern(kBytes, 3)) << "c reads what the block's last owner left there";
+  EXPECT_TRUE(seen_by_kernel(old_owner) == std::vector<unsigned char>(kBytes, 0x77));
+  tm.check_invariants();
+}
+
 // Found in review: read_home into a null buffer wrote through it (a crash) instead of refusing.
 TEST(TierManager, ReadHomeIntoANullBufferIsALogicError) {
   rig r(64 * MiB);
