@@ -19,29 +19,21 @@ using json = nlohmann::json;
 
 constexpr const char* kFields[] = {"current", "peak", "allocated", "freed"};
 
-std::vector<std::string> family_names() {
-  std::vector<std::string> v;
-#define TERRACE_TEST_FAMILY(field, name) v.emplace_back(name);
-  TERRACE_POOL_STATS(TERRACE_TEST_FAMILY)
-#undef TERRACE_TEST_FAMILY
-  return v;
-}
+// The names one of stats.hpp's X-macro lists gives, in its order.
+#define TERRACE_TEST_NAMES(list)                                \
+  [] {                                                          \
+    std::vector<std::string> v;                                 \
+    list(TERRACE_TEST_NAME)                                     \
+    return v;                                                   \
+  }()
+#define TERRACE_TEST_NAME(field, name) v.emplace_back(name);
 
-std::vector<std::string> single_names() {
-  std::vector<std::string> v;
-#define TERRACE_TEST_SINGLE(field, name) v.emplace_back(name);
-  TERRACE_SINGLE_STATS(TERRACE_TEST_SINGLE)
-#undef TERRACE_TEST_SINGLE
-  return v;
-}
+std::vector<std::string> family_names() { return TERRACE_TEST_NAMES(TERRACE_POOL_STATS); }
+std::vector<std::string> single_names() { return TERRACE_TEST_NAMES(TERRACE_SINGLE_STATS); }
+std::vector<std::string> counter_names() { return TERRACE_TEST_NAMES(TERRACE_EVENT_COUNTERS); }
 
-std::vector<std::string> counter_names() {
-  std::vector<std::string> v;
-#define TERRACE_TEST_COUNTER(field, name) v.emplace_back(name);
-  TERRACE_EVENT_COUNTERS(TERRACE_TEST_COUNTER)
-#undef TERRACE_TEST_COUNTER
-  return v;
-}
+#undef TERRACE_TEST_NAME
+#undef TERRACE_TEST_NAMES
 
 std::set<std::string> expected_keys() {
   std::set<std::string> keys;
