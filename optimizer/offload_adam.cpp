@@ -35,6 +35,17 @@
 namespace terrace {
 namespace {
 
+// Bytes of optimizer state per parameter: the fp32 master and the two moments.
+std::size_t state_bytes_per_element(const adam_options& o) { return 4 + 2 * size_of(o.state_dtype); }
+
+// The placement rule, for add() and nvme_placement() alike: in add order, on the host while the
+// budget allows; once one group went to NVMe, so do all later ones ("the rest lives in the
+// store"), which keeps placement a prefix and easy to predict. `host_used` is within the budget
+// (each host group fit it).
+bool next_goes_to_nvme(bool any_on_nvme, std::size_t host_used, std::size_t bytes, std::size_t budget) {
+  return any_on_nvme || bytes > budget - host_used;
+}
+
 using clock_type = std::chrono::steady_clock;
 
 // Chunk starts are multiples of this (see the file comment): adam.cpp's cut_align.
@@ -177,7 +188,7 @@ struct offload_adam::impl {
   impl(const offload_adam_options& o, pinned_host_pool& p, tensor_store* s)
       : options(o), adam(o.adam), pool(p), store(s) {
     state_size = size_of(adam.options().state_dtype);
-    element_bytes = 4 + 2 * state_size;
+    element_bytes = state_bytes_per_element(adam.options());
     slots.resize(o.pipeline_depth);
   }
 
@@ -261,13 +272,9 @@ struct offload_adam::impl {
   bool any_on_nvme() const {
     return std::any_of(groups.begin(), groups.end(), [](const group& g) { return g.nvme; });
   }
-  // In add order, while the budget allows; once one group went to NVMe, so do all later ones
-  // ("the rest lives in the store"), which keeps placement a prefix and easy to predict.
   bool place_on_nvme(std::size_t elements) const {
-    if (store == nullptr) return false;
-    if (any_on_nvme()) return true;
-    const std::size_t used = host_bytes_used();  // within the budget: each host group fit it
-    return elements * element_bytes > options.host_state_budget - used;
+    return store != nullptr && next_goes_to_nvme(any_on_nvme(), host_bytes_used(),
+                                                 elements * element_bytes, options.host_state_budget);
   }
 
   // ---- add
@@ -929,6 +936,20 @@ struct offload_adam::impl {
 };
 
 // ============================================================================ the public calls
+
+std::vector<bool> offload_adam::nvme_placement(const offload_adam_options& o,
+                                              std::span<const std::size_t> group_elements) {
+  const std::size_t per = state_bytes_per_element(o.adam);
+  std::vector<bool> on_nvme;
+  std::size_t host_used = 0;
+  for (const std::size_t elements : group_elements) {
+    const bool nvme = next_goes_to_nvme(!on_nvme.empty() && on_nvme.back(), host_used,
+                                        elements * per, o.host_state_budget);
+    if (!nvme) host_used += elements * per;
+    on_nvme.push_back(nvme);
+  }
+  return on_nvme;
+}
 
 void offload_adam::check_options(const offload_adam_options& o, bool with_store) {
   adam_optimizer::check_options(o.adam);

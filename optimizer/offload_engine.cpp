@@ -322,9 +322,8 @@ struct offload_engine::impl {
   }
 
   // Bytes of the optimizer state that will live on NVMe (`all`: of every group, as a checkpoint
-  // writes the host-resident groups too), in the store's chunks. Assumes offload_adam keeps groups
-  // on the host in order while the budget allows and puts the rest on NVMe (the larger of the two
-  // readings of "while", so the estimate never falls short).
+  // writes the host-resident groups too), in the store's chunks; which groups go there is
+  // offload_adam's own placement (optimizer_state_on_nvme).
   std::uint64_t optimizer_store_bytes(bool all) const {
     const std::size_t per = 4 + 2 * size_of(options.optimizer.adam.state_dtype);
     const std::size_t chunk = options.optimizer.chunk_elements;
@@ -341,22 +340,12 @@ struct offload_engine::impl {
     return in_store;
   }
 
-  // Per layer, whether offload_adam will keep its optimizer state on NVMe (given a store): it
-  // keeps groups on the host in add order while the budget allows, and puts the first that does
-  // not fit and every later one on NVMe.
+  // Per layer, whether offload_adam will keep its optimizer state on NVMe (given a store), by
+  // its own rule.
   std::vector<bool> optimizer_state_on_nvme() const {
-    const std::size_t per = 4 + 2 * size_of(options.optimizer.adam.state_dtype);
-    std::vector<bool> out;
-    std::uint64_t on_host = 0;
-    bool spilled = false;
-    for (const layer& l : layers) {
-      const std::uint64_t bytes = std::uint64_t{l.elements} * per;
-      spilled = spilled || (options.optimizer_host_budget != SIZE_MAX &&
-                            on_host + bytes > options.optimizer_host_budget);
-      if (!spilled) on_host += bytes;
-      out.push_back(spilled);
-    }
-    return out;
+    std::vector<std::size_t> elements;
+    for (const layer& l : layers) elements.push_back(l.elements);
+    return offload_adam::nvme_placement(optimizer_options(), elements);
   }
 
   std::uint64_t compute_store_bytes() const { return compute_store_bytes(options.checkpoints); }

@@ -275,6 +275,34 @@ TEST(OffloadAdam, ReservedStagingIsNotRegrownByLaterGroups) {
   EXPECT_EQ(bare.pool->stats().allocation.current, 0);
 }
 
+// nvme_placement() is add()'s placement, for callers that size buffers before adding (the
+// offload engine's store and staging): groups on the host in order while the budget allows, the
+// first that does not fit and every later one on NVMe (a later small one included).
+TEST(OffloadAdam, NvmePlacementPredictsWhereAddPutsEachGroup) {
+  const std::vector<std::size_t> sizes = {1024, 4096, 512, 8192, 64};
+  for (const std::size_t budget : {std::size_t{0}, std::size_t{12 * 1024}, std::size_t{6 * 12 * 1024},
+                                   std::size_t{20 * 12 * 1024}, SIZE_MAX}) {
+    scratch_dir dir("offload_adam_placement");
+    host_rig host;
+    auto store = tensor_store::create(dir.path(), store_options());
+    offload_adam_options o;
+    o.chunk_elements = 4096;
+    o.host_state_budget = budget;
+    const std::vector<bool> predicted = offload_adam::nvme_placement(o, sizes);
+    offload_adam opt(o, *host.pool, &store);
+    for (std::size_t g = 0; g < sizes.size(); ++g) {
+      const std::vector<float> initial(sizes[g], 0.5f);
+      opt.add("g" + std::to_string(g), sizes[g], initial.data());
+      EXPECT_EQ(opt.on_nvme(static_cast<group_id>(g)), predicted[g]) << "budget " << budget << " group " << g;
+    }
+  }
+  // 12 KiB holds the first group's 1024 x 12 bytes only; the 512 after the 4096 goes to NVMe too.
+  offload_adam_options o;
+  o.host_state_budget = 12 * 1024;
+  EXPECT_EQ(offload_adam::nvme_placement(o, std::vector<std::size_t>{1024, 4096, 512}),
+            (std::vector<bool>{false, true, true}));
+}
+
 TEST(OffloadAdam, AllOnTheHostIsBitwiseAdam) {
   config c;
   c.sizes = kOddSizes;

@@ -34,6 +34,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "terrace/adam.hpp"
 #include "terrace/pinned_pool.hpp"
@@ -87,6 +88,12 @@ class offload_adam {
   /// refuse bad options before it writes a file.
   /// @throws logic_error as the constructor.
   static void check_options(const offload_adam_options& options, bool with_store);
+  /// @brief Which of groups of these sizes, added in this order to an offload_adam with a store,
+  /// get their state on NVMe: the placement add() makes (on the host in add order while
+  /// host_state_budget allows; the first group that does not fit and every later one on NVMe),
+  /// for a caller that sizes the store or the staging before it adds them.
+  static std::vector<bool> nvme_placement(const offload_adam_options& options,
+                                          std::span<const std::size_t> group_elements);
   ~offload_adam();
   offload_adam(const offload_adam&) = delete;
   offload_adam& operator=(const offload_adam&) = delete;
